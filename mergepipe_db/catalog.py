@@ -1,0 +1,261 @@
+"""`Catalog`: the public, programmatic face of mergepipe_db. The CLI is a thin shell over it.
+
+Data flows one way: catalog (ingest) → plan (planner) → execute (executor) → commit (commit).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+from mergepipe_db.db import schema
+from mergepipe_db.db.engine import Database, resolve_url
+from mergepipe_db.errors import DuplicateNameError, SpecError, UnknownCheckpointError
+from mergepipe_db.ingest import IngestResult
+from mergepipe_db.planner import Plan
+from mergepipe_db.spec import Budget, MergeSpec, load_spec, parse_budget
+
+
+@dataclass(frozen=True)
+class MergeResult:
+    snapshot_id: str
+    checkpoint: str
+    ref: str
+    version: int
+    out: str
+    plan_hash: str
+    manifest_hash: str
+    budget_bytes: int
+    full_bytes: int
+    planned_bytes: int
+    realized_bytes: int
+    realized_per_expert: list[int]
+    base_bytes: int
+    output_bytes: int
+    bound: float | None
+    seconds: float
+    timings: dict[str, float]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class Catalog:
+    """A catalog of checkpoints, tensors and blocks, and the merges made from them.
+
+    Holds no database connection between calls (a DuckDB file admits one process at a time).
+    """
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    @classmethod
+    def open(cls, url: str | None = None) -> Catalog:
+        """Open the catalog at `url` (SQLAlchemy URL or DuckDB file path; default from the environment).
+
+        A new, empty database is initialised; an out-of-date one raises CatalogOutOfDateError.
+        """
+        cat = cls(Database(resolve_url(url)))
+        with cat.db.connect():
+            pass
+        return cat
+
+    @classmethod
+    def lazy(cls, url: str | None = None) -> Catalog:
+        """Like `open` but without touching the database (for `db upgrade`)."""
+        return cls(Database(resolve_url(url)))
+
+    def upgrade(self) -> tuple[str | None, str]:
+        return self.db.upgrade()
+
+    # -- ingest ---------------------------------------------------------------------------------------
+
+    def ingest(self, path: str | Path, *, name: str | None = None, base: str | None = None,
+               block_bytes: int | None = None, kind: str = "full", progress: bool = False) -> IngestResult:
+        """Catalogue a checkpoint (HF directory or .safetensors file). Idempotent for the same content."""
+        from mergepipe_db.ingest import ingest
+
+        if name is None:
+            name = _default_name(path)
+        return ingest(self.db, path, name=name, base=base, block_bytes=block_bytes, kind=kind, progress=progress)
+
+    def checkpoint_id(self, ref: str) -> str:
+        """Id of a checkpoint by name, or of the snapshot a ref points to. UnknownCheckpointError otherwise."""
+        with self.db.connect() as conn:
+            found = _lookup(conn, ref)
+        if found is None:
+            raise UnknownCheckpointError(f"unknown checkpoint or ref {ref!r}")
+        return found
+
+    def _resolve_model(self, ref: str, *, base: str | None, progress: bool) -> tuple[str, str]:
+        """(id, name) of a spec model reference: a catalog name/ref, or a path (ingested if new)."""
+        with self.db.connect() as conn:
+            found = _lookup(conn, ref)
+            if found is None and Path(ref).exists():
+                root = str(Path(ref).resolve() if Path(ref).is_dir() else Path(ref).resolve().parent)
+                c = schema.checkpoint
+                found = conn.execute(sa.select(c.c.id).where(c.c.root == root, c.c.kind == "full")
+                                     .order_by(c.c.created_at)).scalar()
+            if found is not None:
+                name = conn.execute(sa.select(schema.checkpoint.c.name).where(schema.checkpoint.c.id == found)
+                                    ).scalar_one()
+                return found, name
+        if not Path(ref).exists():
+            raise UnknownCheckpointError(
+                f"unknown model {ref!r}: not a catalogued checkpoint or ref, and no such path")
+        name = _default_name(ref)
+        try:
+            res = self.ingest(ref, name=name, base=base, progress=progress)
+        except DuplicateNameError as e:
+            raise SpecError(f"model path {ref} is not catalogued and the name {name!r} is taken: "
+                            f"ingest it first with `mergepipe ingest {ref} --name NAME`") from e
+        return res.checkpoint_id, name
+
+    # -- plan and merge -------------------------------------------------------------------------------
+
+    def _spec(self, spec: str | Path | dict[str, Any] | MergeSpec, budget: Any, seed: int | None
+              ) -> tuple[MergeSpec, Budget]:
+        s = spec if isinstance(spec, MergeSpec) else load_spec(spec)
+        if seed is not None:
+            if seed < 0:
+                raise SpecError(f"seed must be a non-negative integer, got {seed}")
+            s = MergeSpec(s.method, s.base, s.models, s.normalize, s.lam, s.t, s.dtype, s.budget, seed, s.source)
+        b = parse_budget(budget) if budget is not None else (s.budget or Budget(fraction=1.0))
+        return s, b
+
+    def plan(self, spec: str | Path | dict[str, Any] | MergeSpec, *, budget: Any = None, seed: int | None = None,
+             progress: bool = False) -> Plan:
+        """Dry run: the access set chosen for `spec` within the budget (bytes or a fraction of full read)."""
+        from mergepipe_db.planner import build_plan
+        from mergepipe_db.storage import check_fresh
+
+        s, b = self._spec(spec, budget, seed)
+        base_id, base_name = self._resolve_model(s.base, base=None, progress=progress)
+        expert_ids = [self._resolve_model(m.ref, base=base_name, progress=progress)[0] for m in s.models]
+        with self.db.connect() as conn:
+            _check_family(conn, base_id, expert_ids, s)
+            plan = build_plan(conn, s, base_id=base_id, expert_ids=expert_ids, budget_spec=b)
+        check_fresh(plan.base.files)
+        for e in plan.experts:
+            check_fresh(e.checkpoint.files)
+        return plan
+
+    def merge(self, spec: str | Path | dict[str, Any] | MergeSpec, *, out: str | Path, budget: Any = None,
+              seed: int | None = None, ref: str | None = None, shard_bytes: int | None = None,
+              progress: bool = False, verify_reads: bool = False) -> MergeResult:
+        """Plan, execute and commit a merge; the output appears at `out` only once committed."""
+        from mergepipe_db import commit as cm
+        from mergepipe_db import faults
+        from mergepipe_db.executor import DEFAULT_SHARD_BYTES, execute
+
+        t_start = time.perf_counter()
+        out_path = cm.check_out_dir(out)
+        ref_name = ref or out_path.name
+        from mergepipe_db.ingest import validate_checkpoint_name
+
+        validate_checkpoint_name(ref_name)
+        if shard_bytes is not None and shard_bytes < 1:
+            raise SpecError(f"shard size must be a positive number of bytes, got {shard_bytes}")
+        t0 = time.perf_counter()
+        plan = self.plan(spec, budget=budget, seed=seed, progress=progress)
+        expected = cm.read_ref_version(self.db, ref_name)
+        t_plan = time.perf_counter() - t0
+        faults.point("planned")
+
+        intent, staging = cm.begin_staging(self.db, out_path)
+        committed = False
+        try:
+            t0 = time.perf_counter()
+            result = execute(plan, staging, shard_bytes=shard_bytes or DEFAULT_SHARD_BYTES, progress=progress,
+                             verify_reads=verify_reads)
+            t_exec = time.perf_counter() - t0
+            faults.point("shards_written")
+            parents = [plan.base.id] + [e.checkpoint.id for e in plan.experts]
+            manifest = cm.build_manifest(plan, result, parents=parents)
+            timings = {"plan": t_plan, "execute": t_exec, **result.timings}
+            t0 = time.perf_counter()
+            mhash = cm.finish_staging(plan, result, staging, manifest, timings)
+            commit = cm.commit(self.db, plan, result, manifest=manifest, mhash=mhash, timings=timings,
+                               intent=intent, staging=staging, out=out_path, ref=ref_name, expected_version=expected)
+            committed = True
+            cm.publish(staging, out_path)
+            timings["commit"] = time.perf_counter() - t0
+        except BaseException:
+            if not committed:
+                cm.abandon_staging(self.db, intent, staging)
+            raise
+        return MergeResult(
+            snapshot_id=commit.snapshot_id, checkpoint=commit.checkpoint_name, ref=commit.ref,
+            version=commit.version, out=str(out_path), plan_hash=plan.plan_hash, manifest_hash=mhash,
+            budget_bytes=plan.budget_bytes, full_bytes=plan.full_bytes, planned_bytes=plan.planned_bytes,
+            realized_bytes=result.realized_bytes, realized_per_expert=result.realized_per_expert,
+            base_bytes=result.base_bytes, output_bytes=result.output_bytes, bound=plan.bound_total,
+            seconds=time.perf_counter() - t_start, timings=timings,
+        )
+
+    # -- SQL and maintenance ----------------------------------------------------------------------------
+
+    def sql(self, query: str) -> tuple[list[str], list[tuple[Any, ...]]]:
+        """Run one read-only query over the documented views. Writes and file access are refused."""
+        from mergepipe_db.sqlquery import run_readonly
+
+        return run_readonly(self.db, query)
+
+    def gc(self, *, dry_run: bool = True) -> list[str]:
+        """List (or, with dry_run=False, remove) leftovers of interrupted merges; roll forward committed ones."""
+        from mergepipe_db.maintenance import gc
+
+        return gc(self.db, dry_run=dry_run)
+
+    def verify(self, *, full: bool = False, checkpoint: str | None = None) -> list[str]:
+        """Check source files against the catalog (size/mtime; sha256 with full=True). Returns problems."""
+        from mergepipe_db.maintenance import verify_sources
+
+        return verify_sources(self.db, full=full, checkpoint=checkpoint)
+
+
+def _default_name(path: str | Path) -> str:
+    p = Path(path).resolve()
+    return p.stem if p.is_file() else p.name
+
+
+def _lookup(conn: sa.Connection, ref: str) -> str | None:
+    c = schema.checkpoint
+    found = conn.execute(sa.select(c.c.id).where(c.c.name == ref)).scalar()
+    if found is None:
+        found = conn.execute(sa.select(schema.ref.c.snapshot_id).where(schema.ref.c.name == ref)).scalar()
+    return found
+
+
+def _check_family(conn: sa.Connection, base_id: str, expert_ids: list[str], spec: MergeSpec) -> None:
+    """Every expert must be catalogued against this base (same coordinates, same blocking)."""
+    from mergepipe_db.errors import CoordinateMismatchError
+
+    c = schema.checkpoint
+    rows = {r.id: r for r in conn.execute(sa.select(c.c.id, c.c.name, c.c.base_id, c.c.kind)
+                                          .where(c.c.id.in_(expert_ids)))}
+    for eid, m in zip(expert_ids, spec.models):
+        r = rows[eid]
+        if eid == base_id:
+            raise SpecError(f"model {m.ref!r} is the base model itself")
+        if r.base_id != base_id:
+            t = schema.tensor
+            base_sig = conn.execute(sa.select(t.c.name, t.c.dtype, t.c.shape).where(t.c.checkpoint_id == base_id)
+                                    .order_by(t.c.name)).all()
+            mine = conn.execute(sa.select(t.c.name, t.c.dtype, t.c.shape).where(t.c.checkpoint_id == eid)
+                                .order_by(t.c.name)).all()
+            if [tuple(x) for x in base_sig] != [tuple(x) for x in mine]:
+                raise CoordinateMismatchError(
+                    f"model {m.ref!r} does not share the coordinates of base {spec.base!r}")
+            if r.kind != "snapshot":
+                raise SpecError(f"model {m.ref!r} was ingested against another base; re-ingest it with "
+                                f"--base {spec.base}")
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").lower() in ("1", "true", "yes")

@@ -1,0 +1,321 @@
+"""The `mergepipe` command: a thin shell over `mergepipe_db.Catalog`.
+
+Every error a user can cause is a MergePipeError: printed as one line on stderr, exit code 1, no traceback
+(set MERGEPIPE_DEBUG=1 to see one). Heavy imports happen inside the commands so `--help` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from mergepipe_db import __version__
+from mergepipe_db.errors import MergePipeError
+
+EPILOG = "Catalog: --catalog URL, else $MERGEPIPE_CATALOG, else ./mergepipe.duckdb (a DuckDB file)."
+
+
+def _fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, float) and not math.isfinite(o):
+        return str(o)
+    if isinstance(o, (bytes, bytearray, memoryview)):
+        return bytes(o).hex()
+    return str(o)
+
+
+def _print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=2, default=_json_default))
+
+
+def _progress(args: argparse.Namespace) -> bool:
+    return not getattr(args, "quiet", False) and sys.stderr.isatty()
+
+
+def _catalog(args: argparse.Namespace):
+    from mergepipe_db.catalog import Catalog
+
+    return Catalog.open(args.catalog)
+
+
+def _parse_size(text: str) -> int:
+    from mergepipe_db.spec import parse_budget
+
+    b = parse_budget(text)
+    if b.nbytes is None:
+        from mergepipe_db.errors import SpecError
+
+        raise SpecError(f"expected a size in bytes (e.g. 1MiB, 4GB, 123456), got {text!r}")
+    return b.nbytes
+
+
+# --- commands ------------------------------------------------------------------------------------------
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    cat = _catalog(args)
+    print(f"catalog ready: {cat.db.display()}")
+    return 0
+
+
+def cmd_db_upgrade(args: argparse.Namespace) -> int:
+    from mergepipe_db.catalog import Catalog
+
+    cat = Catalog.lazy(args.catalog)
+    before, after = cat.upgrade()
+    print(f"catalog {cat.db.display()}: schema {before or 'empty'} -> {after}")
+    return 0
+
+
+def cmd_ingest(args: argparse.Namespace) -> int:
+    cat = _catalog(args)
+    block_bytes = _parse_size(args.block_bytes) if args.block_bytes else None
+    res = cat.ingest(args.path, name=args.name, base=args.base, block_bytes=block_bytes, progress=_progress(args))
+    if args.json:
+        _print_json(res.to_dict())
+    else:
+        state = "ingested" if res.created else "unchanged"
+        print(f"{state} {res.name} ({res.kind}): {res.n_tensors} tensors, {res.n_blocks} blocks, "
+              f"{_fmt_bytes(res.total_bytes)}, id {res.checkpoint_id}")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    cat = _catalog(args)
+    plan = cat.plan(args.spec, budget=args.budget, seed=args.seed, progress=_progress(args))
+    summary = plan.summary()
+    if args.json:
+        _print_json(summary)
+        return 0
+    print(f"plan {plan.plan_hash[:16]}  method {plan.spec.method}  base {plan.base.name}")
+    print(f"budget {_fmt_bytes(plan.budget_bytes)} of full read {_fmt_bytes(plan.full_bytes)} "
+          f"(non-zero deltas: {_fmt_bytes(plan.candidate_bytes)})")
+    print(f"planned expert reads {_fmt_bytes(plan.planned_bytes)}")
+    for e in summary["experts"]:
+        print(f"  {e['name']:<24} {e['blocks_selected']:>7} blocks  {_fmt_bytes(e['planned_bytes']):>12}")
+    bound = "n/a (operator is not fixed-coefficient additive)" if plan.bound_total is None else f"{plan.bound_total:.6g}"
+    print(f"omitted-update bound (L2): {bound}")
+    return 0
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    cat = _catalog(args)
+    shard = _parse_size(args.shard_size) if args.shard_size else None
+    res = cat.merge(args.spec, out=args.out, budget=args.budget, seed=args.seed, ref=args.ref, shard_bytes=shard,
+                    progress=_progress(args), verify_reads=args.verify_reads)
+    if args.json:
+        _print_json({k: v for k, v in res.to_dict().items()})
+        return 0
+    print(f"committed snapshot {res.snapshot_id} as {res.checkpoint} -> {res.out}")
+    print(f"  plan {res.plan_hash[:16]}  budget {_fmt_bytes(res.budget_bytes)}  full read {_fmt_bytes(res.full_bytes)}")
+    print(f"  expert reads planned {_fmt_bytes(res.planned_bytes)}, realized {_fmt_bytes(res.realized_bytes)}"
+          f" ({100.0 * res.realized_bytes / max(1, res.full_bytes):.1f}% of full)")
+    print(f"  base read {_fmt_bytes(res.base_bytes)}, output written {_fmt_bytes(res.output_bytes)}, "
+          f"bound {res.bound if res.bound is not None else 'n/a'}, {res.seconds:.2f} s")
+    return 0
+
+
+def _render(cols: list[str], rows: list[tuple[Any, ...]], fmt: str) -> str:
+    def cell(v: Any) -> str:
+        if v is None:
+            return "NULL" if fmt == "table" else ""
+        if isinstance(v, (bytes, bytearray, memoryview)):
+            return bytes(v).hex()
+        return str(v)
+
+    if fmt == "json":
+        return json.dumps([dict(zip(cols, r)) for r in rows], indent=2, default=_json_default)
+    if fmt == "csv":
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator="\n")
+        w.writerow(cols)
+        for r in rows:
+            w.writerow([cell(v) for v in r])
+        return buf.getvalue().rstrip("\n")
+    table = [[cell(v) for v in r] for r in rows]
+    widths = [max([len(c)] + [len(r[i]) for r in table]) for i, c in enumerate(cols)]
+    lines = [" | ".join(c.ljust(w) for c, w in zip(cols, widths)), "-+-".join("-" * w for w in widths)]
+    lines += [" | ".join(v.ljust(w) for v, w in zip(r, widths)) for r in table]
+    lines.append(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
+    return "\n".join(lines)
+
+
+def cmd_sql(args: argparse.Namespace) -> int:
+    cat = _catalog(args)
+    cols, rows = cat.sql(args.query)
+    print(_render(cols, rows, args.format))
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    cat = _catalog(args)
+    problems = cat.verify(full=args.full, checkpoint=args.checkpoint)
+    if args.json:
+        _print_json({"ok": not problems, "problems": problems})
+    else:
+        for p in problems:
+            print(p)
+        print("ok: sources match the catalog" if not problems else f"{len(problems)} problem(s)")
+    if problems:
+        from mergepipe_db.errors import VerifyError
+
+        raise VerifyError(f"{len(problems)} source file(s) differ from the catalog (listed above)")
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    cat = _catalog(args)
+    actions = cat.gc(dry_run=not args.apply)
+    for a in actions:
+        print(("would " if not args.apply else "") + a)
+    if not actions:
+        print("nothing to collect")
+    elif not args.apply:
+        print("dry run: rerun with --apply to do this")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from mergepipe_db.demo import run_demo
+
+    return run_demo(Path(args.dir), catalog=args.catalog, method=args.method, budget=args.budget,
+                    experts=args.experts, preset=args.preset, progress=_progress(args))
+
+
+# --- parser ----------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mergepipe",
+        description="Merge LLM checkpoints from a SQL catalog of parameter blocks, under an expert-read I/O budget.",
+        epilog=EPILOG,
+    )
+    p.add_argument("--version", action="version", version=f"mergepipe {__version__}")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--catalog", metavar="URL", help="catalog URL or DuckDB file (default: $MERGEPIPE_CATALOG "
+                        "or ./mergepipe.duckdb)")
+    common.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    s = sub.add_parser("init", parents=[common], help="create the catalog (or check it is current)",
+                       description="Create an empty catalog at the given URL, or check an existing one.",
+                       epilog=EPILOG)
+    s.set_defaults(func=cmd_init)
+
+    s = sub.add_parser("db", help="catalog schema maintenance", description="Catalog schema maintenance.")
+    dbsub = s.add_subparsers(dest="db_command", metavar="ACTION", required=True)
+    u = dbsub.add_parser("upgrade", parents=[common], help="migrate the catalog to this version's schema",
+                         description="Run the Alembic migrations up to the newest schema.", epilog=EPILOG)
+    u.set_defaults(func=cmd_db_upgrade)
+
+    s = sub.add_parser("ingest", parents=[common], help="catalogue a checkpoint (once)",
+                       description="Catalogue a checkpoint: a Hugging Face model directory (model.safetensors or "
+                       "shards + model.safetensors.index.json) or one .safetensors file. Reads each file once; "
+                       "idempotent.", epilog=EPILOG)
+    s.add_argument("path", help="model directory or .safetensors file")
+    s.add_argument("--name", help="catalog name (default: the directory or file name)")
+    s.add_argument("--base", help="catalogued base model this checkpoint is an expert of (enables delta statistics)")
+    s.add_argument("--block-bytes", metavar="N", help="target block size, e.g. 1MiB (default 1MiB; experts use "
+                   "their base's)")
+    s.add_argument("--json", action="store_true", help="print the result as JSON")
+    s.set_defaults(func=cmd_ingest)
+
+    budget_help = "expert-read budget: bytes (3GiB, 500MB, 123456) or a fraction of the full read (0.25)"
+    s = sub.add_parser("plan", parents=[common], help="dry run: which expert blocks a merge would read",
+                       description="Plan a merge without executing it: predicted expert bytes, blocks chosen per "
+                       "expert, and the omitted-update bound.", epilog=EPILOG)
+    s.add_argument("spec", help="merge spec (MergeKit-compatible YAML plus budget and seed)")
+    s.add_argument("--budget", help=budget_help)
+    s.add_argument("--seed", type=int, help="seed for random operators (DARE)")
+    s.add_argument("--json", action="store_true", help="print the plan summary as JSON")
+    s.set_defaults(func=cmd_plan)
+
+    s = sub.add_parser("merge", parents=[common], help="plan, execute and commit a budgeted merge",
+                       description="Run a merge: read only the planned expert byte ranges, write a Hugging Face "
+                       "model directory with a manifest, and commit it atomically.", epilog=EPILOG)
+    s.add_argument("spec", help="merge spec (MergeKit-compatible YAML plus budget and seed)")
+    s.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    s.add_argument("--budget", help=budget_help)
+    s.add_argument("--seed", type=int, help="seed for random operators (DARE)")
+    s.add_argument("--ref", help="ref to move to the new snapshot (default: the output directory's name)")
+    s.add_argument("--shard-size", metavar="N", help="maximum output shard size (default 4GiB)")
+    s.add_argument("--verify-reads", action="store_true", help="check the xxh3 of every expert range read")
+    s.add_argument("--json", action="store_true", help="print the result as JSON")
+    s.set_defaults(func=cmd_merge)
+
+    s = sub.add_parser("sql", parents=[common], help="read-only SQL over the catalog views",
+                       description="Run one read-only SELECT over the views checkpoints, files, tensors, blocks, "
+                       "snapshots, manifests, lineage, reads, refs. Writes and file access are refused.",
+                       epilog=EPILOG)
+    s.add_argument("query", help='e.g. "SELECT name, kind, total_bytes FROM checkpoints"')
+    s.add_argument("--format", choices=("table", "csv", "json"), default="table", help="output format")
+    s.set_defaults(func=cmd_sql)
+
+    s = sub.add_parser("verify", parents=[common], help="check source files against the catalog",
+                       description="Check every catalogued source file: present, same size and mtime; with --full "
+                       "also rehash (sha256).", epilog=EPILOG)
+    s.add_argument("checkpoint", nargs="?", help="only this checkpoint")
+    s.add_argument("--full", action="store_true", help="rehash file contents (sha256)")
+    s.add_argument("--json", action="store_true", help="print the result as JSON")
+    s.set_defaults(func=cmd_verify)
+
+    s = sub.add_parser("gc", parents=[common], help="list (or remove) leftovers of interrupted merges",
+                       description="Find staging directories of interrupted merges and committed snapshots not yet "
+                       "published. Dry run unless --apply.", epilog=EPILOG)
+    s.add_argument("--apply", action="store_true", help="remove leftovers / publish committed snapshots")
+    s.set_defaults(func=cmd_gc)
+
+    s = sub.add_parser("demo", parents=[common], help="generate a small model family, ingest it, merge it",
+                       description="Generate a small Llama-shaped family (base + experts, sharded safetensors, HF "
+                       "layout), ingest it, run a budgeted merge and print what it read.", epilog=EPILOG)
+    s.add_argument("--dir", default="mergepipe-demo", help="working directory (default ./mergepipe-demo)")
+    s.add_argument("--method", default="ties", help="merge method (default ties)")
+    s.add_argument("--budget", default="0.25", help=budget_help + " (default 0.25)")
+    s.add_argument("--experts", type=int, default=4, help="number of experts (default 4)")
+    s.add_argument("--preset", default="small", help="model size preset: tiny, small (default), bench")
+    s.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except MergePipeError as e:
+        if os.environ.get("MERGEPIPE_DEBUG"):
+            raise
+        msg = " ".join(str(e).split()) or type(e).__name__
+        print(f"mergepipe: error: {type(e).__name__}: {msg}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        if os.environ.get("MERGEPIPE_DEBUG"):
+            raise
+        print(f"mergepipe: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("mergepipe: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,325 @@
+"""Commit: make a merge's output durable, then visible, atomically (Iceberg/Delta style).
+
+1. `begin_staging`: record intent in the catalog, create a private staging directory beside `--out`
+   (exclusive create); the executor writes and fsyncs shards there, hashing while writing.
+2. `finish_staging`: index json and the base's side files, re-parse every written header, write
+   `manifest.json`, fsync files and directory.
+3. `commit`: one catalog transaction — snapshot COMMITTED, manifest, output checkpoint rows, lineage, reads,
+   and the ref moved by compare-and-set (`UPDATE … WHERE version = :expected`); zero rows → CommitConflictError.
+4. `publish`: rename staging to `--out`, fsync the parent. A crash between 3 and 4 is rolled forward by `gc`.
+A crash anywhere leaves the old state or the complete new one; leftovers are listed and removed by `gc`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+from mergepipe_db import __version__, faults
+from mergepipe_db.db import schema
+from mergepipe_db.db.bulk import bulk_insert
+from mergepipe_db.db.engine import Database
+from mergepipe_db.errors import CommitConflictError, IntegrityError, OutputExistsError
+from mergepipe_db.executor import ExecutionResult
+from mergepipe_db.ingest import now_iso
+from mergepipe_db.planner import Plan, canonical_json, sha256_hex
+from mergepipe_db.storage import fsync_dir
+
+MANIFEST_FORMAT = "mergepipe-manifest/1"
+STAGING_PREFIX = ".mergepipe-staging-"
+
+
+def check_out_dir(out: str | Path) -> Path:
+    """`--out` must not exist, or be an empty directory. Returns its absolute path."""
+    path = Path(out).expanduser().absolute()
+    if path.exists() or path.is_symlink():
+        if not path.is_dir() or path.is_symlink():
+            raise OutputExistsError(f"output path {path} exists and is not a directory")
+        if any(path.iterdir()):
+            raise OutputExistsError(f"output directory {path} is not empty; choose a new --out")
+    if not path.parent.is_dir():
+        raise OutputExistsError(f"parent directory of --out does not exist: {path.parent}")
+    return path
+
+
+def begin_staging(db: Database, out: Path) -> tuple[str, Path]:
+    """Record the intent in the catalog, then create the staging directory. Returns (intent id, path)."""
+    sid = uuid.uuid4().hex
+    staging = out.parent / f"{STAGING_PREFIX}{out.name}-{sid[:12]}"
+    with db.connect() as conn:
+        conn.execute(schema.staging.insert().values(
+            id=sid, staging_path=str(staging), out_path=str(out), pid=os.getpid(), host=socket.gethostname(),
+            created_at=now_iso()))
+    staging.mkdir(mode=0o755)  # exclusive: fails if it exists
+    return sid, staging
+
+
+def abandon_staging(db: Database, intent: str, staging: Path) -> None:
+    """Best-effort cleanup after a failed merge (gc removes anything left)."""
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        with db.connect() as conn:
+            conn.execute(schema.staging.delete().where(schema.staging.c.id == intent))
+    except Exception:  # noqa: BLE001 - the original error matters more; gc cleans up
+        pass
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    data = json.dumps(obj, indent=2, sort_keys=False, allow_nan=True).encode("utf-8") + b"\n"
+    fd = os.open(str(path), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def build_manifest(plan: Plan, result: ExecutionResult, *, parents: list[str]) -> dict[str, Any]:
+    """Deterministic manifest content (no timings, no paths): what replay needs and what audit checks."""
+    s = plan.spec
+    return {
+        "format": MANIFEST_FORMAT,
+        "tool_version": __version__,
+        "spec": {
+            "merge_method": s.method,
+            "base_model": plan.base.name,
+            "models": [{"model": e.checkpoint.name, "parameters": {"weight": e.weight, "density": e.density,
+                                                                   "gamma": e.gamma}} for e in plan.experts],
+            "parameters": {"normalize": s.normalize, "lambda": s.lam, "t": s.t},
+            "dtype": plan.out_dtype,
+        },
+        "seed": s.seed,
+        "inputs": {
+            "base": {"id": plan.base.id, "name": plan.base.name,
+                     "files": [[r, h] for r, h in plan.base.file_hashes]},
+            "experts": [{"position": e.position, "id": e.checkpoint.id, "name": e.checkpoint.name,
+                         "files": [[r, h] for r, h in e.checkpoint.file_hashes]} for e in plan.experts],
+        },
+        "budget_bytes": plan.budget_bytes,
+        "full_bytes": plan.full_bytes,
+        "planned_bytes": plan.planned_bytes,
+        "plan_hash": plan.plan_hash,
+        "access": plan.access_mask(),
+        "realized": {"per_expert": result.realized_per_expert, "total": result.realized_bytes},
+        "bound": plan.bound_total,
+        "outputs": {
+            "tensors": [[t.name, t.dtype, list(t.shape), h] for t, h in zip(result.out_tensors, result.tensor_xxh3)],
+            "files": [[n, h] for n, h in zip(result.shard_names, result.shard_sha256)],
+        },
+        "parents": parents,
+    }
+
+
+def manifest_hash(manifest: dict[str, Any]) -> str:
+    return sha256_hex(manifest)
+
+
+def finish_staging(plan: Plan, result: ExecutionResult, staging: Path, manifest: dict[str, Any],
+                   timings: dict[str, float]) -> str:
+    """Write index, side files and manifest.json into staging; re-check headers; fsync. Returns manifest hash."""
+    from mergepipe_db.formats.safetensors import read_header
+
+    for name, t_expected in _by_shard(result).items():
+        header = read_header(staging / name)
+        got = [(t.name, t.dtype, tuple(t.shape)) for t in header.tensors]
+        if got != t_expected:
+            raise IntegrityError(f"written shard {name} does not re-parse to the expected tensors")
+    if len(result.shard_names) > 1:
+        index = {
+            "metadata": {"total_size": sum(t.nbytes for t in result.out_tensors)},
+            "weight_map": {t.name: result.shard_names[t.shard] for t in result.out_tensors},
+        }
+        _write_json(staging / "model.safetensors.index.json", index)
+    root = Path(plan.base.root)
+    for side in _side_files(root):
+        dest = staging / side.name
+        if dest.exists():
+            continue
+        shutil.copyfile(side, dest)
+        with open(dest, "rb") as fh:
+            os.fsync(fh.fileno())
+    mhash = manifest_hash(manifest)
+    _write_json(staging / "manifest.json", {"manifest_hash": mhash, "manifest": manifest, "timings": timings})
+    fsync_dir(staging)
+    faults.point("manifest_written")
+    return mhash
+
+
+def _by_shard(result: ExecutionResult) -> dict[str, list[tuple[str, str, tuple[int, ...]]]]:
+    out: dict[str, list[tuple[str, str, tuple[int, ...]]]] = {}
+    for t in result.out_tensors:
+        out.setdefault(result.shard_names[t.shard], []).append((t.name, t.dtype, tuple(t.shape)))
+    return out
+
+
+SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+
+
+def _side_files(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
+    out = []
+    for name in SIDE_FILES:
+        p = root / name
+        if p.is_file() and not p.is_symlink():
+            out.append(p)
+    return out
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    snapshot_id: str
+    checkpoint_id: str
+    checkpoint_name: str
+    ref: str
+    version: int
+    manifest_hash: str
+
+
+def read_ref_version(db: Database, ref: str) -> int:
+    """Current version of `ref` (0 when it does not exist yet)."""
+    with db.connect() as conn:
+        v = conn.execute(sa.select(schema.ref.c.version).where(schema.ref.c.name == ref)).scalar()
+    return int(v or 0)
+
+
+def commit(
+    db: Database,
+    plan: Plan,
+    result: ExecutionResult,
+    *,
+    manifest: dict[str, Any],
+    mhash: str,
+    timings: dict[str, float],
+    intent: str,
+    staging: Path,
+    out: Path,
+    ref: str,
+    expected_version: int,
+) -> CommitResult:
+    """One catalog transaction making the snapshot visible; compare-and-set on the ref."""
+    version = expected_version + 1
+    snapshot_id = sha256_hex({"manifest": mhash, "ref": ref, "version": version})[:32]
+    cp_name = f"{ref}@{version}"
+    with db.connect() as conn:
+        r = schema.ref
+        if expected_version == 0:
+            exists = conn.execute(sa.select(r.c.version).where(r.c.name == ref)).scalar()
+            if exists is not None:
+                raise CommitConflictError(
+                    f"ref {ref!r} was created by another writer (now version {exists}); rerun the merge")
+            conn.execute(r.insert().values(name=ref, snapshot_id=snapshot_id, version=version, updated_at=now_iso()))
+        else:
+            moved = conn.execute(
+                r.update().where(r.c.name == ref, r.c.version == expected_version)
+                .values(snapshot_id=snapshot_id, version=version, updated_at=now_iso())
+            ).rowcount
+            if moved != 1:
+                raise CommitConflictError(
+                    f"ref {ref!r} was moved by another writer since version {expected_version}; rerun the merge")
+        taken = conn.execute(sa.select(schema.checkpoint.c.id).where(schema.checkpoint.c.name == cp_name)).scalar()
+        if taken is not None:
+            raise CommitConflictError(f"checkpoint name {cp_name!r} already exists; rerun the merge")
+        _insert_output_checkpoint(conn, plan, result, snapshot_id, cp_name, out, staging)
+        conn.execute(schema.snapshot.insert().values(
+            id=snapshot_id, checkpoint_id=snapshot_id, ref=ref, state="COMMITTED", out_path=str(out),
+            staging_path=str(staging), method=plan.spec.method, plan_hash=plan.plan_hash,
+            budget_bytes=plan.budget_bytes, planned_bytes=plan.planned_bytes,
+            realized_bytes=result.realized_bytes, full_bytes=plan.full_bytes, base_bytes=result.base_bytes,
+            output_bytes=result.output_bytes, bound=plan.bound_total, seed=plan.spec.seed, created_at=now_iso(),
+        ))
+        conn.execute(schema.manifest.insert().values(
+            snapshot_id=snapshot_id, manifest=canonical_json(manifest).decode("utf-8"),
+            timings=json.dumps(timings)))
+        lineage = [{"child_id": snapshot_id, "parent_id": plan.base.id, "role": "base", "position": -1,
+                    "snapshot_id": snapshot_id}]
+        lineage += [{"child_id": snapshot_id, "parent_id": e.checkpoint.id, "role": "expert",
+                     "position": e.position, "snapshot_id": snapshot_id} for e in plan.experts]
+        bulk_insert(conn, schema.lineage, lineage)
+        bulk_insert(conn, schema.read_stat, _read_rows(plan, result, snapshot_id))
+        conn.execute(schema.staging.delete().where(schema.staging.c.id == intent))
+    faults.point("catalog_committed")
+    return CommitResult(snapshot_id, snapshot_id, cp_name, ref, version, mhash)
+
+
+def _read_rows(plan: Plan, result: ExecutionResult, snapshot_id: str) -> list[dict[str, Any]]:
+    rows = []
+    for e in plan.experts:
+        for t in plan.base_tensors:
+            if t.dtype not in ("F32", "F16", "BF16"):
+                continue
+            et = e.tensors[t.name]
+            reads = plan.access.get((e.position, t.idx), ())
+            n_sel = t.n_blocks if any(r.block_idx < 0 for r in reads) else len(reads)
+            rows.append({
+                "snapshot_id": snapshot_id, "expert_id": e.checkpoint.id, "tensor_idx": t.idx,
+                "position": e.position, "blocks_total": t.n_blocks, "blocks_read": n_sel,
+                "bytes_full": et.nbytes, "bytes_planned": sum(r.nbytes for r in reads),
+                "bytes_read": result.reads.get((e.position, t.idx), 0),
+            })
+    return rows
+
+
+def _insert_output_checkpoint(conn: sa.Connection, plan: Plan, result: ExecutionResult, cid: str, name: str,
+                              out: Path, staging: Path) -> None:
+    """Catalogue the output as a checkpoint (kind 'snapshot', no delta statistics) so it can be merged again.
+
+    Paths are the published ones (`out`); size and mtime come from the staged files, which the rename keeps.
+    """
+    files, tensors, blocks = [], [], []
+    file_ids = []
+    for fi, shard in enumerate(result.shard_names):
+        fid = sha256_hex([cid, shard])[:32]
+        file_ids.append(fid)
+        st = (staging / shard).stat()
+        files.append({"id": fid, "checkpoint_id": cid, "file_idx": fi, "relpath": shard, "path": str(out / shard),
+                      "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": result.shard_sha256[fi],
+                      "header_len": result.header_lens[fi]})
+    blocks_by_tensor: dict[int, list[dict[str, Any]]] = {}
+    for b in result.block_rows:
+        blocks_by_tensor.setdefault(b["tensor_idx"], []).append(b)
+    for t, h, off in zip(result.out_tensors, result.tensor_xxh3, result.tensor_offsets):
+        bl = blocks_by_tensor.get(t.idx, [])
+        tensors.append({
+            "checkpoint_id": cid, "tensor_idx": t.idx, "name": t.name, "dtype": t.dtype,
+            "shape": json.dumps(list(t.shape)), "file_id": file_ids[t.shard], "offset": off,
+            "nbytes": t.nbytes, "n_rows": t.shape[0] if t.shape else 1,
+            "rows_per_block": bl[0]["rows_per_block"] if bl else 1, "n_blocks": len(bl), "xxh3": h,
+            "delta_l2": None, "equal_to_base": None,
+        })
+        for b in bl:
+            blocks.append({
+                "checkpoint_id": cid, "tensor_idx": t.idx, "block_idx": b["block_idx"], "row_start": b["row_start"],
+                "row_stop": b["row_stop"], "offset": off + b["rel"], "nbytes": b["nbytes"], "xxh3": b["xxh3"],
+                "delta_l2": None, "delta_l1": None, "delta_max": None, "pos_frac": None, "sketch": None,
+            })
+    conn.execute(schema.checkpoint.insert().values(
+        id=cid, name=name, kind="snapshot", base_id=plan.base.id, root=str(out),
+        config=json.dumps(plan.base.config) if plan.base.config is not None else None,
+        block_bytes=plan.base.block_bytes, n_tensors=len(tensors), total_bytes=sum(t.nbytes for t in result.out_tensors),
+        has_stats=False, created_at=now_iso(), tool_version=__version__,
+    ))
+    bulk_insert(conn, schema.source_file, files)
+    bulk_insert(conn, schema.tensor, tensors)
+    bulk_insert(conn, schema.block, blocks)
+
+
+def publish(staging: Path, out: Path) -> None:
+    """Make the committed output visible at `out` (atomic rename on the same filesystem)."""
+    if out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+    os.rename(staging, out)
+    fsync_dir(out.parent)
+    faults.point("published")

@@ -1,0 +1,1 @@
+"""Catalog database: schema (source of truth), engine/session boundary, migrations."""

@@ -1,0 +1,354 @@
+"""Executor: stream the base in checkpoint order, read only the planned expert byte ranges, merge, write.
+
+A reader thread issues every read (base tensors sequentially, expert ranges with POSIX_FADV_RANDOM and
+adjacent blocks coalesced) one item ahead of the compute thread, so reads overlap with compute. Items are
+one tensor of one checkpoint, so memory is a few tensors whatever the number of experts. Realized expert
+bytes are counted where the reads are issued and must equal the plan's bytes (budget soundness).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mergepipe_db.blocks import block_ranges, rows_per_block
+from mergepipe_db.errors import IntegrityError, OutOfSpaceError, PlanExecutionMismatchError
+from mergepipe_db.formats.dtypes import DTYPE_BITS
+from mergepipe_db.planner import ARITHMETIC, Plan, Read, TensorInfo
+from mergepipe_db.storage import RangeReader, xxh3_hex
+
+DEFAULT_SHARD_BYTES = 4 << 30
+_QUEUE_DEPTH = 3
+
+
+@dataclass(frozen=True)
+class OutTensor:
+    idx: int
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    shard: int
+
+
+@dataclass
+class ExecutionResult:
+    shard_names: list[str]
+    shard_sha256: list[str]
+    shard_sizes: list[int]
+    out_tensors: list[OutTensor]
+    tensor_xxh3: list[str]
+    block_rows: list[dict[str, Any]]  # output blocks (for cataloguing the snapshot), tensor_idx-major
+    realized_per_expert: list[int]
+    reads: dict[tuple[int, int], int]  # (position, tensor_idx) -> bytes read
+    base_bytes: int
+    output_bytes: int
+    tensor_offsets: list[int]  # absolute offset of each output tensor in its shard
+    header_lens: list[int]
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def realized_bytes(self) -> int:
+        return sum(self.realized_per_expert)
+
+
+def output_layout(plan: Plan, shard_bytes: int) -> tuple[list[OutTensor], list[str]]:
+    """Output tensors (base order) assigned to shards of at most `shard_bytes` (a bigger tensor stands alone)."""
+    out: list[OutTensor] = []
+    shard, used = 0, 0
+    for t in plan.base_tensors:
+        dtype = plan.out_dtype if (plan.out_dtype and t.dtype in ARITHMETIC) else t.dtype
+        nbytes = _nbytes(t.shape, dtype)
+        if used and used + nbytes > shard_bytes:
+            shard, used = shard + 1, 0
+        out.append(OutTensor(t.idx, t.name, dtype, t.shape, nbytes, shard))
+        used += nbytes
+    n = shard + 1
+    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    return out, names
+
+
+def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
+    numel = 1
+    for s in shape:
+        numel *= s
+    return numel * DTYPE_BITS[dtype] // 8
+
+
+def coalesce(reads: tuple[Read, ...]) -> list[tuple[int, int, list[Read]]]:
+    """Group byte-adjacent reads into single ranges: [(offset, nbytes, reads)]."""
+    groups: list[tuple[int, int, list[Read]]] = []
+    for r in reads:
+        if groups and groups[-1][0] + groups[-1][1] == r.offset:
+            off, n, members = groups[-1]
+            members.append(r)
+            groups[-1] = (off, n + r.nbytes, members)
+        else:
+            groups.append((r.offset, r.nbytes, [r]))
+    return groups
+
+
+@dataclass
+class _Item:
+    kind: str  # "base" | "expert"
+    tensor_idx: int
+    position: int
+    data: Any  # torch.uint8 tensor holding the tensor's bytes (only selected ranges filled for experts)
+    rows: list[tuple[int, int]]  # selected row ranges (experts)
+    blocks: tuple[int, ...]
+    nbytes_read: int
+
+
+def _reader_thread(plan: Plan, q: queue.Queue, stop: threading.Event, counters: dict[str, int],
+                   verify: bool) -> None:
+    import torch
+
+    try:
+        base_reader = RangeReader(random=False)
+        expert_reader = RangeReader(random=True)
+        for t in plan.base_tensors:
+            if stop.is_set():
+                return
+            base = torch.empty(t.nbytes, dtype=torch.uint8)
+            if t.nbytes:
+                base_reader.read_into(t.path, t.offset, memoryview(base.numpy()))
+            q.put(_Item("base", t.idx, -1, base, [], (), t.nbytes))
+            if t.dtype not in ARITHMETIC:
+                continue
+            for e in plan.experts:
+                reads = plan.access.get((e.position, t.idx))
+                if not reads:
+                    continue
+                et = e.tensors[t.name]
+                buf = torch.empty(et.nbytes, dtype=torch.uint8)
+                view = memoryview(buf.numpy())
+                n_read = 0
+                for off, n, members in coalesce(reads):
+                    rel = off - et.offset
+                    expert_reader.read_into(et.path, off, view[rel:rel + n])
+                    n_read += n
+                    if verify:
+                        _verify(view, et, members, e.checkpoint.name)
+                blocks, rows = _selected(et, reads)
+                q.put(_Item("expert", t.idx, e.position, buf, rows, blocks, n_read))
+        counters["base"] = base_reader.bytes_read
+        counters["expert"] = expert_reader.bytes_read
+        base_reader.close()
+        expert_reader.close()
+        q.put(None)
+    except BaseException as e:  # noqa: BLE001 - re-raised in the compute thread
+        q.put(e)
+
+
+def _verify(view: memoryview, et: TensorInfo, members: list[Read], expert: str) -> None:
+    for r in members:
+        rel = r.offset - et.offset
+        got = xxh3_hex(view[rel:rel + r.nbytes])
+        if got != r.xxh3:
+            what = "whole tensor" if r.block_idx < 0 else f"block {r.block_idx}"
+            raise IntegrityError(
+                f"corrupted read in expert {expert!r}, file {et.path}, tensor {et.name!r}, {what}: "
+                f"xxh3 {got} != catalog {r.xxh3}")
+
+
+def _selected(et: TensorInfo, reads: tuple[Read, ...]) -> tuple[tuple[int, ...], list[tuple[int, int]]]:
+    ranges = block_ranges(et.shape, et.rows_per_block)
+    if any(r.block_idx < 0 for r in reads):
+        blocks = tuple(range(len(ranges)))
+    else:
+        blocks = tuple(r.block_idx for r in reads)
+    rows: list[tuple[int, int]] = []
+    for b in blocks:
+        start, stop = ranges[b]
+        if rows and rows[-1][1] == start:
+            rows[-1] = (rows[-1][0], stop)
+        else:
+            rows.append((start, stop))
+    return blocks, rows
+
+
+def execute(
+    plan: Plan,
+    staging: Path,
+    *,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    progress: bool = False,
+    verify_reads: bool = False,
+    on_tensor: Any = None,
+) -> ExecutionResult:
+    """Run `plan`, writing output shards into the (existing, empty) `staging` directory."""
+    import torch
+    from tqdm import tqdm
+
+    from mergepipe_db import faults
+    from mergepipe_db.formats.dtypes import torch_dtype
+    from mergepipe_db.formats.safetensors import SafetensorsWriter
+    from mergepipe_db.operators import ExpertInput, ExpertParams, TensorContext, make_operator
+
+    out_tensors, shard_names = output_layout(plan, shard_bytes)
+    by_shard: dict[int, list[OutTensor]] = {}
+    for ot in out_tensors:
+        by_shard.setdefault(ot.shard, []).append(ot)
+    spec = plan.spec
+    params = [ExpertParams(key=e.checkpoint.id, weight=e.weight, density=e.density, gamma=e.gamma)
+              for e in plan.experts]
+    op = make_operator(spec.method, params, normalize=spec.normalize, lam=spec.lam, t=spec.t)
+
+    q: queue.Queue = queue.Queue(maxsize=_QUEUE_DEPTH)
+    stop = threading.Event()
+    counters: dict[str, int] = {}
+    reader = threading.Thread(target=_reader_thread, args=(plan, q, stop, counters, verify_reads), daemon=True)
+    timings = {"read_wait": 0.0, "compute": 0.0, "write": 0.0}
+    reads: dict[tuple[int, int], int] = {}
+    realized = [0] * len(plan.experts)
+    tensor_xxh3: list[str] = []
+    block_rows: list[dict[str, Any]] = []
+    shard_sha: list[str] = []
+    shard_sizes: list[int] = []
+    writer = None
+    current_shard = -1
+    total = sum(t.nbytes for t in plan.base_tensors)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="merge", disable=not progress, leave=False)
+    reader.start()
+
+    def next_item() -> _Item:
+        t0 = time.perf_counter()
+        item = q.get()
+        timings["read_wait"] += time.perf_counter() - t0
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    try:
+        bb = plan.base.block_bytes
+        for t, ot in zip(plan.base_tensors, out_tensors):
+            base_item = next_item()
+            assert base_item.kind == "base" and base_item.tensor_idx == t.idx
+            t0 = time.perf_counter()
+            if t.dtype in ARITHMETIC:
+                tdt = torch_dtype(t.dtype)
+                base32 = base_item.data.view(tdt).reshape(t.shape).to(torch.float32)
+                ctx = TensorContext(name=t.name, shape=t.shape, rows_per_block=t.rows_per_block,
+                                    n_blocks=t.n_blocks, seed=spec.seed)
+                op.begin(base32, ctx)
+                for e in plan.experts:
+                    key = (e.position, t.idx)
+                    if key in plan.access:
+                        timings["compute"] += time.perf_counter() - t0
+                        item = next_item()
+                        t0 = time.perf_counter()
+                        assert item.kind == "expert" and item.position == e.position and item.tensor_idx == t.idx
+                        reads[key] = item.nbytes_read
+                        realized[e.position] += item.nbytes_read
+                        et = e.tensors[t.name]
+                        raw = item.data.view(torch_dtype(et.dtype)).reshape(t.shape)
+                        if len(item.blocks) == t.n_blocks:
+                            theta = raw.to(torch.float32)
+                        else:
+                            theta = base32.clone()
+                            for start, stop_ in item.rows:
+                                theta[start:stop_] = raw[start:stop_].to(torch.float32)
+                        x = ExpertInput(index=e.position, params=params[e.position], selected_blocks=item.blocks,
+                                        full=plan.full_selection.get(key, True),
+                                        sketch=plan.sketches.get(key), base=base32, theta=theta)
+                    else:
+                        x = ExpertInput(index=e.position, params=params[e.position], selected_blocks=(),
+                                        full=plan.full_selection.get(key, True), sketch=plan.sketches.get(key),
+                                        base=base32, theta=None)
+                    op.add(x)
+                merged = op.finish()
+                out_bytes = merged.to(torch_dtype(ot.dtype)).contiguous().view(torch.uint8).reshape(-1)
+                del merged, base32
+            else:
+                out_bytes = base_item.data
+            timings["compute"] += time.perf_counter() - t0
+
+            t0 = time.perf_counter()
+            data = memoryview(out_bytes.numpy())
+            if ot.shard != current_shard:
+                if writer is not None:
+                    shard_sha.append(writer.close(fsync=True))
+                current_shard = ot.shard
+                entries = [(o.name, o.dtype, o.shape) for o in by_shard[ot.shard]]
+                writer = SafetensorsWriter(staging / shard_names[ot.shard], entries, {"format": "pt"},
+                                           exclusive=True)
+            writer.write(ot.name, data)
+            tensor_xxh3.append(xxh3_hex(data))
+            block_rows.extend(_out_blocks(ot, data, bb))
+            timings["write"] += time.perf_counter() - t0
+            bar.update(t.nbytes)
+            faults.point("tensor_written")
+            if on_tensor is not None:
+                on_tensor(t)
+        if writer is not None:
+            shard_sha.append(writer.close(fsync=True))
+            writer = None
+        tail = q.get()
+        if isinstance(tail, BaseException):
+            raise tail
+    except OSError as e:
+        import errno
+
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise OutOfSpaceError(f"out of space while writing the output in {staging.parent}: nothing was "
+                                  f"published") from e
+        raise
+    finally:
+        stop.set()
+        while reader.is_alive():
+            try:
+                q.get(timeout=0.05)
+            except queue.Empty:
+                pass
+        bar.close()
+        if writer is not None:
+            try:
+                writer.close(fsync=False)
+            except Exception:  # noqa: BLE001 - already failing
+                pass
+
+    for name in shard_names:
+        shard_sizes.append((staging / name).stat().st_size)
+    offsets, header_lens = _shard_offsets(out_tensors, by_shard)
+    if counters.get("expert", -1) != plan.planned_bytes or sum(realized) != plan.planned_bytes:
+        raise PlanExecutionMismatchError(
+            f"realized expert bytes {counters.get('expert')} != planned {plan.planned_bytes}: "
+            f"budget-soundness invariant violated")
+    return ExecutionResult(
+        shard_names=shard_names, shard_sha256=shard_sha, shard_sizes=shard_sizes, out_tensors=out_tensors,
+        tensor_xxh3=tensor_xxh3, block_rows=block_rows, realized_per_expert=realized, reads=reads,
+        base_bytes=counters.get("base", 0), output_bytes=sum(shard_sizes), timings=timings,
+        tensor_offsets=offsets, header_lens=header_lens,
+    )
+
+
+def _shard_offsets(out_tensors: list[OutTensor], by_shard: dict[int, list[OutTensor]]) -> tuple[list[int], list[int]]:
+    from mergepipe_db.formats.safetensors import build_header
+
+    absolute: dict[int, int] = {}
+    header_lens = []
+    for shard in sorted(by_shard):
+        prefix, spans = build_header([(o.name, o.dtype, o.shape) for o in by_shard[shard]], {"format": "pt"})
+        header_lens.append(len(prefix) - 8)
+        for o, (begin, _end) in zip(by_shard[shard], spans):
+            absolute[o.idx] = len(prefix) + begin
+    return [absolute[o.idx] for o in out_tensors], header_lens
+
+
+def _out_blocks(ot: OutTensor, data: memoryview, block_bytes: int) -> Iterator[dict[str, Any]]:
+    """Block rows of an output tensor (offsets relative to the tensor; made absolute at commit)."""
+    bits = DTYPE_BITS[ot.dtype]
+    rpb = rows_per_block(ot.shape, bits, block_bytes)
+    rb = 0 if len(ot.shape) <= 1 else _nbytes(ot.shape[1:], ot.dtype)
+    for bi, (start, stop) in enumerate(block_ranges(ot.shape, rpb)):
+        if len(ot.shape) <= 1:
+            lo, hi = 0, ot.nbytes
+        else:
+            lo, hi = start * rb, stop * rb
+        yield {"tensor_idx": ot.idx, "block_idx": bi, "row_start": start, "row_stop": stop, "rel": lo,
+               "nbytes": hi - lo, "xxh3": xxh3_hex(data[lo:hi]), "rows_per_block": rpb}

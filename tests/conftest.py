@@ -1,0 +1,76 @@
+"""Shared fixtures. The catalog backend is chosen by one environment variable:
+
+    MERGEPIPE_TEST_CATALOG=postgresql+psycopg://user:pw@host/db   → every catalog test runs on PostgreSQL,
+                                                                    each test in a fresh schema;
+    unset                                                          → a fresh DuckDB file per test.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+PG_URL = os.environ.get("MERGEPIPE_TEST_CATALOG", "")
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"mergepipe catalog backend: {'postgresql' if PG_URL else 'duckdb'}"
+
+
+@pytest.fixture
+def catalog_url(tmp_path: Path) -> str:
+    if not PG_URL:
+        yield str(tmp_path / "catalog.duckdb")
+        return
+    import sqlalchemy as sa
+
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    engine = sa.create_engine(PG_URL)
+    with engine.begin() as conn:
+        conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
+    engine.dispose()
+    sep = "&" if "?" in PG_URL else "?"
+    yield f"{PG_URL}{sep}options=-csearch_path%3D{schema}"
+    engine = sa.create_engine(PG_URL)
+    with engine.begin() as conn:
+        conn.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
+    engine.dispose()
+
+
+@pytest.fixture
+def catalog(catalog_url: str):
+    from mergepipe_db import Catalog
+
+    return Catalog.open(catalog_url)
+
+
+@pytest.fixture(scope="session")
+def tiny_family(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny BF16 Llama family: base + 3 experts, sharded (small shards to exercise the index)."""
+    from mergepipe_db.testing import make_family
+
+    return make_family(tmp_path_factory.mktemp("fam_bf16"), n_experts=3, preset="tiny", dtype="bfloat16",
+                       seed=1, shard_bytes=48 * 1024)
+
+
+@pytest.fixture(scope="session")
+def tiny_family_f32(tmp_path_factory: pytest.TempPathFactory):
+    from mergepipe_db.testing import make_family
+
+    return make_family(tmp_path_factory.mktemp("fam_f32"), n_experts=3, preset="tiny", dtype="float32", seed=2)
+
+
+BLOCK = 4096  # small blocks so tiny tensors have several
+
+
+def ingest_family(catalog, family, *, block_bytes: int = BLOCK) -> list[str]:
+    """Ingest base + experts; returns expert names."""
+    catalog.ingest(family.base, name="base", block_bytes=block_bytes)
+    names = []
+    for i, p in enumerate(family.experts):
+        catalog.ingest(p, name=f"e{i}", base="base")
+        names.append(f"e{i}")
+    return names
