@@ -25,6 +25,8 @@ from mergepipe_db.errors import (
     UnknownCheckpointError,
 )
 
+pytestmark = pytest.mark.catalog
+
 
 def _count(catalog: Catalog, table: sa.Table) -> int:
     with catalog.db.connect() as conn:

@@ -1,0 +1,34 @@
+# The README's two commands are `make demo` (install + run the demo) and `make test`.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: install demo test test-duckdb test-postgres lint bench
+
+$(BIN)/mergepipe: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(BIN)/mergepipe
+
+install: $(BIN)/mergepipe
+
+demo: install
+	$(BIN)/mergepipe demo
+
+# The whole suite on the embedded DuckDB catalog, then the catalog tests again on a real PostgreSQL server
+# (installed from Debian's packages and started by .ci/start-postgres.sh; needs root, as on CI).
+test: install test-duckdb test-postgres
+
+test-duckdb:
+	$(BIN)/python -m pytest -q -n 2 -m "not fuzz and not slow"
+
+test-postgres:
+	MERGEPIPE_TEST_CATALOG="$$(bash .ci/start-postgres.sh | tail -n 1)" \
+	  $(BIN)/python -m pytest -q -n 2 -m "catalog and not fuzz and not slow"
+
+lint:
+	$(BIN)/ruff check mergepipe_db tests benchmarks
+
+bench: install
+	$(BIN)/python -m benchmarks.run

@@ -1,0 +1,963 @@
+"""Merge operators: pure float32 tensor math, one tensor at a time, streaming over the experts.
+
+An operator folds the experts of one tensor in spec order: ``begin(base, ctx)``, then ``add(x)`` for
+k = 0..K-1 (every expert, also one with nothing selected), then ``finish()``. Memory is a few tensors of the
+tensor's size, whatever K. At full selection the result is identical, bit for bit, to the plain formulas
+of docs/SEMANTICS.md; under a partial selection omitted rows contribute Δ = 0 and are never touched.
+
+Bit-exactness rests on doing, per element, the same float32 operations in the same order as the formulas:
+``x * s`` / ``x / s`` with the same Python float, sums into +0.0 accumulators in spec order. Adding a zero
+term is skipped: an accumulator that starts at +0.0 and only receives sums is never -0.0, so ``acc + (±0)``
+leaves its bits unchanged. Work is done in cache-sized chunks with reused scratch buffers (fresh pages
+cost more than arithmetic on these machines). No I/O, no catalog.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from mergepipe_db import sketch as _sketch
+from mergepipe_db.errors import SpecError, UnsupportedDtypeError
+
+__all__ = [
+    "OPERATORS",
+    "ExpertInput",
+    "ExpertParams",
+    "MergeOperator",
+    "TensorContext",
+    "dare_keep_mask",
+    "make_operator",
+]
+
+_CHUNK = 1 << 16  # elements per arithmetic step: scratch stays in L2
+_EDGES = _sketch.bin_edges()
+_LAST = _sketch.LAST_BIN
+
+
+# --------------------------------------------------------------------------------------------------
+# Inputs
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExpertParams:
+    """One expert's merge parameters (docs/SEMANTICS.md)."""
+
+    key: str  #: expert checkpoint id (hex string): the DARE mask key
+    weight: float = 1.0
+    density: float = 1.0
+    gamma: float = 0.01  #: breadcrumbs: fraction of the largest |Δ| dropped
+
+
+@dataclass(frozen=True)
+class TensorContext:
+    """The tensor being merged: name, shape, row-block layout and the merge seed."""
+
+    name: str
+    shape: tuple[int, ...]
+    rows_per_block: int
+    n_blocks: int
+    seed: int
+
+    @property
+    def n_rows(self) -> int:
+        """Rows along dim 0 (a 0-d tensor has one)."""
+        return int(self.shape[0]) if len(self.shape) >= 1 else 1
+
+    @property
+    def row_numel(self) -> int:
+        """Elements in one row (1 for 0-d and 1-d tensors)."""
+        return math.prod(self.shape[1:]) if len(self.shape) >= 2 else 1
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def block_rows(self, block: int) -> tuple[int, int]:
+        """Row range [start, stop) of a block; a 0-d or 1-d tensor is the single block 0."""
+        n = self.n_rows
+        if len(self.shape) <= 1 or n == 0:
+            if block != 0:
+                raise ValueError(f"tensor {self.name!r} has a single block, not block {block}")
+            return 0, n
+        start = block * self.rows_per_block
+        if block < 0 or start >= n:
+            raise ValueError(f"tensor {self.name!r}: block {block} out of range ({self.n_blocks} blocks)")
+        return start, min(n, start + self.rows_per_block)
+
+    def block_shape(self, block: int) -> tuple[int, ...]:
+        """``(rows_in_block, *shape[1:])``, or ``()`` for a 0-d tensor."""
+        if len(self.shape) == 0:
+            return ()
+        start, stop = self.block_rows(block)
+        return (stop - start, *self.shape[1:])
+
+
+def _as_f32(t: torch.Tensor | None, what: str) -> torch.Tensor | None:
+    if t is None:
+        return None
+    if not t.is_floating_point():
+        raise UnsupportedDtypeError(f"{what} has dtype {t.dtype}, which merge arithmetic cannot use")
+    if t.dtype != torch.float32:
+        t = t.to(torch.float32)
+    return t.contiguous()
+
+
+class ExpertInput:
+    """One expert's view of one tensor. Rows of omitted blocks equal the base (Δ exactly 0).
+
+    Give ``theta`` (θ_k, base rows where omitted) or ``delta`` (θ_k − θ₀, 0 on omitted rows), float32 in
+    the tensor's shape, plus ``base`` (the operator binds its own base and context in ``add`` when they are
+    missing). The other one is computed lazily, on the selected rows only, when first asked for, and
+    cached. Both are None when ``selected_blocks == ()``.
+
+    ``full`` means every block whose Δ may be nonzero was selected (omitted blocks, if any, are known to
+    equal the base), so tensor-global statistics computed from the rows read are exact. ``sketch`` is the
+    tensor-level |Δ| histogram from the catalog (sum of the block histograms), used for thresholds when
+    the selection is not full.
+    """
+
+    __slots__ = ("index", "params", "selected_blocks", "full", "sketch", "_base", "_theta", "_delta", "_ctx")
+
+    def __init__(
+        self,
+        index: int,
+        params: ExpertParams,
+        selected_blocks: Sequence[int],
+        full: bool,
+        sketch: np.ndarray | None = None,
+        *,
+        base: torch.Tensor | None = None,
+        theta: torch.Tensor | None = None,
+        delta: torch.Tensor | None = None,
+        ctx: TensorContext | None = None,
+    ) -> None:
+        self.index = int(index)
+        self.params = params
+        self.selected_blocks: tuple[int, ...] = tuple(sorted({int(b) for b in selected_blocks}))
+        self.full = bool(full)
+        self.sketch = None if sketch is None else np.asarray(sketch, dtype=np.int64)
+        self._base = _as_f32(base, "base")
+        self._ctx = ctx
+        if self.selected_blocks:
+            if theta is None and delta is None:
+                raise ValueError(f"expert {self.index}: blocks selected but neither theta nor delta given")
+            self._theta = _as_f32(theta, f"expert {self.index} tensor")
+            self._delta = _as_f32(delta, f"expert {self.index} delta")
+        else:
+            self._theta = self._delta = None
+
+    @classmethod
+    def from_theta(cls, index: int, params: ExpertParams, selected_blocks: Sequence[int], full: bool,
+                   sketch: np.ndarray | None = None, *, base: torch.Tensor | None = None,
+                   theta: torch.Tensor | None, ctx: TensorContext | None = None) -> ExpertInput:
+        """An input holding θ_k (Δ_k computed lazily)."""
+        return cls(index, params, selected_blocks, full, sketch, base=base, theta=theta, ctx=ctx)
+
+    @classmethod
+    def from_delta(cls, index: int, params: ExpertParams, selected_blocks: Sequence[int], full: bool,
+                   sketch: np.ndarray | None = None, *, base: torch.Tensor | None = None,
+                   delta: torch.Tensor | None, ctx: TensorContext | None = None) -> ExpertInput:
+        """An input holding Δ_k (θ_k = θ₀ + Δ_k computed lazily)."""
+        return cls(index, params, selected_blocks, full, sketch, base=base, delta=delta, ctx=ctx)
+
+    # -- lazy θ / Δ --------------------------------------------------------------------------------
+
+    def _need_base(self) -> torch.Tensor:
+        if self._base is None:
+            raise ValueError(f"expert {self.index}: base is needed to derive theta/delta")
+        return self._base
+
+    @property
+    def theta(self) -> torch.Tensor | None:
+        """θ_k (float32): θ₀ + Δ_k on selected rows, θ₀ on omitted rows."""
+        if not self.selected_blocks:
+            return None
+        if self._theta is None:
+            base, delta = self._need_base(), self._delta
+            assert delta is not None
+            if self._ctx is None:
+                self._theta = base + delta
+            else:
+                theta = base.clone()
+                tf, bf, df = theta.view(-1), base.view(-1), delta.view(-1)
+                for s, e in self._element_ranges(self._ctx):
+                    torch.add(bf[s:e], df[s:e], out=tf[s:e])
+                self._theta = theta
+        return self._theta
+
+    @property
+    def delta(self) -> torch.Tensor | None:
+        """Δ_k = θ_k − θ₀ (float32) on selected rows, exactly 0 on omitted rows."""
+        if not self.selected_blocks:
+            return None
+        if self._delta is None:
+            base, theta = self._need_base(), self._theta
+            assert theta is not None
+            if self._ctx is None:
+                self._delta = theta - base
+            else:
+                delta = torch.zeros_like(base)
+                df, tf, bf = delta.view(-1), theta.view(-1), base.view(-1)
+                for s, e in self._element_ranges(self._ctx):
+                    torch.sub(tf[s:e], bf[s:e], out=df[s:e])
+                self._delta = delta
+        return self._delta
+
+    # -- geometry ----------------------------------------------------------------------------------
+
+    def selected_row_ranges(self, ctx: TensorContext) -> list[tuple[int, int]]:
+        """Coalesced [start, stop) row ranges of the selected blocks, in order."""
+        out: list[tuple[int, int]] = []
+        for b in self.selected_blocks:
+            s, e = ctx.block_rows(b)
+            if s == e:
+                continue
+            if out and out[-1][1] == s:
+                out[-1] = (out[-1][0], e)
+            else:
+                out.append((s, e))
+        return out
+
+    def _element_ranges(self, ctx: TensorContext) -> list[tuple[int, int]]:
+        rn = ctx.row_numel
+        return [(s * rn, e * rn) for s, e in self.selected_row_ranges(ctx) if rn]
+
+    def _bind(self, base: torch.Tensor, ctx: TensorContext) -> None:
+        if self._base is None:
+            self._base = base
+        if self._ctx is None:
+            self._ctx = ctx
+        for t, what in ((self._theta, "theta"), (self._delta, "delta")):
+            if t is not None and tuple(t.shape) != tuple(ctx.shape):
+                raise ValueError(f"expert {self.index}: {what} shape {tuple(t.shape)} != {tuple(ctx.shape)}")
+
+    def _theta_flat(self) -> torch.Tensor | None:
+        return None if self._theta is None else self._theta.view(-1)
+
+    def _delta_flat(self) -> torch.Tensor | None:
+        return None if self._delta is None else self._delta.view(-1)
+
+
+def _block_generator(seed: int, expert_key: str, tensor_name: str, block_index: int) -> torch.Generator:
+    key = hashlib.sha256(f"{seed}\x1f{expert_key}\x1f{tensor_name}\x1f{block_index}".encode()).digest()
+    g = torch.Generator(device="cpu")
+    g.manual_seed(int.from_bytes(key[:8], "little") & (2**63 - 1))
+    return g
+
+
+def dare_keep_mask(seed: int, expert_key: str, tensor_name: str, block_index: int,
+                   block_shape: tuple[int, ...], density: float) -> torch.Tensor:
+    """The DARE keep mask (bool, ``block_shape``) of one block: ``rand(block_shape) < density`` from a
+    generator keyed by (seed, expert, tensor, block) — independent of which other blocks are read."""
+    g = _block_generator(seed, expert_key, tensor_name, block_index)
+    u = torch.rand(tuple(block_shape), generator=g, dtype=torch.float32)
+    return u < float(density)
+
+
+def _weight_sum(weights: Sequence[float]) -> float:
+    """W = Σ w_k as a Python float summed in order; 1 when |W| < 1e-8."""
+    total = 0.0
+    for w in weights:
+        total = total + w
+    return 1.0 if abs(total) < 1e-8 else total
+
+
+# --------------------------------------------------------------------------------------------------
+# Order statistics of |Δ| (TIES / breadcrumbs thresholds)
+# --------------------------------------------------------------------------------------------------
+
+
+class _Magnitudes:
+    """|Δ| of the rows read for one expert and tensor, and order statistics of the whole tensor's |Δ|.
+
+    Positions follow a descending sort with NaN first (torch's order): ``desc(k)`` is the k-th largest.
+    Exact mode (``hist is None``: full selection, or no sketch): the tensor is the rows read plus zeros
+    for the rest, and the k-th largest is found by locating its bin in a histogram of the data and
+    selecting among that bin's elements only (no sort of the whole tensor). Sketch mode (partial
+    selection): the catalog histogram locates the bin; when every element of that bin was read, the
+    value is still exact, otherwise it is interpolated inside the bin (`sketch.kth_largest`).
+    """
+
+    def __init__(self, a: torch.Tensor, n_total: int, hist: np.ndarray | None, op: MergeOperator) -> None:
+        self.a = a
+        self.n = n_total
+        self.hist = hist
+        self._op = op
+        self._nan_read: int | None = None
+        self._own: np.ndarray | None = None
+
+    def nan_read(self) -> int:
+        if self._nan_read is None:
+            a = self.a
+            self._nan_read = 0
+            if a.numel() and bool(torch.isnan(a.amax())):
+                self._nan_read = int(torch.isnan(a).sum())
+        return self._nan_read
+
+    def _bin_elements(self, b: int) -> torch.Tensor:
+        """The read, non-NaN elements of bin b >= 1."""
+        a = self.a
+        m = self._op._scratch("mag_lo", a.numel(), torch.bool)
+        torch.ge(a, float(_EDGES[b]), out=m)
+        if b < _LAST:
+            m2 = self._op._scratch("mag_hi", a.numel(), torch.bool)
+            torch.ge(a, float(_EDGES[b + 1]), out=m2)
+            m.logical_xor_(m2)  # [edge_b, edge_b+1): the upper set is inside the lower one
+        return a[m]
+
+    @staticmethod
+    def _rth_largest(sel: torch.Tensor, r: int) -> float:
+        m = sel.numel()
+        return float(torch.kthvalue(sel, m - r + 1).values)
+
+    def _desc_read(self, k: int) -> float:
+        """Exact k-th largest of the rows read (1 <= k <= numel)."""
+        nan = self.nan_read()
+        if k <= nan:
+            return math.nan
+        if self._own is None:
+            self._own = _sketch.histogram(self.a)
+        b, above = _sketch.locate_kth_largest(self._own, k)
+        if b == _sketch.ZERO_BIN:
+            return 0.0
+        r = k - above - (nan if b == _LAST else 0)
+        return self._rth_largest(self._bin_elements(b), r)
+
+    def _last_bin_covered(self) -> bool:
+        assert self.hist is not None
+        n_last = int((self.a >= float(_EDGES[_LAST])).sum()) + self.nan_read()
+        return n_last == int(self.hist[_LAST])
+
+    def _desc_sketch(self, k: int) -> float | None:
+        """Exact k-th largest from the sketch's counts plus the read elements of its bin, or None."""
+        hist = self.hist
+        assert hist is not None
+        b, above = _sketch.locate_kth_largest(hist, k)
+        if b == _sketch.ZERO_BIN:
+            return 0.0
+        r = k - above
+        extra = 0
+        if b == _LAST:
+            if not self._last_bin_covered():
+                return None
+            extra = self.nan_read()
+            if r <= extra:
+                return math.nan
+        sel = self._bin_elements(b)
+        if sel.numel() + extra != int(hist[b]):
+            return None
+        return self._rth_largest(sel, r - extra)
+
+    def desc(self, k: int) -> float:
+        """The k-th largest |Δ| of the whole tensor (1 <= k <= n), NaN counted largest."""
+        if self.hist is None:
+            return self._desc_read(k) if k <= self.a.numel() else 0.0
+        exact = self._desc_sketch(k) if int(self.hist.sum()) == self.n else None
+        if exact is not None:
+            return exact
+        return float(np.float32(_sketch.kth_largest(self.hist, k)))
+
+    def nan_total(self) -> int | None:
+        """NaN count of the whole tensor if known (0 or more), else None."""
+        if self.hist is None or self.nan_read():
+            return self.nan_read()
+        if int(self.hist[_LAST]) == 0 or self._last_bin_covered():
+            return 0
+        return None
+
+    def topk_min(self, k: int) -> float:
+        """``torch.topk(|Δ|.flatten(), k).values.min()`` (+inf for k == 0): NaN if any NaN."""
+        if k <= 0:
+            return math.inf
+        nan = self.nan_total()
+        if nan:
+            return math.nan
+        return self.desc(k)
+
+    def bottomk_max(self, k: int) -> float:
+        """``torch.topk(|Δ|.flatten(), k, largest=False).values.max()`` (-inf for k == 0)."""
+        if k <= 0:
+            return -math.inf
+        return self.desc(self.n - k + 1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Operators
+# --------------------------------------------------------------------------------------------------
+
+
+def _chunks(ranges: Sequence[tuple[int, int]]) -> Iterator[tuple[int, int]]:
+    for s, e in ranges:
+        for c in range(s, e, _CHUNK):
+            yield c, min(e, c + _CHUNK)
+
+
+def _finite(value: object, what: str, method: str) -> float:
+    try:
+        f = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise SpecError(f"{method}: {what} must be a number, got {value!r}") from None
+    if not math.isfinite(f):
+        raise SpecError(f"{method}: {what} must be finite, got {value!r}")
+    return f
+
+
+class MergeOperator(abc.ABC):
+    """Streaming fold of one tensor over the experts: ``begin``, ``add`` for k = 0..K-1, ``finish``.
+
+    One operator serves every tensor of a merge; it keeps grow-only scratch buffers between tensors.
+    ``finish`` returns a new float32 tensor owned by the caller.
+    """
+
+    name: ClassVar[str]
+    #: fixed-coefficient additive (linear, task_arithmetic): the omitted-update bound applies
+    additive: ClassVar[bool] = False
+    #: plan whole tensors (slerp)
+    tensor_granular: ClassVar[bool] = False
+    #: reads θ_k (linear, slerp); the others use Δ_k
+    uses_theta: ClassVar[bool] = False
+    #: needs tensor-global thresholds (ties, breadcrumbs): a partial read takes them from the sketch
+    needs_full_tensor_stats: ClassVar[bool] = False
+    normalize_default: ClassVar[bool] = False
+
+    def __init__(self, experts: Sequence[ExpertParams], *, normalize: bool | None = None, lam: float = 1.0,
+                 t: float | None = None) -> None:
+        experts = tuple(experts)
+        if not experts:
+            raise SpecError(f"{self.name} needs at least one expert model")
+        self.weights: list[float] = []
+        self.densities: list[float] = []
+        self.gammas: list[float] = []
+        for k, e in enumerate(experts):
+            if not isinstance(e, ExpertParams):
+                raise SpecError(f"{self.name}: expert {k} parameters must be ExpertParams, got {type(e).__name__}")
+            self.weights.append(_finite(e.weight, f"expert {k} weight", self.name))
+            d = _finite(e.density, f"expert {k} density", self.name)
+            if not 0.0 < d <= 1.0:
+                raise SpecError(f"{self.name}: expert {k} density {e.density!r} must be in (0, 1]")
+            self.densities.append(d)
+            g = _finite(e.gamma, f"expert {k} gamma", self.name)
+            if not 0.0 <= g <= 1.0:
+                raise SpecError(f"{self.name}: expert {k} gamma {e.gamma!r} must be in [0, 1]")
+            self.gammas.append(g)
+        self.experts: tuple[ExpertParams, ...] = experts
+        self.normalize = self.normalize_default if normalize is None else bool(normalize)
+        self.lam = _finite(lam, "lambda", self.name)
+        self.t = None if t is None else _finite(t, "t", self.name)
+        self.weight_sum = _weight_sum(self.weights)
+        self._pool: dict[str, torch.Tensor] = {}
+        self._base: torch.Tensor | None = None
+        self._bflat: torch.Tensor | None = None
+        self._ctx: TensorContext | None = None
+        self._next = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        """Method-specific checks (SpecError)."""
+
+    @property
+    def n_experts(self) -> int:
+        return len(self.experts)
+
+    def coefficient(self, k: int) -> float:
+        """c_k = |λ·w_k / W| (normalized) or |λ·w_k|: the bound's coefficient for additive operators, an
+        importance weight (a fixed multiple of |w_k|) for the others."""
+        c = self.lam * self.weights[k]
+        if self.normalize:
+            c = c / self.weight_sum
+        return abs(c)
+
+    # -- protocol ----------------------------------------------------------------------------------
+
+    def begin(self, base: torch.Tensor, ctx: TensorContext) -> None:
+        """Start a tensor: ``base`` is θ₀ in float32 (other float dtypes are upcast)."""
+        b = _as_f32(base, f"base tensor {ctx.name!r}")
+        assert b is not None
+        if tuple(b.shape) != tuple(ctx.shape):
+            raise ValueError(f"tensor {ctx.name!r}: base shape {tuple(b.shape)} != context shape {ctx.shape}")
+        self._base, self._bflat, self._ctx, self._next = b, b.view(-1), ctx, 0
+        self._begin()
+
+    def add(self, x: ExpertInput) -> None:
+        """Fold expert ``x.index``; experts must come in spec order, every one of them."""
+        if self._base is None or self._ctx is None:
+            raise RuntimeError("add() before begin()")
+        if x.index != self._next:
+            raise ValueError(f"expert inputs must arrive in spec order: expected {self._next}, got {x.index}")
+        x._bind(self._base, self._ctx)
+        self._add(x)
+        self._next += 1
+
+    def finish(self) -> torch.Tensor:
+        """The merged tensor (float32, new memory owned by the caller)."""
+        if self._base is None:
+            raise RuntimeError("finish() before begin()")
+        if self._next != self.n_experts:
+            raise RuntimeError(f"finish() after {self._next} of {self.n_experts} experts")
+        out = self._finish()
+        self._base = self._bflat = None
+        self._ctx = None
+        self._end()
+        return out
+
+    def release_buffers(self) -> None:
+        """Drop the scratch buffers kept between tensors."""
+        self._pool.clear()
+
+    @abc.abstractmethod
+    def _begin(self) -> None: ...
+
+    @abc.abstractmethod
+    def _add(self, x: ExpertInput) -> None: ...
+
+    @abc.abstractmethod
+    def _finish(self) -> torch.Tensor: ...
+
+    def _end(self) -> None:
+        """Drop per-tensor references."""
+
+    # -- helpers -----------------------------------------------------------------------------------
+
+    def _scratch(self, name: str, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A reused 1-D buffer of n elements (contents undefined)."""
+        buf = self._pool.get(name)
+        if buf is None or buf.numel() < n or buf.dtype != dtype:
+            buf = torch.empty(max(n, 1), dtype=dtype)
+            self._pool[name] = buf
+        return buf[:n]
+
+    def _zeroed(self, name: str, n: int) -> torch.Tensor:
+        buf = self._scratch(name, n)
+        buf.zero_()
+        return buf
+
+    def _delta_chunk(self, x: ExpertInput, s: int, e: int) -> torch.Tensor:
+        """Δ_k[s:e] (flat): a view of the given Δ, or θ_k − θ₀ into scratch."""
+        d = x._delta_flat()
+        if d is not None:
+            return d[s:e]
+        theta = x._theta_flat()
+        assert theta is not None and self._bflat is not None
+        return torch.sub(theta[s:e], self._bflat[s:e], out=self._scratch("delta", e - s))
+
+    def _theta_chunk(self, x: ExpertInput, s: int, e: int) -> torch.Tensor:
+        """θ_k[s:e] (flat) on selected rows: a view of the given θ, or θ₀ + Δ_k into scratch."""
+        theta = x._theta_flat()
+        if theta is not None:
+            return theta[s:e]
+        d = x._delta_flat()
+        assert d is not None and self._bflat is not None
+        return torch.add(self._bflat[s:e], d[s:e], out=self._scratch("theta", e - s))
+
+
+class _DeltaFold(MergeOperator):
+    """Operators on task vectors: D_k = T_k · w_k folded over the selected rows only."""
+
+    def _add(self, x: ExpertInput) -> None:
+        assert self._ctx is not None
+        ranges = x._element_ranges(self._ctx)
+        if ranges:
+            self._fold(x, ranges)
+
+    def _fold(self, x: ExpertInput, ranges: list[tuple[int, int]]) -> None:
+        """T_k = Δ_k."""
+        w = self.weights[x.index]
+        self._set_expert(w)
+        for s, e in _chunks(ranges):
+            d = self._delta_chunk(x, s, e)
+            self._combine(s, e, torch.mul(d, w, out=self._scratch("D", e - s)))
+
+    def _set_expert(self, w: float) -> None:
+        """Per-expert constants for `_combine`."""
+
+    @abc.abstractmethod
+    def _combine(self, s: int, e: int, D: torch.Tensor) -> None:
+        """Fold D_k[s:e] (may be modified)."""
+
+    # -- trims ---------------------------------------------------------------------------------------
+
+    def _magnitudes(self, x: ExpertInput, ranges: list[tuple[int, int]]) -> _Magnitudes:
+        n_read = sum(e - s for s, e in ranges)
+        a = self._scratch("abs", n_read)
+        off = 0
+        for s, e in _chunks(ranges):
+            torch.abs(self._delta_chunk(x, s, e), out=a[off : off + e - s])
+            off += e - s
+        assert self._ctx is not None
+        hist = None if (x.full or x.sketch is None) else x.sketch
+        return _Magnitudes(a, self._ctx.numel, hist, self)
+
+    def _fold_masked(self, x: ExpertInput, ranges: list[tuple[int, int]], mags: _Magnitudes,
+                     lo: float | None, hi: float | None, hi_inclusive_lo: bool) -> None:
+        """T_k = where(keep, Δ_k, 0.0) with keep = |Δ| >= lo (``hi_inclusive_lo``, TIES) or
+        lo < |Δ| < hi (breadcrumbs; lo None = no lower test)."""
+        w = self.weights[x.index]
+        self._set_expert(w)
+        zero = self._zero
+        a = mags.a
+        off = 0
+        for s, e in _chunks(ranges):
+            n = e - s
+            ac = a[off : off + n]
+            off += n
+            keep = self._scratch("keep", n, torch.bool)
+            if hi_inclusive_lo:
+                assert lo is not None
+                torch.ge(ac, lo, out=keep)
+            else:
+                assert hi is not None
+                torch.lt(ac, hi, out=keep)
+                if lo is not None:
+                    keep2 = self._scratch("keep2", n, torch.bool)
+                    torch.gt(ac, lo, out=keep2)
+                    keep.logical_and_(keep2)
+            d = self._delta_chunk(x, s, e)
+            D = torch.where(keep, d, zero, out=self._scratch("D", n))
+            D.mul_(w)
+            self._combine(s, e, D)
+
+    def _fold_ties_trim(self, x: ExpertInput, ranges: list[tuple[int, int]]) -> None:
+        """TIES step 1 (density < 1): keep |Δ| >= τ, τ the k-th largest |Δ| of the whole tensor."""
+        assert self._ctx is not None
+        k = int(self.densities[x.index] * self._ctx.numel)
+        mags = self._magnitudes(x, ranges)
+        tau = mags.topk_min(k)
+        if math.isnan(tau):
+            return  # |Δ| >= NaN is false everywhere: T_k = 0
+        if tau == math.inf and not bool(torch.isinf(mags.a).any()):
+            return
+        self._fold_masked(x, ranges, mags, tau, None, True)
+
+    def _fold_breadcrumbs_trim(self, x: ExpertInput, ranges: list[tuple[int, int]]) -> None:
+        """Breadcrumbs (density < 1): keep lo < |Δ| < hi."""
+        assert self._ctx is not None
+        n = self._ctx.numel
+        target = int(self.densities[x.index] * n)
+        n_top = int(self.gammas[x.index] * n)
+        n_bot = n - target - n_top
+        if n_bot < 0:
+            n_top += n_bot
+            n_bot = 0
+        mags = self._magnitudes(x, ranges)
+        hi = math.inf if n_top == 0 else mags.topk_min(n_top)
+        lo = -math.inf if n_bot == 0 else mags.bottomk_max(n_bot)
+        if math.isnan(hi) or math.isnan(lo):
+            return  # a comparison with NaN is false everywhere: T_k = 0
+        self._fold_masked(x, ranges, mags, None if lo == -math.inf else lo, hi, False)
+
+    def _fold_dare(self, x: ExpertInput) -> None:
+        """DARE: T_k = where(rand < d, Δ_k / d, 0.0), masks drawn per selected block."""
+        ctx = self._ctx
+        assert ctx is not None
+        k = x.index
+        w, d = self.weights[k], self.densities[k]
+        key = self.experts[k].key
+        self._set_expert(w)
+        rn = ctx.row_numel
+        for b in x.selected_blocks:
+            rs, re = ctx.block_rows(b)
+            s0, e0 = rs * rn, re * rn
+            if s0 == e0:
+                continue
+            u = self._scratch("u", e0 - s0)
+            torch.rand(ctx.block_shape(b), generator=_block_generator(ctx.seed, key, ctx.name, b),
+                       dtype=torch.float32, out=u.view(ctx.block_shape(b)))
+            for s, e in _chunks([(s0, e0)]):
+                n = e - s
+                T = torch.div(self._delta_chunk(x, s, e), d, out=self._scratch("D", n))
+                drop = torch.ge(u[s - s0 : e - s0], d, out=self._scratch("keep", n, torch.bool))  # not u < d
+                T.masked_fill_(drop, 0.0)
+                T.mul_(w)
+                self._combine(s, e, T)
+
+    @property
+    def _zero(self) -> torch.Tensor:
+        z = self._pool.get("zero0d")
+        if z is None:
+            z = torch.zeros((), dtype=torch.float32)
+            self._pool["zero0d"] = z
+        return z
+
+
+class _AdditiveFold(_DeltaFold):
+    """task_arithmetic and the methods that follow it with T_k: mixed = Σ T_k·w_k; θ₀ + mixed·λ."""
+
+    _mixed: torch.Tensor | None = None
+
+    def _begin(self) -> None:
+        assert self._base is not None
+        self._mixed = torch.zeros(self._base.numel(), dtype=torch.float32)
+
+    def _combine(self, s: int, e: int, D: torch.Tensor) -> None:
+        assert self._mixed is not None
+        self._mixed[s:e].add_(D)
+
+    def _finish(self) -> torch.Tensor:
+        mixed, base = self._mixed, self._base
+        assert mixed is not None and base is not None
+        if self.normalize:
+            mixed.div_(self.weight_sum)
+        mixed.mul_(self.lam)
+        mixed.add_(base.view(-1))
+        return mixed.view(base.shape)
+
+    def _end(self) -> None:
+        self._mixed = None
+
+
+class _TiesFold(_DeltaFold):
+    """TIES steps 2-6 in streaming form: S, P, N, WP, WN (docs/SEMANTICS.md)."""
+
+    normalize_default = True
+    _P: torch.Tensor | None = None
+
+    def _begin(self) -> None:
+        assert self._base is not None
+        n = self._base.numel()
+        self._P = torch.zeros(n, dtype=torch.float32)  # becomes the output
+        self._S = self._zeroed("S", n)
+        self._N = self._zeroed("N", n)
+        if self.normalize:
+            self._WP = self._zeroed("WP", n)
+            self._WN = self._zeroed("WN", n)
+        self._w0d = torch.zeros((), dtype=torch.float32)
+
+    def _set_expert(self, w: float) -> None:
+        self._w0d.fill_(w)  # where(keep, w, 0.0) holds float32(w)
+
+    def _combine(self, s: int, e: int, D: torch.Tensor) -> None:
+        assert self._P is not None
+        n = e - s
+        zero = self._zero
+        self._S[s:e].add_(D)
+        t = self._scratch("t2", n)
+        torch.fmax(D, zero, out=t)  # where(D > 0, D, 0) up to the sign of zero (and NaN -> 0)
+        self._P[s:e].add_(t)
+        torch.fmin(D, zero, out=t)
+        self._N[s:e].add_(t)
+        if self.normalize:
+            m = self._scratch("sgn", n, torch.bool)
+            torch.gt(D, 0.0, out=m)
+            self._WP[s:e].add_(torch.where(m, self._w0d, zero, out=t))
+            torch.lt(D, 0.0, out=m)
+            self._WN[s:e].add_(torch.where(m, self._w0d, zero, out=t))
+
+    def _finish(self) -> torch.Tensor:
+        P, base = self._P, self._base
+        assert P is not None and base is not None
+        n = P.numel()
+        nonneg = torch.ge(self._S, 0.0, out=self._scratch("nonneg", n, torch.bool))
+        mixed = torch.where(nonneg, P, self._N, out=P)
+        if self.normalize:
+            div = torch.where(nonneg, self._WP, self._WN, out=self._WP)
+            div.masked_fill_(torch.eq(div, 0.0, out=nonneg), 1.0)
+            mixed.div_(div)
+        mixed.mul_(self.lam)
+        mixed.add_(base.view(-1))
+        return mixed.view(base.shape)
+
+    def _end(self) -> None:
+        self._P = None
+        for name in ("_S", "_N", "_WP", "_WN"):
+            self.__dict__.pop(name, None)
+
+
+# --------------------------------------------------------------------------------------------------
+# The methods
+# --------------------------------------------------------------------------------------------------
+
+
+class Linear(MergeOperator):
+    """linear: Σ θ_k·w_k (/ W when normalized). An expert with nothing selected adds θ₀·w_k."""
+
+    name = "linear"
+    additive = True
+    uses_theta = True
+    normalize_default = True
+    _acc: torch.Tensor | None = None
+
+    def coefficient(self, k: int) -> float:
+        w = self.weights[k]
+        return abs(w / self.weight_sum) if self.normalize else abs(w)
+
+    def _begin(self) -> None:
+        assert self._base is not None
+        self._acc = torch.zeros(self._base.numel(), dtype=torch.float32)
+
+    def _add(self, x: ExpertInput) -> None:
+        acc, base, ctx = self._acc, self._bflat, self._ctx
+        assert acc is not None and base is not None and ctx is not None
+        w = self.weights[x.index]
+        n = base.numel()
+        selected = x._element_ranges(ctx)
+        segments: list[tuple[int, int, bool]] = []
+        pos = 0
+        for s, e in selected:
+            if s > pos:
+                segments.append((pos, s, False))
+            segments.append((s, e, True))
+            pos = e
+        if pos < n:
+            segments.append((pos, n, False))
+        for s0, e0, sel in segments:
+            for s, e in _chunks([(s0, e0)]):
+                theta = self._theta_chunk(x, s, e) if sel else base[s:e]
+                acc[s:e].add_(torch.mul(theta, w, out=self._scratch("D", e - s)))
+
+    def _finish(self) -> torch.Tensor:
+        acc, base = self._acc, self._base
+        assert acc is not None and base is not None
+        if self.normalize:
+            acc.div_(self.weight_sum)
+        return acc.view(base.shape)
+
+    def _end(self) -> None:
+        self._acc = None
+
+
+class TaskArithmetic(_AdditiveFold):
+    """task_arithmetic: θ₀ + λ·Σ Δ_k·w_k (/ W when normalized)."""
+
+    name = "task_arithmetic"
+    additive = True
+
+
+class DareLinear(_AdditiveFold):
+    """dare_linear: task_arithmetic on DARE-dropped, 1/d-rescaled task vectors."""
+
+    name = "dare_linear"
+
+    def _fold(self, x: ExpertInput, ranges: list[tuple[int, int]]) -> None:
+        if self.densities[x.index] >= 1:
+            super()._fold(x, ranges)
+        else:
+            self._fold_dare(x)
+
+    def _validate(self) -> None:
+        _check_keys(self)
+
+
+class Breadcrumbs(_AdditiveFold):
+    """breadcrumbs: task_arithmetic on task vectors without their largest and smallest |Δ|."""
+
+    name = "breadcrumbs"
+    needs_full_tensor_stats = True
+
+    def _fold(self, x: ExpertInput, ranges: list[tuple[int, int]]) -> None:
+        if self.densities[x.index] >= 1:
+            super()._fold(x, ranges)
+        else:
+            self._fold_breadcrumbs_trim(x, ranges)
+
+
+class Ties(_TiesFold):
+    """ties: trim to the top-density |Δ| per tensor, elect signs, average the agreeing updates."""
+
+    name = "ties"
+    needs_full_tensor_stats = True
+
+    def _fold(self, x: ExpertInput, ranges: list[tuple[int, int]]) -> None:
+        if self.densities[x.index] >= 1:
+            super()._fold(x, ranges)
+        else:
+            self._fold_ties_trim(x, ranges)
+
+
+class DareTies(_TiesFold):
+    """dare_ties: TIES steps 2-6 on DARE task vectors."""
+
+    name = "dare_ties"
+    normalize_default = False
+
+    def _fold(self, x: ExpertInput, ranges: list[tuple[int, int]]) -> None:
+        if self.densities[x.index] >= 1:
+            super()._fold(x, ranges)
+        else:
+            self._fold_dare(x)
+
+    def _validate(self) -> None:
+        _check_keys(self)
+
+
+class Slerp(MergeOperator):
+    """slerp between θ₀ and θ_1 with parameter t (whole tensors; an omitted tensor means θ_1 = θ₀)."""
+
+    name = "slerp"
+    tensor_granular = True
+    uses_theta = True
+    _theta1: torch.Tensor | None = None
+
+    def _validate(self) -> None:
+        if self.n_experts != 1:
+            raise SpecError(f"slerp merges exactly two models, the base and one other; got {self.n_experts} others")
+        if self.t is None:
+            raise SpecError("slerp needs the parameter t")
+        if not 0.0 <= self.t <= 1.0:
+            raise SpecError(f"slerp: t {self.t!r} must be in [0, 1]")
+
+    def coefficient(self, k: int) -> float:
+        assert self.t is not None
+        return abs(self.t)
+
+    def _begin(self) -> None:
+        self._theta1 = None
+
+    def _add(self, x: ExpertInput) -> None:
+        self._theta1 = x.theta if x.selected_blocks else self._base
+
+    def _finish(self) -> torch.Tensor:
+        theta0, theta1, t = self._base, self._theta1, self.t
+        assert theta0 is not None and theta1 is not None and t is not None
+        n = theta0.numel()
+        v0 = self._scratch("v0d", n, torch.float64)
+        v0.copy_(theta0.view(-1))
+        n0 = float(torch.linalg.vector_norm(v0))
+        if theta1 is theta0:
+            v1, n1 = v0, n0
+        else:
+            v1 = self._scratch("v1d", n, torch.float64)
+            v1.copy_(theta1.reshape(-1))
+            n1 = float(torch.linalg.vector_norm(v1))
+        dot = float(torch.dot(v0, v1)) / ((n0 if n0 > 1e-8 else 1.0) * (n1 if n1 > 1e-8 else 1.0))
+        if abs(dot) > 0.9995:
+            c0, c1 = 1 - t, t
+        else:
+            th0 = math.acos(dot)
+            s = math.sin(th0)
+            tht = th0 * t
+            c0, c1 = math.sin(th0 - tht) / s, math.sin(tht) / s
+        out = torch.mul(theta0, c0)
+        out.add_(torch.mul(theta1, c1, out=self._scratch("D", n).view(theta0.shape)))
+        return out
+
+    def _end(self) -> None:
+        self._theta1 = None
+
+
+def _check_keys(op: MergeOperator) -> None:
+    for k, e in enumerate(op.experts):
+        if not isinstance(e.key, str) or not e.key:
+            raise SpecError(f"{op.name}: expert {k} needs its checkpoint id as the DARE mask key")
+
+
+OPERATORS: dict[str, type[MergeOperator]] = {
+    cls.name: cls for cls in (Linear, TaskArithmetic, Ties, DareLinear, DareTies, Breadcrumbs, Slerp)
+}
+
+
+def make_operator(method: str, experts: Sequence[ExpertParams], *, normalize: bool | None = None,
+                  lam: float = 1.0, t: float | None = None) -> MergeOperator:
+    """The operator for ``method`` (SpecError for an unknown method or bad parameters)."""
+    cls = OPERATORS.get(method)
+    if cls is None:
+        raise SpecError(f"unknown merge method {method!r}; known: {', '.join(sorted(OPERATORS))}")
+    return cls(experts, normalize=normalize, lam=lam, t=t)

@@ -1,0 +1,301 @@
+"""Budgeted merge: full-budget equality with the naive full read (byte for byte), budget soundness,
+determinism, the omitted-update bound, output format, atomic commit under kills, and bad specs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+import torch
+from conftest import BLOCK, ingest_family
+from reference_merge import assert_bytes_equal, load_output, reference_merge
+
+from mergepipe_db import Catalog
+from mergepipe_db.db import schema
+from mergepipe_db.errors import (
+    BudgetError,
+    MergePipeError,
+    OutputExistsError,
+    SpecError,
+    UnknownCheckpointError,
+)
+
+pytestmark = pytest.mark.catalog
+
+CASES: dict[str, dict] = {
+    "linear": {"models": [{"weight": 0.5}, {"weight": 0.3}, {"weight": 0.2}], "parameters": {}},
+    "task_arithmetic": {"models": [{"weight": 0.5}, {"weight": 0.7}, {"weight": -0.3}],
+                        "parameters": {"lambda": 0.8}},
+    "ties": {"models": [{"weight": 1.0, "density": 0.5}, {"weight": 0.5, "density": 0.3},
+                        {"weight": 0.7, "density": 0.8}], "parameters": {}},
+    "dare_linear": {"models": [{"weight": 0.6, "density": 0.6}, {"weight": 0.5, "density": 0.5},
+                               {"weight": 0.4, "density": 0.9}], "parameters": {}},
+    "dare_ties": {"models": [{"weight": 1.0, "density": 0.7}, {"weight": 0.8, "density": 0.5},
+                             {"weight": 0.6, "density": 0.4}], "parameters": {"normalize": True}},
+    "breadcrumbs": {"models": [{"weight": 0.5, "density": 0.7, "gamma": 0.05}, {"weight": 0.5, "density": 0.8},
+                               {"weight": 0.4, "density": 0.6, "gamma": 0.1}], "parameters": {}},
+    "slerp": {"models": [{}], "parameters": {"t": 0.3}},
+}
+
+
+def make_spec(method: str, names: list[str], *, seed: int = 7, budget=None) -> dict:
+    case = CASES[method]
+    models = [{"model": n, "parameters": p} for n, p in zip(names, case["models"])]
+    spec = {"merge_method": method, "base_model": "base", "models": models, "parameters": dict(case["parameters"]),
+            "seed": seed}
+    if budget is not None:
+        spec["budget"] = budget
+    return spec
+
+
+def reference_for(catalog: Catalog, family, method: str, names: list[str], *, seed: int = 7) -> dict:
+    case = CASES[method]
+    n = len(case["models"])
+    params = case["parameters"]
+    return reference_merge(
+        method, Path(family.base), [Path(p) for p in family.experts[:n]], [dict(m) for m in case["models"]],
+        normalize=params.get("normalize"), lam=params.get("lambda", 1.0), t=params.get("t"), seed=seed,
+        expert_keys=[catalog.checkpoint_id(nm) for nm in names[:n]], block_bytes=BLOCK,
+    )
+
+
+@pytest.mark.parametrize("method", list(CASES))
+@pytest.mark.parametrize("family_name", ["tiny_family", "tiny_family_f32"])
+def test_full_budget_is_bit_identical_to_naive_full_read(catalog, request, tmp_path, method, family_name) -> None:
+    family = request.getfixturevalue(family_name)
+    names = ingest_family(catalog, family)
+    res = catalog.merge(make_spec(method, names), out=tmp_path / "out", budget="1.0", shard_bytes=40_000)
+    assert res.realized_bytes == res.planned_bytes <= res.budget_bytes
+    expected = reference_for(catalog, family, method, names)
+    assert_bytes_equal(load_output(tmp_path / "out"), expected)
+
+
+def test_plan_is_budget_sound_monotone_and_deterministic(catalog, tiny_family) -> None:
+    names = ingest_family(catalog, tiny_family)
+    spec = make_spec("task_arithmetic", names)
+    planned = []
+    for frac in (0.0, 0.01, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0):
+        p1 = catalog.plan(spec, budget=frac)
+        p2 = catalog.plan(spec, budget=frac)
+        assert p1.plan_hash == p2.plan_hash and p1.access == p2.access
+        assert p1.planned_bytes <= p1.budget_bytes == int(frac * p1.full_bytes)
+        planned.append(p1.planned_bytes)
+        # a prefix of one ranking: every access set contains the smaller budgets' sets
+    assert planned == sorted(planned) and planned[0] == 0
+    assert planned[-1] == catalog.plan(spec, budget=1.0).candidate_bytes
+    absolute = catalog.plan(spec, budget="20000")
+    assert absolute.budget_bytes == 20000 and absolute.planned_bytes <= 20000
+
+
+def test_access_sets_are_nested_prefixes(catalog, tiny_family) -> None:
+    names = ingest_family(catalog, tiny_family)
+    spec = make_spec("ties", names)
+    previous: set = set()
+    for frac in (0.05, 0.2, 0.6, 1.0):
+        p = catalog.plan(spec, budget=frac)
+        current = {(pos, t, r.block_idx) for (pos, t), reads in p.access.items() for r in reads}
+        assert previous <= current
+        previous = current
+
+
+def test_budgeted_merge_reads_exactly_the_plan_and_is_deterministic(catalog, tiny_family, tmp_path) -> None:
+    names = ingest_family(catalog, tiny_family)
+    spec = make_spec("dare_ties", names)
+    a = catalog.merge(spec, out=tmp_path / "a", budget=0.2)
+    b = catalog.merge(spec, out=tmp_path / "b", budget=0.2)
+    assert a.realized_bytes == a.planned_bytes <= a.budget_bytes
+    assert a.realized_bytes < a.full_bytes * 0.2 + 1
+    assert a.plan_hash == b.plan_hash and a.manifest_hash == b.manifest_hash
+    for shard in Path(tmp_path / "a").glob("*.safetensors"):
+        assert shard.read_bytes() == (tmp_path / "b" / shard.name).read_bytes()
+    with catalog.db.connect() as conn:
+        per_tensor = conn.execute(sa.text(
+            "SELECT SUM(bytes_read), SUM(bytes_planned) FROM reads WHERE snapshot_id = :s"),
+            {"s": a.snapshot_id}).one()
+    assert per_tensor[0] == per_tensor[1] == a.realized_bytes
+
+
+def test_omitted_blocks_are_never_read(catalog, tiny_family, tmp_path, monkeypatch) -> None:
+    from mergepipe_db import storage
+
+    names = ingest_family(catalog, tiny_family)
+    plan = catalog.plan(make_spec("task_arithmetic", names), budget=0.15)
+    allowed = {}
+    for e in plan.experts:
+        for t in plan.base_tensors:
+            for r in plan.access.get((e.position, t.idx), ()):
+                allowed.setdefault(e.tensors[t.name].path, []).append((r.offset, r.offset + r.nbytes))
+    expert_paths = {e.tensors[t.name].path for e in plan.experts for t in plan.base_tensors}
+    seen = []
+    real = storage.RangeReader.read_into
+
+    def spy(self, path, offset, buf):
+        if path in expert_paths:
+            seen.append((path, offset, offset + len(buf)))
+        return real(self, path, offset, buf)
+
+    monkeypatch.setattr(storage.RangeReader, "read_into", spy)
+    res = catalog.merge(make_spec("task_arithmetic", names), out=tmp_path / "o", budget=0.15)
+    assert sum(hi - lo for _p, lo, hi in seen) == res.realized_bytes
+    for path, lo, hi in seen:  # every byte read lies inside a selected block
+        covered = sorted(r for r in allowed[path] if r[0] < hi and r[1] > lo)
+        pos = lo
+        for a, b in covered:
+            assert a <= pos
+            pos = max(pos, b)
+        assert pos >= hi
+
+
+def test_omitted_update_bound_holds_for_additive_operators(catalog, tiny_family_f32, tmp_path) -> None:
+    names = ingest_family(catalog, tiny_family_f32)
+    for method in ("task_arithmetic", "linear"):
+        spec = make_spec(method, names)
+        full = load_output(Path(catalog.merge(spec, out=tmp_path / f"{method}-full", budget=1.0).out))
+        for frac in (0.05, 0.3):
+            res = catalog.merge(spec, out=tmp_path / f"{method}-{frac}", budget=frac)
+            part = load_output(Path(res.out))
+            dev = sum(float(torch.sum((part[k].double() - full[k].double()) ** 2)) for k in full) ** 0.5
+            assert res.bound is not None and dev <= res.bound * (1 + 1e-5) + 1e-6, (method, frac, dev, res.bound)
+
+
+def test_output_directory_loads_with_transformers(catalog, tiny_family, tmp_path) -> None:
+    transformers = pytest.importorskip("transformers")
+    names = ingest_family(catalog, tiny_family)
+    res = catalog.merge(make_spec("ties", names), out=tmp_path / "merged", budget=0.5, shard_bytes=50_000)
+    out = Path(res.out)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    assert (out / "config.json").is_file() and (out / "manifest.json").is_file()
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    logits = model(torch.tensor([[1, 2, 3]])).logits
+    assert logits.shape == (1, 3, 128) and torch.isfinite(logits).all()
+
+
+def test_manifest_is_deterministic_and_stored(catalog, tiny_family, tmp_path) -> None:
+    from mergepipe_db.commit import manifest_hash
+
+    names = ingest_family(catalog, tiny_family)
+    res = catalog.merge(make_spec("linear", names), out=tmp_path / "m", budget=0.4)
+    doc = json.loads((Path(res.out) / "manifest.json").read_text())
+    assert doc["manifest_hash"] == manifest_hash(doc["manifest"]) == res.manifest_hash
+    m = doc["manifest"]
+    assert m["plan_hash"] == res.plan_hash and m["realized"]["total"] == res.realized_bytes
+    assert m["seed"] == 7 and len(m["outputs"]["tensors"]) == 21 and m["access"]
+    assert "timings" not in m
+    cols, rows = catalog.sql("SELECT snapshot_id, manifest FROM manifests")
+    assert rows[0][0] == res.snapshot_id and json.loads(rows[0][1])["plan_hash"] == res.plan_hash
+
+
+def test_snapshot_can_be_merged_again_with_lineage(catalog, tiny_family, tmp_path) -> None:
+    names = ingest_family(catalog, tiny_family)
+    first = catalog.merge(make_spec("linear", names), out=tmp_path / "gen1", budget=1.0)
+    spec2 = {"merge_method": "task_arithmetic", "base_model": "base",
+             "models": [{"model": "gen1", "parameters": {"weight": 0.5}},
+                        {"model": "e0", "parameters": {"weight": 0.5}}]}
+    second = catalog.merge(spec2, out=tmp_path / "gen2", budget=1.0)
+    _, rows = catalog.sql("SELECT child, parent, role FROM lineage ORDER BY child, role, parent")
+    assert ("gen2@1", "gen1@1", "expert") in rows and ("gen1@1", "e0", "expert") in rows
+    assert second.realized_bytes > 0 and first.snapshot_id != second.snapshot_id
+
+
+BAD_SPECS = {
+    "unknown model": ({"merge_method": "linear", "base_model": "base",
+                       "models": [{"model": "nope", "parameters": {"weight": 1}}]}, UnknownCheckpointError),
+    "unknown method": ({"merge_method": "magic", "base_model": "base",
+                        "models": [{"model": "e0", "parameters": {"weight": 1}}]}, SpecError),
+    "density above 1": ({"merge_method": "ties", "base_model": "base",
+                         "models": [{"model": "e0", "parameters": {"weight": 1, "density": 1.5}}]}, SpecError),
+    "density zero": ({"merge_method": "ties", "base_model": "base",
+                      "models": [{"model": "e0", "parameters": {"weight": 1, "density": 0}}]}, SpecError),
+    "negative budget": ({"merge_method": "linear", "base_model": "base", "budget": "-5",
+                         "models": [{"model": "e0", "parameters": {"weight": 1}}]}, BudgetError),
+    "unparsable budget": ({"merge_method": "linear", "base_model": "base", "budget": "lots",
+                           "models": [{"model": "e0", "parameters": {"weight": 1}}]}, BudgetError),
+    "slerp of three": ({"merge_method": "slerp", "base_model": "base", "parameters": {"t": 0.5},
+                        "models": [{"model": "e0"}, {"model": "e1"}]}, SpecError),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SPECS))
+def test_bad_specs_fail_cleanly_and_write_nothing(catalog, tiny_family, tmp_path, case) -> None:
+    ingest_family(catalog, tiny_family)
+    spec, err = BAD_SPECS[case]
+    before = _tables(catalog)
+    with pytest.raises(err) as ei:
+        catalog.merge(spec, out=tmp_path / "out")
+    assert "\n" not in str(ei.value)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".mergepipe-staging-*"))
+    assert _tables(catalog) == before
+
+
+def test_non_empty_out_is_refused(catalog, tiny_family, tmp_path) -> None:
+    names = ingest_family(catalog, tiny_family)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(OutputExistsError):
+        catalog.merge(make_spec("linear", names), out=out)
+    assert (out / "keep.txt").read_text() == "mine" and len(list(out.iterdir())) == 1
+
+
+def _tables(catalog: Catalog) -> dict[str, int]:
+    with catalog.db.connect() as conn:
+        return {t.name: int(conn.execute(sa.select(sa.func.count()).select_from(t)).scalar_one())
+                for t in schema.metadata.sorted_tables}
+
+
+def _cli(args: list[str], env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, **(env_extra or {}))
+    env.pop("MERGEPIPE_DEBUG", None)
+    return subprocess.run([sys.executable, "-m", "mergepipe_db.cli", *args], capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("point", ["planned", "tensor_written", "shards_written", "manifest_written",
+                                   "catalog_committed", "published"])
+def test_kill_at_each_commit_step_leaves_old_or_new_state(catalog, catalog_url, tiny_family, tmp_path,
+                                                          point) -> None:
+    import yaml
+
+    names = ingest_family(catalog, tiny_family)
+    spec_path = tmp_path / "spec.yml"
+    spec_path.write_text(yaml.safe_dump(make_spec("ties", names, budget=0.5)))
+    out = tmp_path / "out"
+    killed = _cli(["merge", str(spec_path), "--out", str(out), "--catalog", catalog_url, "--quiet"],
+                  {"MERGEPIPE_FAULT": point})
+    assert killed.returncode == -9, killed.stderr
+    _, snaps = catalog.sql("SELECT id, out_path FROM snapshots")
+    if snaps:  # the catalog committed: after gc the complete output is at --out
+        assert point in ("catalog_committed", "published")
+        catalog.gc(dry_run=False)
+        assert (out / "manifest.json").is_file()
+        done = json.loads((out / "manifest.json").read_text())
+        rerun_out = tmp_path / "rerun"
+    else:  # old state: nothing visible, leftovers collectable
+        assert not out.exists()
+        catalog.gc(dry_run=False)
+        done = None
+        rerun_out = out
+    assert not list(tmp_path.glob(".mergepipe-staging-*")) and catalog.gc(dry_run=True) == []
+    ok = _cli(["merge", str(spec_path), "--out", str(rerun_out), "--catalog", catalog_url, "--quiet", "--json"])
+    assert ok.returncode == 0, ok.stderr
+    again = json.loads((rerun_out / "manifest.json").read_text())
+    if done is not None:
+        assert again["manifest_hash"] == done["manifest_hash"]
+
+
+def test_cli_errors_are_one_line_exit_1(catalog_url, tmp_path) -> None:
+    spec = tmp_path / "s.yml"
+    spec.write_text("merge_method: linear\nbase_model: nothing\nmodels: [{model: x, parameters: {weight: 1}}]\n")
+    for args in (["merge", str(spec), "--out", str(tmp_path / "o")], ["plan", str(spec), "--budget", "-1"],
+                 ["ingest", str(tmp_path / "missing")], ["plan", str(tmp_path / "nospec.yml")],
+                 ["sql", "DROP TABLE mp_block"]):
+        r = _cli([*args, "--catalog", catalog_url])
+        assert r.returncode == 1, (args, r.stderr)
+        assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr and r.stderr.startswith("mergepipe: error:")
+    assert issubclass(BudgetError, MergePipeError)
