@@ -5,7 +5,6 @@ Data flows one way: catalog (ingest) → plan (planner) → execute (executor) �
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -149,22 +148,56 @@ class Catalog:
               seed: int | None = None, ref: str | None = None, shard_bytes: int | None = None,
               progress: bool = False, verify_reads: bool = False) -> MergeResult:
         """Plan, execute and commit a merge; the output appears at `out` only once committed."""
-        from mergepipe_db import commit as cm
-        from mergepipe_db import faults
-        from mergepipe_db.executor import DEFAULT_SHARD_BYTES, execute
+        t_start = time.perf_counter()
+        out_path, ref_name = self._check_outputs(out, ref, shard_bytes)
+        t0 = time.perf_counter()
+        plan = self.plan(spec, budget=budget, seed=seed, progress=progress)
+        return self._run_plan(plan, out_path, ref_name, t_start=t_start, t_plan=time.perf_counter() - t0,
+                              shard_bytes=shard_bytes, progress=progress, verify_reads=verify_reads)
+
+    def replay(self, source: str | Path, *, out: str | Path, ref: str | None = None,
+               shard_bytes: int | None = None, verify: bool = False, progress: bool = False) -> MergeResult:
+        """Re-execute a recorded merge (snapshot id, ref, checkpoint name or manifest.json path) without
+        planning. Refuses (ReplayError) when an input's content no longer matches the manifest; every
+        expert range read is checked against the catalog's xxh3. With `verify`, a VerifyError names every
+        output tensor whose hash differs from the record."""
+        from mergepipe_db.replay import load_manifest, plan_from_manifest, verify_outputs
 
         t_start = time.perf_counter()
-        out_path = cm.check_out_dir(out)
-        ref_name = ref or out_path.name
+        out_path, ref_name = self._check_outputs(out, ref, shard_bytes)
+        manifest = load_manifest(self.db, source)
+        t0 = time.perf_counter()
+        with self.db.connect() as conn:
+            plan = plan_from_manifest(conn, manifest)
+        res = self._run_plan(plan, out_path, ref_name, t_start=t_start, t_plan=time.perf_counter() - t0,
+                             shard_bytes=shard_bytes, progress=progress, verify_reads=True)
+        if verify:
+            verify_outputs(manifest, Path(res.out))
+        return res
+
+    def _check_outputs(self, out: str | Path, ref: str | None, shard_bytes: int | None) -> tuple[Path, str]:
+        from mergepipe_db.commit import check_out_dir
         from mergepipe_db.ingest import validate_checkpoint_name
 
+        out_path = check_out_dir(out)
+        ref_name = ref or out_path.name
         validate_checkpoint_name(ref_name)
         if shard_bytes is not None and shard_bytes < 1:
             raise SpecError(f"shard size must be a positive number of bytes, got {shard_bytes}")
-        t0 = time.perf_counter()
-        plan = self.plan(spec, budget=budget, seed=seed, progress=progress)
+        return out_path, ref_name
+
+    def _run_plan(self, plan: Plan, out_path: Path, ref_name: str, *, t_start: float, t_plan: float,
+                  shard_bytes: int | None, progress: bool, verify_reads: bool) -> MergeResult:
+        """Execute `plan` into a staging directory, commit it to the catalog, then publish it at `out_path`."""
+        from mergepipe_db import commit as cm
+        from mergepipe_db import faults
+        from mergepipe_db.executor import DEFAULT_SHARD_BYTES, execute
+        from mergepipe_db.storage import check_fresh
+
+        check_fresh(plan.base.files)
+        for e in plan.experts:
+            check_fresh(e.checkpoint.files)
         expected = cm.read_ref_version(self.db, ref_name)
-        t_plan = time.perf_counter() - t0
         faults.point("planned")
 
         intent, staging = cm.begin_staging(self.db, out_path)
@@ -256,6 +289,3 @@ def _check_family(conn: sa.Connection, base_id: str, expert_ids: list[str], spec
                 raise SpecError(f"model {m.ref!r} was ingested against another base; re-ingest it with "
                                 f"--base {spec.base}")
 
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "").lower() in ("1", "true", "yes")

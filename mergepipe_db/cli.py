@@ -131,6 +131,20 @@ def cmd_merge(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_replay(args: argparse.Namespace) -> int:
+    cat = _catalog(args)
+    shard = _parse_size(args.shard_size) if args.shard_size else None
+    res = cat.replay(args.source, out=args.out, ref=args.ref, shard_bytes=shard, verify=args.verify,
+                     progress=_progress(args))
+    if args.json:
+        _print_json(res.to_dict())
+        return 0
+    print(f"replayed into snapshot {res.snapshot_id} as {res.checkpoint} -> {res.out}")
+    print(f"  plan {res.plan_hash[:16]}  manifest {res.manifest_hash[:16]}  expert reads {_fmt_bytes(res.realized_bytes)}"
+          + ("  (outputs verified against the manifest)" if args.verify else ""))
+    return 0
+
+
 def _render(cols: list[str], rows: list[tuple[Any, ...]], fmt: str) -> str:
     def cell(v: Any) -> str:
         if v is None:
@@ -259,6 +273,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--verify-reads", action="store_true", help="check the xxh3 of every expert range read")
     s.add_argument("--json", action="store_true", help="print the result as JSON")
     s.set_defaults(func=cmd_merge)
+
+    s = sub.add_parser("replay", parents=[common], help="re-execute a recorded merge from its manifest",
+                       description="Re-execute the access set a manifest recorded, without planning: same reads, "
+                       "same output tensor hashes, same manifest hash. Refuses when an input changed.",
+                       epilog=EPILOG)
+    s.add_argument("source", help="snapshot id, ref, snapshot checkpoint name, or path to a manifest.json")
+    s.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    s.add_argument("--ref", help="ref to move to the new snapshot (default: the output directory's name)")
+    s.add_argument("--shard-size", metavar="N", help="maximum output shard size (default 4GiB)")
+    s.add_argument("--verify", action="store_true", help="compare output tensor hashes with the manifest and "
+                   "name every tensor that differs")
+    s.add_argument("--json", action="store_true", help="print the result as JSON")
+    s.set_defaults(func=cmd_replay)
 
     s = sub.add_parser("sql", parents=[common], help="read-only SQL over the catalog views",
                        description="Run one read-only SELECT over the views checkpoints, files, tensors, blocks, "

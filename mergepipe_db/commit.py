@@ -112,7 +112,8 @@ def build_manifest(plan: Plan, result: ExecutionResult, *, parents: list[str]) -
         "plan_hash": plan.plan_hash,
         "access": plan.access_mask(),
         "realized": {"per_expert": result.realized_per_expert, "total": result.realized_bytes},
-        "bound": plan.bound_total,
+        # Summation order (SQL aggregates vs replay's per-block sum) moves the last bits: record 9 digits.
+        "bound": None if plan.bound_total is None else float(f"{plan.bound_total:.9g}"),
         "outputs": {
             "tensors": [[t.name, t.dtype, list(t.shape), h] for t, h in zip(result.out_tensors, result.tensor_xxh3)],
             "files": [[n, h] for n, h in zip(result.shard_names, result.shard_sha256)],

@@ -205,6 +205,41 @@ def _load_sketches(conn: sa.Connection, expert_id: str, base_idx_by_name: dict[s
 # --- planning --------------------------------------------------------------------------------------
 
 
+def load_experts(conn: sa.Connection, spec: MergeSpec, expert_ids: list[str]) -> tuple[list[ExpertPlan], Any]:
+    """The experts of `spec` (in spec order) with their tensors, and the operator (for coefficients)."""
+    from mergepipe_db.operators import ExpertParams, make_operator
+
+    infos = [load_checkpoint_info(conn, eid) for eid in expert_ids]
+    op = make_operator(
+        spec.method,
+        [ExpertParams(key=info.id, weight=m.weight, density=m.density, gamma=m.gamma)
+         for info, m in zip(infos, spec.models)],
+        normalize=spec.normalize, lam=spec.lam, t=spec.t,
+    )
+    experts = []
+    for pos, (info, m) in enumerate(zip(infos, spec.models)):
+        tensors = {t.name: t for t in load_tensors(conn, info.id)}
+        experts.append(ExpertPlan(pos, info, m.weight, m.density, m.gamma, float(op.coefficient(pos)), tensors))
+    return experts, op
+
+
+def finalize(conn: sa.Connection, plan: Plan, op: Any) -> None:
+    """Attach the sketches partial reads need, check dtypes, and compute the plan hash."""
+    base_idx_by_name = {t.name: t.idx for t in plan.base_tensors}
+    if op.needs_full_tensor_stats:
+        for e in plan.experts:
+            partial = [tidx for (pos, tidx), full in plan.full_selection.items() if pos == e.position and not full]
+            if partial and e.checkpoint.has_stats:
+                sk = _load_sketches(conn, e.checkpoint.id, base_idx_by_name)
+                for tidx in partial:
+                    if tidx in sk:
+                        plan.sketches[(e.position, tidx)] = sk[tidx]
+    for t in plan.base_tensors:
+        if t.dtype not in ARITHMETIC and any((e.position, t.idx) in plan.access for e in plan.experts):
+            raise UnsupportedDtypeError(f"tensor {t.name!r} has dtype {t.dtype}, which cannot be merged")
+    plan.plan_hash = sha256_hex({"tool": __version__.split(".")[0], **plan.canonical()})
+
+
 def build_plan(
     conn: sa.Connection,
     spec: MergeSpec,
@@ -214,24 +249,11 @@ def build_plan(
     budget_spec: Any,
 ) -> Plan:
     """Run the ranking SQL for `spec` over the catalog and return the access set within the budget."""
-    from mergepipe_db.operators import ExpertParams, make_operator
-
     base = load_checkpoint_info(conn, base_id)
     base_tensors = load_tensors(conn, base_id)
-    base_idx_by_name = {t.name: t.idx for t in base_tensors}
     out_dtype = spec.dtype or None  # non-arithmetic tensors are copied from the base in their own dtype
 
-    experts: list[ExpertPlan] = []
-    infos = [load_checkpoint_info(conn, eid) for eid in expert_ids]
-    op = make_operator(
-        spec.method,
-        [ExpertParams(key=info.id, weight=m.weight, density=m.density, gamma=m.gamma)
-         for info, m in zip(infos, spec.models)],
-        normalize=spec.normalize, lam=spec.lam, t=spec.t,
-    )
-    for pos, (info, m) in enumerate(zip(infos, spec.models)):
-        tensors = {t.name: t for t in load_tensors(conn, info.id)}
-        experts.append(ExpertPlan(pos, info, m.weight, m.density, m.gamma, float(op.coefficient(pos)), tensors))
+    experts, op = load_experts(conn, spec, expert_ids)
 
     full_bytes = sum(e.tensors[t.name].nbytes for e in experts for t in base_tensors if t.dtype in ARITHMETIC)
     budget_bytes = budget_spec.resolve(full_bytes)
@@ -279,16 +301,5 @@ def build_plan(
         access={k: tuple(v) for k, v in access_lists.items()},
         full_selection=full_selection, bound_per_tensor=per_tensor, bound_total=bound_total,
     )
-    if op.needs_full_tensor_stats:
-        for e in experts:
-            partial = [tidx for (pos, tidx), full in full_selection.items() if pos == e.position and not full]
-            if partial and e.checkpoint.has_stats:
-                sk = _load_sketches(conn, e.checkpoint.id, base_idx_by_name)
-                for tidx in partial:
-                    if tidx in sk:
-                        plan.sketches[(e.position, tidx)] = sk[tidx]
-    for t in base_tensors:
-        if t.dtype not in ARITHMETIC and any((e.position, t.idx) in plan.access for e in experts):
-            raise UnsupportedDtypeError(f"tensor {t.name!r} has dtype {t.dtype}, which cannot be merged")
-    plan.plan_hash = sha256_hex({"tool": __version__.split(".")[0], **plan.canonical()})
+    finalize(conn, plan, op)
     return plan

@@ -1,0 +1,48 @@
+"""Timed jobs, each run as its own subprocess by the suite (so /proc/PID/io and ru_maxrss are its own).
+
+    python -m benchmarks.jobs ingest CATALOG PATH NAME [BASE]
+    python -m benchmarks.jobs merge CATALOG SPEC.json BUDGET OUT SHARD_BYTES
+    python -m benchmarks.jobs plan CATALOG SPEC.json BUDGET
+
+Each prints one JSON line on stdout: the library's result plus `startup_s` (interpreter + imports) and
+`work_s` (the library call itself), so process wall time can be split into start-up and work.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+T_START = time.perf_counter()
+
+
+def main(argv: list[str]) -> None:
+    import torch  # noqa: F401 - counted in start-up, as every real invocation pays it
+
+    from mergepipe_db import Catalog
+
+    cmd = argv[0]
+    cat = Catalog.open(argv[1])
+    t0 = time.perf_counter()
+    startup = t0 - T_START
+    if cmd == "ingest":
+        base = argv[4] if len(argv) > 4 else None
+        res = cat.ingest(argv[2], name=argv[3], base=base).to_dict()
+    elif cmd == "merge":
+        spec = json.loads(open(argv[2]).read())
+        r = cat.merge(spec, out=argv[4], budget=argv[3], shard_bytes=int(argv[5]))
+        res = r.to_dict()
+    elif cmd == "plan":
+        spec = json.loads(open(argv[2]).read())
+        p = cat.plan(spec, budget=argv[3])
+        res = p.summary()
+    else:
+        raise SystemExit(f"unknown job {cmd}")
+    res["work_s"] = time.perf_counter() - t0
+    res["startup_s"] = startup
+    print(json.dumps(res, default=str))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,173 @@
+"""Replay: rebuild a plan from a manifest's recorded access set (no planning) and check its inputs.
+
+The manifest names its inputs by content id and file sha256; the access set by (expert position, tensor
+name, block ranges). The rebuilt plan must hash to the recorded plan hash, so the re-execution reads the same
+bytes and produces the same output hashes and the same manifest hash.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+from mergepipe_db.commit import MANIFEST_FORMAT, manifest_hash
+from mergepipe_db.db import schema
+from mergepipe_db.db.engine import Database
+from mergepipe_db.errors import ReplayError, UnknownCheckpointError, VerifyError
+from mergepipe_db.planner import (
+    ARITHMETIC,
+    Plan,
+    Read,
+    finalize,
+    load_checkpoint_info,
+    load_experts,
+    load_tensors,
+)
+from mergepipe_db.spec import MergeSpec, ModelEntry
+
+
+def load_manifest(db: Database, source: str | Path) -> dict[str, Any]:
+    """A manifest from a manifest.json (or the output directory holding one), or from the catalog by
+    snapshot id, ref or snapshot checkpoint name."""
+    path = Path(source)
+    if path.is_dir() and (path / "manifest.json").is_file():
+        path = path / "manifest.json"
+    if path.is_file():
+        try:
+            doc = json.loads(path.read_text(encoding="utf-8"))
+            manifest = doc["manifest"]
+            recorded = doc["manifest_hash"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ReplayError(f"{path} is not a mergepipe manifest: {e}") from e
+        if manifest_hash(manifest) != recorded:
+            raise ReplayError(f"{path}: manifest content does not match its recorded hash (edited?)")
+        return manifest
+    s, c, r, m = schema.snapshot, schema.checkpoint, schema.ref, schema.manifest
+    with db.connect() as conn:
+        sid = conn.execute(sa.select(s.c.id).where(s.c.id == str(source))).scalar()
+        if sid is None:
+            sid = conn.execute(sa.select(r.c.snapshot_id).where(r.c.name == str(source))).scalar()
+        if sid is None:
+            sid = conn.execute(sa.select(s.c.id).join(c, c.c.id == s.c.checkpoint_id)
+                               .where(c.c.name == str(source))).scalar()
+        text = None if sid is None else conn.execute(sa.select(m.c.manifest).where(m.c.snapshot_id == sid)).scalar()
+    if text is None:
+        raise UnknownCheckpointError(f"unknown snapshot {str(source)!r}: not a snapshot id, ref, snapshot name "
+                                     f"or manifest.json path")
+    return json.loads(text)
+
+
+def _check_input(conn: sa.Connection, rec: dict[str, Any], role: str) -> None:
+    c, f = schema.checkpoint, schema.source_file
+    if conn.execute(sa.select(c.c.id).where(c.c.id == rec["id"])).scalar() is None:
+        raise ReplayError(f"{role} {rec['name']!r} (id {rec['id']}) of the manifest is not in this catalog")
+    files = conn.execute(sa.select(f.c.relpath, f.c.sha256).where(f.c.checkpoint_id == rec["id"])
+                         .order_by(f.c.file_idx)).all()
+    if [[a, b] for a, b in files] != [list(x) for x in rec["files"]]:
+        raise ReplayError(f"{role} {rec['name']!r}: its files no longer match the manifest's sha256 hashes")
+
+
+def plan_from_manifest(conn: sa.Connection, manifest: dict[str, Any]) -> Plan:
+    """The plan a manifest recorded, rebuilt from the catalog; ReplayError if inputs changed."""
+    if manifest.get("format") != MANIFEST_FORMAT:
+        raise ReplayError(f"unsupported manifest format {manifest.get('format')!r}")
+    sp, inputs = manifest["spec"], manifest["inputs"]
+    _check_input(conn, inputs["base"], "base")
+    for e in inputs["experts"]:
+        _check_input(conn, e, "expert")
+    gp = sp["parameters"]
+    spec = MergeSpec(
+        method=sp["merge_method"], base=inputs["base"]["name"],
+        models=tuple(ModelEntry(m["model"], float(m["parameters"]["weight"]), float(m["parameters"]["density"]),
+                                float(m["parameters"]["gamma"])) for m in sp["models"]),
+        normalize=gp["normalize"], lam=float(gp["lambda"]), t=gp["t"], dtype=sp["dtype"], budget=None,
+        seed=int(manifest["seed"]), source="<manifest>",
+    )
+    base = load_checkpoint_info(conn, inputs["base"]["id"])
+    base_tensors = load_tensors(conn, base.id)
+    by_name = {t.name: t for t in base_tensors}
+    experts, op = load_experts(conn, spec, [e["id"] for e in inputs["experts"]])
+
+    selected: dict[tuple[int, str], set[int]] = defaultdict(set)
+    for pos, tname, ranges in manifest["access"]:
+        if tname not in by_name or not 0 <= pos < len(experts):
+            raise ReplayError(f"manifest access names an unknown tensor or expert ({pos}, {tname!r})")
+        for lo, hi in ranges:
+            selected[(pos, tname)].update(range(lo, hi))
+
+    b, t = schema.block, schema.tensor
+    access: dict[tuple[int, int], tuple[Read, ...]] = {}
+    full_selection: dict[tuple[int, int], bool] = {}
+    bound_per_tensor: dict[int, float] = defaultdict(float)
+    candidate_bytes = 0
+    for e in experts:
+        rows = conn.execute(
+            sa.select(t.c.name, t.c.dtype, b.c.block_idx, b.c.offset, b.c.nbytes, b.c.xxh3, b.c.delta_l2)
+            .join(t, (t.c.checkpoint_id == b.c.checkpoint_id) & (t.c.tensor_idx == b.c.tensor_idx))
+            .where(b.c.checkpoint_id == e.checkpoint.id).order_by(t.c.tensor_idx, b.c.block_idx)
+        ).all()
+        per_tensor: dict[str, list[Any]] = defaultdict(list)
+        for row in rows:
+            if row.dtype in ARITHMETIC:
+                per_tensor[row.name].append(row)
+        for tname, blocks in per_tensor.items():
+            tidx = by_name[tname].idx
+            chosen = selected.get((e.position, tname), set())
+            reads, all_candidates_read = [], True
+            for row in blocks:
+                candidate = row.delta_l2 is None or row.delta_l2 != 0
+                candidate_bytes += row.nbytes if candidate else 0
+                if row.block_idx in chosen:
+                    reads.append(Read(row.block_idx, row.offset, row.nbytes, row.xxh3))
+                elif candidate:
+                    all_candidates_read = False
+                    score = math.inf if row.delta_l2 is None else abs(e.coef) * row.delta_l2
+                    bound_per_tensor[tidx] += score
+            if len(reads) != len(chosen):
+                raise ReplayError(f"manifest selects blocks of {tname!r} that the catalog does not have")
+            if reads:
+                access[(e.position, tidx)] = tuple(reads)
+                e.planned_bytes += sum(r.nbytes for r in reads)
+                e.blocks_selected += len(reads)
+            full_selection[(e.position, tidx)] = all_candidates_read
+    planned = sum(e.planned_bytes for e in experts)
+    full_bytes = sum(e.tensors[x.name].nbytes for e in experts for x in base_tensors if x.dtype in ARITHMETIC)
+    additive = bool(op.additive)
+    plan = Plan(
+        spec=spec, base=base, base_tensors=base_tensors, experts=experts, out_dtype=sp["dtype"],
+        budget_bytes=int(manifest["budget_bytes"]), full_bytes=full_bytes, candidate_bytes=candidate_bytes,
+        planned_bytes=planned, access=access, full_selection=full_selection,
+        bound_per_tensor=dict(bound_per_tensor) if additive else None,
+        bound_total=math.fsum(bound_per_tensor.values()) if additive else None,
+    )
+    finalize(conn, plan, op)
+    if plan.plan_hash != manifest["plan_hash"]:
+        raise ReplayError(f"rebuilt plan hash {plan.plan_hash[:16]} != recorded {manifest['plan_hash'][:16]}: "
+                          f"the catalog no longer describes the recorded inputs")
+    return plan
+
+
+def verify_outputs(manifest: dict[str, Any], out: Path) -> None:
+    """Compare the output tensors at `out` with the manifest's recorded xxh3; VerifyError names each that differs."""
+    from mergepipe_db.formats.hf_layout import resolve_checkpoint
+    from mergepipe_db.storage import RangeReader, xxh3_hex
+
+    layout = resolve_checkpoint(out)
+    recorded = {name: h for name, _dtype, _shape, h in manifest["outputs"]["tensors"]}
+    differ: list[str] = []
+    seen = set()
+    with RangeReader(random=False) as reader:
+        for header in layout.files:
+            for entry in header.tensors:
+                seen.add(entry.name)
+                got = xxh3_hex(reader.read(str(header.path), header.absolute_offset(entry), entry.nbytes))
+                if recorded.get(entry.name) != got:
+                    differ.append(entry.name)
+    differ += sorted(set(recorded) - seen)
+    if differ:
+        raise VerifyError(f"{len(differ)} output tensor(s) differ from the manifest: {', '.join(map(repr, differ))}")
