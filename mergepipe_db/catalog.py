@@ -251,6 +251,45 @@ class Catalog:
 
         return verify_sources(self.db, full=full, checkpoint=checkpoint)
 
+    def verify_snapshot(self, snapshot: str) -> list[str]:
+        """Rehash a committed snapshot's output files and tensors against its manifest; returns problems,
+        one line each naming the file or tensor. UnknownCheckpointError when `snapshot` is not one."""
+        from mergepipe_db.maintenance import verify_snapshot
+
+        return verify_snapshot(self.db, snapshot)
+
+    def verify_all(self, name: str | None = None, *, full: bool = False) -> tuple[list[str], list[str]]:
+        """`mergepipe verify [NAME]`: a snapshot/ref → its outputs; another checkpoint → its sources; no
+        NAME → every original checkpoint's sources and every committed snapshot. Returns (problems, checked)."""
+        from mergepipe_db.maintenance import verify_all
+
+        return verify_all(self.db, name, full=full)
+
+    # -- audit: lineage, reports, sweeps ----------------------------------------------------------------
+
+    def lineage(self, snapshot: str) -> dict[str, Any]:
+        """Lineage DAG of a snapshot (checkpoint name, ref or snapshot id) back to original checkpoints;
+        see `mergepipe_db.lineage.lineage_graph`. UnknownCheckpointError for an unknown name."""
+        from mergepipe_db.lineage import lineage_graph
+
+        return lineage_graph(self.db, snapshot)
+
+    def report(self, snapshot: str, *, out: str | Path) -> Path:
+        """Write an audit report of a committed snapshot: HTML (`.html`) or Markdown (`.md`, heatmap PNG
+        beside it). Returns the report path."""
+        from mergepipe_db.reports import write_report
+
+        return write_report(self.db, snapshot, out)
+
+    def sweep(self, spec: str | Path | dict[str, Any] | MergeSpec, *, budgets: Any, out: str | Path,
+              seed: int | None = None, shard_bytes: int | None = None, progress: bool = False,
+              bar: bool = False) -> Any:
+        """Merge `spec` at each budget into `out/budget-<b>/` (full budget always included) and write
+        `out/frontier.{csv,md,png}`; returns a `mergepipe_db.sweep.SweepResult`."""
+        from mergepipe_db.sweep import run_sweep
+
+        return run_sweep(self, spec, budgets, out, seed=seed, shard_bytes=shard_bytes, progress=progress, bar=bar)
+
 
 def _default_name(path: str | Path) -> str:
     p = Path(path).resolve()

@@ -179,17 +179,54 @@ def cmd_sql(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     cat = _catalog(args)
-    problems = cat.verify(full=args.full, checkpoint=args.checkpoint)
+    problems, checked = cat.verify_all(args.checkpoint, full=args.full)
     if args.json:
-        _print_json({"ok": not problems, "problems": problems})
+        _print_json({"ok": not problems, "checked": checked, "problems": problems})
     else:
         for p in problems:
             print(p)
-        print("ok: sources match the catalog" if not problems else f"{len(problems)} problem(s)")
+        if not problems:
+            print(f"ok: {'; '.join(checked)} match the record")
     if problems:
         from mergepipe_db.errors import VerifyError
 
-        raise VerifyError(f"{len(problems)} source file(s) differ from the catalog (listed above)")
+        raise VerifyError(f"{len(problems)} problem(s): files or tensors differ from the catalog or the "
+                          f"manifest (listed above)")
+    return 0
+
+
+def cmd_lineage(args: argparse.Namespace) -> int:
+    from mergepipe_db.lineage import render
+
+    cat = _catalog(args)
+    print(render(cat.lineage(args.snapshot), args.format))
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    cat = _catalog(args)
+    path = cat.report(args.snapshot, out=args.out)
+    if args.json:
+        _print_json({"report": str(path)})
+    else:
+        print(f"wrote {path}")
+    return 0
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    cat = _catalog(args)
+    shard = _parse_size(args.shard_size) if args.shard_size else None
+    res = cat.sweep(args.spec, budgets=args.budgets, out=args.out, seed=args.seed, shard_bytes=shard,
+                    progress=not args.quiet, bar=_progress(args))
+    if args.json:
+        _print_json(res.to_dict())
+        return 0
+    print(f"{'budget':>8} {'budget bytes':>14} {'expert bytes':>14} {'seconds':>8} {'rel. L2 dev.':>12} bound")
+    for r in res.rows:
+        bound = "n/a" if r["bound"] is None else f"{r['bound']:.4g}"
+        print(f"{r['budget']:>8} {r['budget_bytes']:>14} {r['expert_bytes']:>14} {r['seconds']:>8.2f} "
+              f"{r['rel_l2_deviation']:>12.4g} {bound}")
+    print(f"wrote {res.csv}, {res.md}, {res.png}")
     return 0
 
 
@@ -295,13 +332,55 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--format", choices=("table", "csv", "json"), default="table", help="output format")
     s.set_defaults(func=cmd_sql)
 
-    s = sub.add_parser("verify", parents=[common], help="check source files against the catalog",
-                       description="Check every catalogued source file: present, same size and mtime; with --full "
-                       "also rehash (sha256).", epilog=EPILOG)
-    s.add_argument("checkpoint", nargs="?", help="only this checkpoint")
-    s.add_argument("--full", action="store_true", help="rehash file contents (sha256)")
+    s = sub.add_parser("verify", parents=[common], help="check sources and merge outputs against the record",
+                       description="Without NAME: check every catalogued source file of the original checkpoints "
+                       "(present, same size and mtime; with --full also sha256) and rehash the outputs of every "
+                       "committed snapshot against its manifest (file sha256 and per-tensor xxh3_128). With NAME: "
+                       "a snapshot (ref@version), ref or snapshot id checks that snapshot's outputs; another "
+                       "checkpoint name checks its source files. Prints one line per differing file or tensor "
+                       "and exits 1 (VerifyError) when anything differs.", epilog=EPILOG)
+    s.add_argument("checkpoint", nargs="?", metavar="NAME",
+                   help="only this checkpoint, snapshot (ref@version), ref or snapshot id")
+    s.add_argument("--full", action="store_true", help="rehash source file contents (sha256); snapshot outputs "
+                   "are always rehashed")
     s.add_argument("--json", action="store_true", help="print the result as JSON")
     s.set_defaults(func=cmd_verify)
+
+    s = sub.add_parser("lineage", parents=[common], help="show what a snapshot was merged from, recursively",
+                       description="Walk a snapshot's lineage back to the original checkpoints: every merge on the "
+                       "way with its operator, expert-read budget and plan hash. SNAPSHOT is a snapshot checkpoint "
+                       "name (ref@version), a ref (its current version) or a snapshot id.", epilog=EPILOG)
+    s.add_argument("snapshot", metavar="SNAPSHOT", help="snapshot name (ref@version), ref or snapshot id")
+    s.add_argument("--format", choices=("text", "mermaid", "json"), default="text",
+                   help="text: indented tree (default); mermaid: flowchart with edges labelled operator, budget "
+                   "and plan hash prefix; json: nodes and edges")
+    s.set_defaults(func=cmd_lineage)
+
+    s = sub.add_parser("report", parents=[common], help="write an audit report (HTML or Markdown) of a snapshot",
+                       description="Write an audit report of a committed merge: inputs with file hashes, operator "
+                       "and parameters, budget vs realized expert reads per expert, a per-layer x per-expert "
+                       "coverage heatmap, the omitted-update bound and the time breakdown. The format follows the "
+                       "extension of --out: .html is self-contained (heatmap embedded); .md writes the heatmap "
+                       "PNG beside the report.", epilog=EPILOG)
+    s.add_argument("snapshot", metavar="SNAPSHOT", help="snapshot name (ref@version), ref or snapshot id")
+    s.add_argument("--out", required=True, help="report file: report.html or report.md")
+    s.add_argument("--json", action="store_true", help="print the report path as JSON")
+    s.set_defaults(func=cmd_report)
+
+    s = sub.add_parser("sweep", parents=[common], help="merge one spec at several budgets; error/time frontier",
+                       description="Run the merge in SPEC once per budget into DIR/budget-<b>/ (ref <DIR name>-b<b>"
+                       "), always including the full budget 1 as the reference, then write DIR/frontier.csv, "
+                       "DIR/frontier.md and DIR/frontier.png: budget, budget bytes, realized expert bytes, total "
+                       "bytes (expert + base + output), seconds, relative L2 deviation from the full-budget output "
+                       "(float64) and the omitted-update bound. Progress lines go to stderr.", epilog=EPILOG)
+    s.add_argument("spec", help="merge spec (MergeKit-compatible YAML; its own budget is ignored)")
+    s.add_argument("--budgets", default="0.05,0.1,0.25,0.5,1",
+                   help="comma-separated budgets, fractions or bytes (default 0.05,0.1,0.25,0.5,1)")
+    s.add_argument("--out", required=True, metavar="DIR", help="sweep directory (budget-<b>/ must not exist yet)")
+    s.add_argument("--seed", type=int, help="seed for random operators (DARE)")
+    s.add_argument("--shard-size", metavar="N", help="maximum output shard size (default 4GiB)")
+    s.add_argument("--json", action="store_true", help="print the frontier rows as JSON")
+    s.set_defaults(func=cmd_sweep)
 
     s = sub.add_parser("gc", parents=[common], help="list (or remove) leftovers of interrupted merges",
                        description="Find staging directories of interrupted merges and committed snapshots not yet "

@@ -29,7 +29,8 @@ def run_demo(workdir: Path, *, catalog: str | None, method: str, budget: str, ex
     url = catalog or os.environ.get("MERGEPIPE_CATALOG") or str(workdir / "catalog.duckdb")
     cat = Catalog.open(url)
     print(f"[2/3] ingesting into {cat.db.display()}")
-    res = cat.ingest(fam.base, name="base", progress=progress)
+    # 64 KiB blocks: the demo models are small, so finer blocks make the budget's choices visible.
+    res = cat.ingest(fam.base, name="base", block_bytes=64 << 10, progress=progress)
     print(f"      base: {res.n_tensors} tensors, {res.n_blocks} blocks ({'new' if res.created else 'unchanged'})")
     for i, path in enumerate(fam.experts):
         r = cat.ingest(path, name=f"expert_{i:02d}", base="base", progress=progress)

@@ -276,15 +276,46 @@ def _weight_sum(weights: Sequence[float]) -> float:
 # --------------------------------------------------------------------------------------------------
 
 
+_RADIX_SMALL = 4096  # below this many elements a sort is cheaper than two 64 Ki-bin bincounts
+
+
+def _locate_from_top(counts: np.ndarray, k: int) -> tuple[int, int]:
+    """(index, count above it) of the k-th largest item of a histogram over increasing keys."""
+    from_top = np.cumsum(counts[::-1])
+    i = int(np.searchsorted(from_top, k, side="left"))
+    idx = counts.size - 1 - i
+    return idx, int(from_top[i]) - int(counts[idx])
+
+
+def _kth_largest_exact(a: torch.Tensor, k: int, op: MergeOperator) -> float:
+    """The k-th largest (1 <= k <= numel) of a 1-D float32 tensor of magnitudes, NaN counted largest.
+
+    Radix select on the bit patterns (non-negative float32 order = int32 order, NaN above inf): a
+    bincount of the top 16 bits locates the k-th largest's prefix, a second one its low 16 bits. Equal
+    to ``torch.sort(a, descending=True).values[k-1]`` without sorting, topk or selecting elements.
+    """
+    n = a.numel()
+    if n <= _RADIX_SMALL:
+        return float(torch.sort(a, descending=True).values[k - 1])
+    bits = a.view(torch.int32)
+    c = op._scratch("radix", n, torch.int32)
+    torch.bitwise_right_shift(bits, 16, out=c)
+    hi, above = _locate_from_top(torch.bincount(c, minlength=1 << 15).numpy(), k)
+    torch.sub(bits, hi << 16, out=c)
+    c.clamp_(-1, 1 << 16).add_(1)  # 0: below the prefix, 1..65536: inside, 65537: above
+    inside = torch.bincount(c, minlength=(1 << 16) + 2).numpy()[1 : (1 << 16) + 1]
+    low, _ = _locate_from_top(inside, k - above)
+    return float(np.array([(hi << 16) | low], dtype=np.int32).view(np.float32)[0])
+
+
 class _Magnitudes:
     """|Δ| of the rows read for one expert and tensor, and order statistics of the whole tensor's |Δ|.
 
     Positions follow a descending sort with NaN first (torch's order): ``desc(k)`` is the k-th largest.
     Exact mode (``hist is None``: full selection, or no sketch): the tensor is the rows read plus zeros
-    for the rest, and the k-th largest is found by locating its bin in a histogram of the data and
-    selecting among that bin's elements only (no sort of the whole tensor). Sketch mode (partial
-    selection): the catalog histogram locates the bin; when every element of that bin was read, the
-    value is still exact, otherwise it is interpolated inside the bin (`sketch.kth_largest`).
+    for the rest; `_kth_largest_exact` finds the value. Sketch mode (partial selection): the catalog
+    histogram locates the bin; when every element of that bin was read the value is still exact (its rank
+    among the rows read is known), otherwise it is interpolated inside the bin (`sketch.kth_largest`).
     """
 
     def __init__(self, a: torch.Tensor, n_total: int, hist: np.ndarray | None, op: MergeOperator) -> None:
@@ -293,7 +324,6 @@ class _Magnitudes:
         self.hist = hist
         self._op = op
         self._nan_read: int | None = None
-        self._own: np.ndarray | None = None
 
     def nan_read(self) -> int:
         if self._nan_read is None:
@@ -303,64 +333,34 @@ class _Magnitudes:
                 self._nan_read = int(torch.isnan(a).sum())
         return self._nan_read
 
-    def _bin_elements(self, b: int) -> torch.Tensor:
-        """The read, non-NaN elements of bin b >= 1."""
-        a = self.a
-        m = self._op._scratch("mag_lo", a.numel(), torch.bool)
-        torch.ge(a, float(_EDGES[b]), out=m)
-        if b < _LAST:
-            m2 = self._op._scratch("mag_hi", a.numel(), torch.bool)
-            torch.ge(a, float(_EDGES[b + 1]), out=m2)
-            m.logical_xor_(m2)  # [edge_b, edge_b+1): the upper set is inside the lower one
-        return a[m]
-
-    @staticmethod
-    def _rth_largest(sel: torch.Tensor, r: int) -> float:
-        m = sel.numel()
-        return float(torch.kthvalue(sel, m - r + 1).values)
-
-    def _desc_read(self, k: int) -> float:
-        """Exact k-th largest of the rows read (1 <= k <= numel)."""
-        nan = self.nan_read()
-        if k <= nan:
-            return math.nan
-        if self._own is None:
-            self._own = _sketch.histogram(self.a)
-        b, above = _sketch.locate_kth_largest(self._own, k)
-        if b == _sketch.ZERO_BIN:
-            return 0.0
-        r = k - above - (nan if b == _LAST else 0)
-        return self._rth_largest(self._bin_elements(b), r)
-
-    def _last_bin_covered(self) -> bool:
-        assert self.hist is not None
-        n_last = int((self.a >= float(_EDGES[_LAST])).sum()) + self.nan_read()
-        return n_last == int(self.hist[_LAST])
+    def _count_ge(self, v: float) -> int:
+        """Read elements with |Δ| >= v (NaN not counted)."""
+        t = torch.ge(self.a, v, out=self._op._scratch("ind_count", self.a.numel()))
+        return int(torch.count_nonzero(t))
 
     def _desc_sketch(self, k: int) -> float | None:
-        """Exact k-th largest from the sketch's counts plus the read elements of its bin, or None."""
+        """Exact k-th largest from the sketch's counts when every element of its bin was read, else None."""
         hist = self.hist
         assert hist is not None
         b, above = _sketch.locate_kth_largest(hist, k)
         if b == _sketch.ZERO_BIN:
             return 0.0
-        r = k - above
-        extra = 0
+        r = k - above  # rank inside bin b (NaN first in the last bin)
+        ge_lo = self._count_ge(float(_EDGES[b]))
         if b == _LAST:
-            if not self._last_bin_covered():
-                return None
-            extra = self.nan_read()
-            if r <= extra:
-                return math.nan
-        sel = self._bin_elements(b)
-        if sel.numel() + extra != int(hist[b]):
+            in_bin, read_above = ge_lo + self.nan_read(), 0
+        else:
+            read_above = self._count_ge(float(_EDGES[b + 1]))
+            in_bin = ge_lo - read_above
+            read_above += self.nan_read()
+        if in_bin != int(hist[b]):
             return None
-        return self._rth_largest(sel, r - extra)
+        return _kth_largest_exact(self.a, read_above + r, self._op)
 
     def desc(self, k: int) -> float:
         """The k-th largest |Δ| of the whole tensor (1 <= k <= n), NaN counted largest."""
         if self.hist is None:
-            return self._desc_read(k) if k <= self.a.numel() else 0.0
+            return _kth_largest_exact(self.a, k, self._op) if k <= self.a.numel() else 0.0
         exact = self._desc_sketch(k) if int(self.hist.sum()) == self.n else None
         if exact is not None:
             return exact
@@ -370,7 +370,7 @@ class _Magnitudes:
         """NaN count of the whole tensor if known (0 or more), else None."""
         if self.hist is None or self.nan_read():
             return self.nan_read()
-        if int(self.hist[_LAST]) == 0 or self._last_bin_covered():
+        if int(self.hist[_LAST]) == 0 or self._count_ge(float(_EDGES[_LAST])) == int(self.hist[_LAST]):
             return 0
         return None
 
@@ -378,8 +378,7 @@ class _Magnitudes:
         """``torch.topk(|Δ|.flatten(), k).values.min()`` (+inf for k == 0): NaN if any NaN."""
         if k <= 0:
             return math.inf
-        nan = self.nan_total()
-        if nan:
+        if self.nan_total():
             return math.nan
         return self.desc(k)
 
@@ -439,7 +438,8 @@ class MergeOperator(abc.ABC):
         self.gammas: list[float] = []
         for k, e in enumerate(experts):
             if not isinstance(e, ExpertParams):
-                raise SpecError(f"{self.name}: expert {k} parameters must be ExpertParams, got {type(e).__name__}")
+                raise SpecError(f"{self.name}: expert {k} parameters must be ExpertParams, "
+                                f"got {type(e).__name__}")
             self.weights.append(_finite(e.weight, f"expert {k} weight", self.name))
             d = _finite(e.density, f"expert {k} density", self.name)
             if not 0.0 < d <= 1.0:
@@ -463,6 +463,7 @@ class MergeOperator(abc.ABC):
 
     def _validate(self) -> None:
         """Method-specific checks (SpecError)."""
+        return None
 
     @property
     def n_experts(self) -> int:
@@ -524,6 +525,7 @@ class MergeOperator(abc.ABC):
 
     def _end(self) -> None:
         """Drop per-tensor references."""
+        return None
 
     # -- helpers -----------------------------------------------------------------------------------
 
@@ -559,8 +561,19 @@ class MergeOperator(abc.ABC):
         return torch.add(self._bflat[s:e], d[s:e], out=self._scratch("theta", e - s))
 
 
+def _all_finite(t: torch.Tensor) -> bool:
+    """True when every element is finite (a sum that overflows answers False: callers then take the
+    exact slow path, which is always correct)."""
+    return bool(torch.isfinite(t.sum()))
+
+
 class _DeltaFold(MergeOperator):
-    """Operators on task vectors: D_k = T_k · w_k folded over the selected rows only."""
+    """Operators on task vectors: D_k = T_k · w_k folded over the selected rows only.
+
+    Masks are applied as float 0/1 indicators (``D * 1 = D``, ``D * 0 = ±0``), which equals
+    ``where(keep, ·, 0.0)`` whenever D is finite; a chunk holding inf/NaN takes the literal ``where``.
+    The sign of a zero D never matters: it only meets +0.0-started accumulators.
+    """
 
     def _add(self, x: ExpertInput) -> None:
         assert self._ctx is not None
@@ -574,14 +587,15 @@ class _DeltaFold(MergeOperator):
         self._set_expert(w)
         for s, e in _chunks(ranges):
             d = self._delta_chunk(x, s, e)
-            self._combine(s, e, torch.mul(d, w, out=self._scratch("D", e - s)))
+            self._combine(s, e, torch.mul(d, w, out=self._scratch("D", e - s)), None)
 
     def _set_expert(self, w: float) -> None:
         """Per-expert constants for `_combine`."""
+        self._w = w
 
     @abc.abstractmethod
-    def _combine(self, s: int, e: int, D: torch.Tensor) -> None:
-        """Fold D_k[s:e] (may be modified)."""
+    def _combine(self, s: int, e: int, D: torch.Tensor, finite: bool | None) -> None:
+        """Fold D_k[s:e] (may be modified); ``finite``: known all-finite (True) or unknown (None)."""
 
     # -- trims ---------------------------------------------------------------------------------------
 
@@ -597,33 +611,33 @@ class _DeltaFold(MergeOperator):
         return _Magnitudes(a, self._ctx.numel, hist, self)
 
     def _fold_masked(self, x: ExpertInput, ranges: list[tuple[int, int]], mags: _Magnitudes,
-                     lo: float | None, hi: float | None, hi_inclusive_lo: bool) -> None:
-        """T_k = where(keep, Δ_k, 0.0) with keep = |Δ| >= lo (``hi_inclusive_lo``, TIES) or
-        lo < |Δ| < hi (breadcrumbs; lo None = no lower test)."""
+                     lo: float | None, hi: float | None) -> None:
+        """T_k = where(keep, Δ_k, 0.0): keep = |Δ| >= lo when ``hi`` is None (TIES), else
+        lo < |Δ| < hi (breadcrumbs; ``lo`` None: no lower test)."""
         w = self.weights[x.index]
         self._set_expert(w)
-        zero = self._zero
         a = mags.a
         off = 0
         for s, e in _chunks(ranges):
             n = e - s
             ac = a[off : off + n]
             off += n
-            keep = self._scratch("keep", n, torch.bool)
-            if hi_inclusive_lo:
-                assert lo is not None
-                torch.ge(ac, lo, out=keep)
-            else:
-                assert hi is not None
-                torch.lt(ac, hi, out=keep)
-                if lo is not None:
-                    keep2 = self._scratch("keep2", n, torch.bool)
-                    torch.gt(ac, lo, out=keep2)
-                    keep.logical_and_(keep2)
             d = self._delta_chunk(x, s, e)
-            D = torch.where(keep, d, zero, out=self._scratch("D", n))
-            D.mul_(w)
-            self._combine(s, e, D)
+            D = torch.mul(d, w, out=self._scratch("D", n))
+            if _all_finite(D):
+                ind = self._scratch("ind", n)
+                if hi is None:
+                    assert lo is not None
+                    torch.ge(ac, lo, out=ind)
+                else:
+                    torch.lt(ac, hi, out=ind)
+                    if lo is not None:
+                        D.mul_(torch.gt(ac, lo, out=self._scratch("ind2", n)))
+                D.mul_(ind)
+                self._combine(s, e, D, True)
+            else:  # the literal formula
+                keep = ac >= lo if hi is None else ((ac < hi) if lo is None else (ac > lo) & (ac < hi))
+                self._combine(s, e, torch.where(keep, d, 0.0).mul_(w), None)
 
     def _fold_ties_trim(self, x: ExpertInput, ranges: list[tuple[int, int]]) -> None:
         """TIES step 1 (density < 1): keep |Δ| >= τ, τ the k-th largest |Δ| of the whole tensor."""
@@ -635,7 +649,7 @@ class _DeltaFold(MergeOperator):
             return  # |Δ| >= NaN is false everywhere: T_k = 0
         if tau == math.inf and not bool(torch.isinf(mags.a).any()):
             return
-        self._fold_masked(x, ranges, mags, tau, None, True)
+        self._fold_masked(x, ranges, mags, tau, None)
 
     def _fold_breadcrumbs_trim(self, x: ExpertInput, ranges: list[tuple[int, int]]) -> None:
         """Breadcrumbs (density < 1): keep lo < |Δ| < hi."""
@@ -652,10 +666,10 @@ class _DeltaFold(MergeOperator):
         lo = -math.inf if n_bot == 0 else mags.bottomk_max(n_bot)
         if math.isnan(hi) or math.isnan(lo):
             return  # a comparison with NaN is false everywhere: T_k = 0
-        self._fold_masked(x, ranges, mags, None if lo == -math.inf else lo, hi, False)
+        self._fold_masked(x, ranges, mags, None if lo == -math.inf else lo, hi)
 
     def _fold_dare(self, x: ExpertInput) -> None:
-        """DARE: T_k = where(rand < d, Δ_k / d, 0.0), masks drawn per selected block."""
+        """DARE: T_k = where(rand < d, Δ_k / d, 0.0), masks drawn per selected block only."""
         ctx = self._ctx
         assert ctx is not None
         k = x.index
@@ -668,24 +682,22 @@ class _DeltaFold(MergeOperator):
             s0, e0 = rs * rn, re * rn
             if s0 == e0:
                 continue
+            shape = ctx.block_shape(b)
             u = self._scratch("u", e0 - s0)
-            torch.rand(ctx.block_shape(b), generator=_block_generator(ctx.seed, key, ctx.name, b),
-                       dtype=torch.float32, out=u.view(ctx.block_shape(b)))
+            torch.rand(shape, generator=_block_generator(ctx.seed, key, ctx.name, b), dtype=torch.float32,
+                       out=u.view(shape))
             for s, e in _chunks([(s0, e0)]):
                 n = e - s
-                T = torch.div(self._delta_chunk(x, s, e), d, out=self._scratch("D", n))
-                drop = torch.ge(u[s - s0 : e - s0], d, out=self._scratch("keep", n, torch.bool))  # not u < d
-                T.masked_fill_(drop, 0.0)
-                T.mul_(w)
-                self._combine(s, e, T)
-
-    @property
-    def _zero(self) -> torch.Tensor:
-        z = self._pool.get("zero0d")
-        if z is None:
-            z = torch.zeros((), dtype=torch.float32)
-            self._pool["zero0d"] = z
-        return z
+                uc = u[s - s0 : e - s0]
+                delta = self._delta_chunk(x, s, e)
+                D = torch.div(delta, d, out=self._scratch("D", n))
+                D.mul_(w)
+                if _all_finite(D):
+                    D.mul_(torch.lt(uc, d, out=self._scratch("ind", n)))
+                    self._combine(s, e, D, True)
+                else:  # the literal formula
+                    T = torch.where(uc < d, delta / d, 0.0)
+                    self._combine(s, e, T.mul_(w), None)
 
 
 class _AdditiveFold(_DeltaFold):
@@ -697,7 +709,7 @@ class _AdditiveFold(_DeltaFold):
         assert self._base is not None
         self._mixed = torch.zeros(self._base.numel(), dtype=torch.float32)
 
-    def _combine(self, s: int, e: int, D: torch.Tensor) -> None:
+    def _combine(self, s: int, e: int, D: torch.Tensor, finite: bool | None) -> None:
         assert self._mixed is not None
         self._mixed[s:e].add_(D)
 
@@ -715,7 +727,8 @@ class _AdditiveFold(_DeltaFold):
 
 
 class _TiesFold(_DeltaFold):
-    """TIES steps 2-6 in streaming form: S, P, N, WP, WN (docs/SEMANTICS.md)."""
+    """TIES steps 2-6 in streaming form (docs/SEMANTICS.md): S = Σ D_k, P/N = Σ positive/negative D_k,
+    WP/WN = Σ w_k over positive/negative D_k; mixed = where(S >= 0, P, N), div = where(S >= 0, WP, WN)."""
 
     normalize_default = True
     _P: torch.Tensor | None = None
@@ -729,27 +742,27 @@ class _TiesFold(_DeltaFold):
         if self.normalize:
             self._WP = self._zeroed("WP", n)
             self._WN = self._zeroed("WN", n)
-        self._w0d = torch.zeros((), dtype=torch.float32)
 
-    def _set_expert(self, w: float) -> None:
-        self._w0d.fill_(w)  # where(keep, w, 0.0) holds float32(w)
-
-    def _combine(self, s: int, e: int, D: torch.Tensor) -> None:
+    def _combine(self, s: int, e: int, D: torch.Tensor, finite: bool | None) -> None:
         assert self._P is not None
         n = e - s
-        zero = self._zero
+        w = self._w
         self._S[s:e].add_(D)
         t = self._scratch("t2", n)
-        torch.fmax(D, zero, out=t)  # where(D > 0, D, 0) up to the sign of zero (and NaN -> 0)
-        self._P[s:e].add_(t)
-        torch.fmin(D, zero, out=t)
-        self._N[s:e].add_(t)
-        if self.normalize:
-            m = self._scratch("sgn", n, torch.bool)
-            torch.gt(D, 0.0, out=m)
-            self._WP[s:e].add_(torch.where(m, self._w0d, zero, out=t))
-            torch.lt(D, 0.0, out=m)
-            self._WN[s:e].add_(torch.where(m, self._w0d, zero, out=t))
+        if finite or _all_finite(D):
+            # D > 0: clamp_min(D, 0) = D, w·1 = w; otherwise ±0 — equal to the where() forms for finite D
+            self._P[s:e].add_(torch.clamp_min(D, 0.0, out=t))
+            self._N[s:e].add_(torch.clamp_max(D, 0.0, out=t))
+            if self.normalize:
+                self._WP[s:e].add_(torch.gt(D, 0.0, out=t), alpha=w)
+                self._WN[s:e].add_(torch.lt(D, 0.0, out=t), alpha=w)
+        else:  # the literal formula (NaN D is neither positive nor negative)
+            pos, neg = D > 0, D < 0
+            self._P[s:e].add_(torch.where(pos, D, 0.0))
+            self._N[s:e].add_(torch.where(neg, D, 0.0))
+            if self.normalize:
+                self._WP[s:e].add_(torch.where(pos, w, 0.0))
+                self._WN[s:e].add_(torch.where(neg, w, 0.0))
 
     def _finish(self) -> torch.Tensor:
         P, base = self._P, self._base
@@ -898,7 +911,8 @@ class Slerp(MergeOperator):
 
     def _validate(self) -> None:
         if self.n_experts != 1:
-            raise SpecError(f"slerp merges exactly two models, the base and one other; got {self.n_experts} others")
+            raise SpecError(f"slerp merges exactly two models, the base and one other; "
+                            f"got {self.n_experts} others")
         if self.t is None:
             raise SpecError("slerp needs the parameter t")
         if not 0.0 <= self.t <= 1.0:

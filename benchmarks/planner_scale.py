@@ -1,0 +1,190 @@
+"""(7) Planner scale: planning time for 10^4, 10^5, 10^6 candidate blocks on DuckDB and PostgreSQL.
+
+Catalog rows are synthesized directly (fake checkpoints, files, tensors and blocks with random delta_l2), then
+`planner.build_plan` (inside one catalog connection) and `Catalog.plan` (end to end: name resolution, family
+check, SQL ranking, freshness check of the (tiny, real) fake files) are timed in-process, warm, median of 3.
+PostgreSQL uses its own database `mergepipe_bench` on the test server (dropped and recreated per size) so it
+never touches `mergepipe_test`, which the test suite uses concurrently.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import subprocess
+import time
+from typing import Any
+
+import sqlalchemy as sa
+
+from benchmarks.common import DATA, Config, md_table, med, save_raw, write_section
+
+PG_ADMIN = "postgresql://mergepipe:mergepipe@127.0.0.1:5432/postgres"
+PG_URL = "postgresql+psycopg://mergepipe:mergepipe@127.0.0.1:5432/mergepipe_bench"
+K = 8
+T = 200  # tensors per checkpoint
+
+
+def _populate(url: str, n_blocks: int) -> None:
+    from mergepipe_db import Catalog
+    from mergepipe_db.db import schema
+    from mergepipe_db.db.bulk import bulk_insert
+
+    cat = Catalog.open(url)
+    rng = random.Random(0)
+    bpt = max(1, n_blocks // (K * T))
+    fdir = DATA / "planner-files"
+    fdir.mkdir(parents=True, exist_ok=True)
+    mb = 1 << 20
+    ckpts, files, tensors = [], [], []
+    blocks_cols: dict[str, list[Any]] = {c.name: [] for c in schema.block.columns}
+    for c in range(K + 1):
+        cid = f"{c:064x}"
+        fpath = fdir / f"ckpt{c}.bin"
+        fpath.write_bytes(b"x")
+        st = os.stat(fpath)
+        ckpts.append({"id": cid, "name": "base" if c == 0 else f"e{c - 1}", "kind": "full",
+                      "base_id": None if c == 0 else f"{0:064x}", "root": str(fdir), "config": None,
+                      "block_bytes": mb, "n_tensors": T, "total_bytes": T * bpt * mb, "has_stats": True,
+                      "created_at": "2026-01-01T00:00:00", "tool_version": "bench"})
+        fid = f"f{c:063x}"
+        files.append({"id": fid, "checkpoint_id": cid, "file_idx": 0, "relpath": fpath.name, "path": str(fpath),
+                      "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": "0" * 64, "header_len": 0})
+        for t in range(T):
+            off = 8 + t * bpt * mb
+            tensors.append({"checkpoint_id": cid, "tensor_idx": t, "name": f"model.layers.{t}.weight",
+                            "dtype": "BF16", "shape": f"[{bpt * 256}, 2048]", "file_id": fid, "offset": off,
+                            "nbytes": bpt * mb, "n_rows": bpt * 256, "rows_per_block": 256, "n_blocks": bpt,
+                            "xxh3": "0" * 32, "delta_l2": None if c == 0 else rng.random(),
+                            "equal_to_base": False})
+            if c == 0:
+                continue
+            for b in range(bpt):
+                for col, v in (("checkpoint_id", cid), ("tensor_idx", t), ("block_idx", b), ("row_start", b * 256),
+                               ("row_stop", b * 256 + 256), ("offset", off + b * mb), ("nbytes", mb),
+                               ("xxh3", "0" * 32), ("delta_l2", rng.random() + 1e-9), ("delta_l1", 1.0),
+                               ("delta_max", 0.1), ("pos_frac", 0.5), ("sketch", None)):
+                    blocks_cols[col].append(v)
+    with cat.db.connect() as conn:
+        bulk_insert(conn, schema.checkpoint, ckpts)
+        bulk_insert(conn, schema.source_file, files)
+        bulk_insert(conn, schema.tensor, tensors)
+        if conn.dialect.name == "duckdb":
+            import pyarrow as pa
+
+            raw = conn.connection.driver_connection
+            raw.register("_bench_blocks", pa.table(blocks_cols))
+            cols = ", ".join(f'"{c}"' for c in blocks_cols)
+            raw.execute(f'INSERT INTO mp_block ({cols}) SELECT {cols} FROM _bench_blocks')
+            raw.unregister("_bench_blocks")
+        else:
+            cur = conn.connection.driver_connection.cursor()
+            names = [c for c in blocks_cols if c != "sketch"]
+            buf = io.StringIO()
+            cols = [blocks_cols[c] for c in names]
+            for row in zip(*cols):
+                buf.write("\t".join(str(v) for v in row) + "\n")
+            cols_sql = ", ".join(f'"{c}"' for c in names)
+            with cur.copy(f"COPY mp_block ({cols_sql}) FROM STDIN") as cp:
+                cp.write(buf.getvalue())
+    if not url.startswith("postgresql"):
+        return
+    with sa.create_engine(url).connect() as c:
+        c.execute(sa.text("ANALYZE"))
+        c.commit()
+
+
+def _spec() -> dict[str, Any]:
+    return {"merge_method": "linear", "base_model": "base",
+            "models": [{"model": f"e{k}", "parameters": {"weight": 1.0 / K}} for k in range(K)],
+            "parameters": {"normalize": True}, "seed": 0}
+
+
+def _time(url: str, reps: int = 3) -> dict[str, Any]:
+    from mergepipe_db import Catalog
+    from mergepipe_db.planner import build_plan
+    from mergepipe_db.spec import load_spec, parse_budget
+
+    cat = Catalog.open(url)
+    spec = load_spec(_spec())
+    with cat.db.connect() as conn:
+        ids = {r[0]: r[1] for r in conn.execute(sa.text("SELECT name, id FROM mp_checkpoint"))}
+    bp, cp = [], []
+    n_sel = 0
+    for _ in range(reps):
+        with cat.db.connect() as conn:
+            t0 = time.perf_counter()
+            plan = build_plan(conn, spec, base_id=ids["base"], expert_ids=[ids[f"e{k}"] for k in range(K)],
+                              budget_spec=parse_budget("0.1"))
+            bp.append(time.perf_counter() - t0)
+        n_sel = sum(len(v) for v in plan.access.values())
+        t0 = time.perf_counter()
+        cat.plan(_spec(), budget="0.1")
+        cp.append(time.perf_counter() - t0)
+    return {"build_plan": bp, "catalog_plan": cp, "selected": n_sel}
+
+
+def _pg_available() -> tuple[bool, str]:
+    try:
+        out = subprocess.run(["bash", ".ci/start-postgres.sh"], capture_output=True, text=True, timeout=600)
+        if out.returncode != 0:
+            return False, out.stderr[-300:]
+        import psycopg
+
+        with psycopg.connect(PG_ADMIN, autocommit=True) as c:
+            c.execute("SELECT 1")
+        return True, ""
+    except Exception as e:  # noqa: BLE001
+        return False, str(e)[-300:]
+
+
+def _pg_reset() -> None:
+    import psycopg
+
+    with psycopg.connect(PG_ADMIN, autocommit=True) as c:
+        c.execute("DROP DATABASE IF EXISTS mergepipe_bench WITH (FORCE)")
+        c.execute("CREATE DATABASE mergepipe_bench OWNER mergepipe")
+
+
+def planner(cfg: Config) -> str:
+    sizes = [10_000, 100_000] if cfg.quick else [10_000, 100_000, 1_000_000]
+    pg_ok, why = _pg_available()
+    res: dict[str, Any] = {}
+    rows = []
+    for backend in ("duckdb", "postgresql"):
+        for n in sizes:
+            if backend == "postgresql":
+                if not pg_ok:
+                    rows.append([backend, n, f"skipped: {why}", "", "", ""])
+                    continue
+                _pg_reset()
+                url = PG_URL
+            else:
+                p = DATA / "planner-bench.duckdb"
+                p.unlink(missing_ok=True)
+                url = str(p)
+            t0 = time.perf_counter()
+            _populate(url, n)
+            pop = time.perf_counter() - t0
+            r = _time(url)
+            r["populate_s"] = pop
+            res[f"{backend}-{n}"] = r
+            bpt = max(1, n // (K * T))
+            rows.append([backend, f"{K * T * bpt:,}", f"{med(r['build_plan']):.3f} s "
+                         f"[{min(r['build_plan']):.3f}–{max(r['build_plan']):.3f}]",
+                         f"{med(r['catalog_plan']):.3f} s [{min(r['catalog_plan']):.3f}–{max(r['catalog_plan']):.3f}]",
+                         f"{r['selected']:,}", "met" if med(r["catalog_plan"]) < 1 else "**missed**"])
+    save_raw("planner", res)
+    text = f"""## 7. Planner scale
+
+Synthesized catalog rows ({K} experts × {T} tensors × n blocks per tensor, random delta_l2, 1 MiB blocks);
+linear spec, budget 0.1. `build_plan` = the planner inside one open catalog connection (temp tables, ranking
+window query, selection, summary, plan hash); `Catalog.plan` = end-to-end public call (opens the catalog, checks
+the schema, resolves names, checks the family, plans, checks source freshness). Warm, in-process, median of 3
+[min–max]. PostgreSQL: local server from `.ci/start-postgres.sh`, separate database `mergepipe_bench`.
+Target: < 1 s for 10^6 blocks.
+
+{md_table(["catalog", "candidate blocks", "build_plan", "Catalog.plan", "blocks selected", "< 1 s"], rows)}"""
+    write_section("planner", text)
+    return text
