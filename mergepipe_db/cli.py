@@ -109,7 +109,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"planned expert reads {_fmt_bytes(plan.planned_bytes)}")
     for e in summary["experts"]:
         print(f"  {e['name']:<24} {e['blocks_selected']:>7} blocks  {_fmt_bytes(e['planned_bytes']):>12}")
-    bound = "n/a (operator is not fixed-coefficient additive)" if plan.bound_total is None else f"{plan.bound_total:.6g}"
+    bound = ("n/a (operator is not fixed-coefficient additive)" if plan.bound_total is None
+             else f"{plan.bound_total:.6g}")
     print(f"omitted-update bound (L2): {bound}")
     return 0
 
@@ -140,7 +141,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         _print_json(res.to_dict())
         return 0
     print(f"replayed into snapshot {res.snapshot_id} as {res.checkpoint} -> {res.out}")
-    print(f"  plan {res.plan_hash[:16]}  manifest {res.manifest_hash[:16]}  expert reads {_fmt_bytes(res.realized_bytes)}"
+    print(f"  plan {res.plan_hash[:16]}  manifest {res.manifest_hash[:16]}  "
+          f"expert reads {_fmt_bytes(res.realized_bytes)}"
           + ("  (outputs verified against the manifest)" if args.verify else ""))
     return 0
 

@@ -309,7 +309,8 @@ def _insert_output_checkpoint(conn: sa.Connection, plan: Plan, result: Execution
     conn.execute(schema.checkpoint.insert().values(
         id=cid, name=name, kind="snapshot", base_id=plan.base.id, root=str(out),
         config=json.dumps(plan.base.config) if plan.base.config is not None else None,
-        block_bytes=plan.base.block_bytes, n_tensors=len(tensors), total_bytes=sum(t.nbytes for t in result.out_tensors),
+        block_bytes=plan.base.block_bytes, n_tensors=len(tensors),
+        total_bytes=sum(t.nbytes for t in result.out_tensors),
         has_stats=False, created_at=now_iso(), tool_version=__version__,
     ))
     bulk_insert(conn, schema.source_file, files)

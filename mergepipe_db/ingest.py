@@ -7,6 +7,7 @@ All rows of one checkpoint are written in a single transaction: a failure leaves
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -334,11 +335,9 @@ def scan(
             raise tail
     finally:
         stop.set()
-        while thread.is_alive():
-            try:
+        while thread.is_alive():  # unblock the reader if it waits on a full queue
+            with contextlib.suppress(queue.Empty):
                 q.get(timeout=0.05)
-            except queue.Empty:
-                pass
         bar.close()
     file_rows = []
     for fi, header in enumerate(layout.files):

@@ -767,16 +767,25 @@ class _TiesFold(_DeltaFold):
     def _finish(self) -> torch.Tensor:
         P, base = self._P, self._base
         assert P is not None and base is not None
-        n = P.numel()
-        nonneg = torch.ge(self._S, 0.0, out=self._scratch("nonneg", n, torch.bool))
-        mixed = torch.where(nonneg, P, self._N, out=P)
-        if self.normalize:
-            div = torch.where(nonneg, self._WP, self._WN, out=self._WP)
-            div.masked_fill_(torch.eq(div, 0.0, out=nonneg), 1.0)
-            mixed.div_(div)
-        mixed.mul_(self.lam)
-        mixed.add_(base.view(-1))
-        return mixed.view(base.shape)
+        bflat = base.view(-1)
+        for s, e in _chunks([(0, P.numel())]):
+            n = e - s
+            p, q = P[s:e], self._N[s:e]
+            m = torch.ge(self._S[s:e], 0.0, out=self._scratch("m", n))  # s = +1 (NaN S: -1)
+            notm = torch.neg(m, out=self._scratch("notm", n)).add_(1.0)
+            t = self._scratch("t2", n)
+            if _all_finite(torch.sub(p, q, out=t)):
+                # where(S >= 0, P, N) as P·m + N·(1-m): exact for finite P, N (never -0.0)
+                p.mul_(m).add_(torch.mul(q, notm, out=t))
+            else:  # the literal formula
+                p.copy_(torch.where(m.bool(), p, q))
+            if self.normalize:
+                div = torch.mul(self._WP[s:e], m, out=m).add_(torch.mul(self._WN[s:e], notm, out=t))
+                div.add_(torch.eq(div, 0.0, out=t))  # where(div == 0, 1.0, div): div is finite
+                p.div_(div)
+            p.mul_(self.lam)
+            p.add_(bflat[s:e])
+        return P.view(base.shape)
 
     def _end(self) -> None:
         self._P = None

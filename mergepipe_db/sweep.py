@@ -163,7 +163,7 @@ def run_sweep(catalog: Catalog, spec: Any, budgets: str | list[Any] | tuple[Any,
     if root.exists() and not root.is_dir():
         raise OutputExistsError(f"sweep output {root} exists and is not a directory")
     targets = [(label, b, root / f"budget-{label}") for label, b in plan_budgets]
-    for _label_, _b, target in targets:
+    for *_, target in targets:
         if target.exists() and (not target.is_dir() or any(target.iterdir())):
             raise OutputExistsError(f"sweep output {target} exists and is not empty; choose a new DIR")
     root.mkdir(parents=True, exist_ok=True)

@@ -153,6 +153,6 @@ def upgrade() -> None:
 def downgrade() -> None:
     for name in reversed(VIEWS):
         op.execute(f"DROP VIEW IF EXISTS {name}")
-    for table in ("mp_staging", "mp_read", "mp_ref", "mp_lineage", "mp_manifest", "mp_snapshot", "mp_block", "mp_tensor",
-                  "mp_file", "mp_checkpoint"):
+    for table in ("mp_staging", "mp_read", "mp_ref", "mp_lineage", "mp_manifest", "mp_snapshot", "mp_block",
+                  "mp_tensor", "mp_file", "mp_checkpoint"):
         op.drop_table(table)

@@ -1,0 +1,181 @@
+"""Run the benchmark suite and assemble benchmarks/RESULTS.md.
+
+    .venv/bin/python -m benchmarks.run [--quick] [--only NAME[,NAME...]] [--assemble-only]
+
+Experiments: ingest, planner, scaling, budget_sweep, operators, io_floor, peers (see benchmarks/README.md).
+Each writes benchmarks/results/<name>.md; RESULTS.md is assembled from every file in benchmarks/results/
+(other engineers drop their own sections there, e.g. reliability.md, quality.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+import traceback
+
+from benchmarks import experiments as ex
+from benchmarks.common import DATA, RAW, REPO, RESULTS, config, machine_line, write_section
+from benchmarks.family import ensure_catalog, ensure_family
+from benchmarks.planner_scale import planner
+
+EXPERIMENTS = {
+    "ingest": ex.ingest,
+    "planner": planner,
+    "scaling": ex.scaling,
+    "budget_sweep": ex.budget_sweep,
+    "operators": ex.operators,
+    "io_floor": ex.floor,
+    "peers": ex.peers,
+}
+ORDER = ["targets", "ingest", "scaling", "budget_sweep", "operators", "io_floor", "peers", "planner", "profile"]
+
+
+def _load(name: str):
+    p = RAW / f"{name}.json"
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def targets() -> str:
+    """The issue's performance targets, judged from whatever raw results exist."""
+    from statistics import median as med
+
+    rows = []
+
+    def add(target: str, value: str, ok: bool | None) -> None:
+        rows.append([target, value, "n/a" if ok is None else ("met" if ok else "**missed**")])
+
+    ing = _load("ingest_summary")
+    if ing:
+        for w in ("base", "expert"):
+            r = ing[w]
+            add(f"ingest {w} ≥ 70 % of raw cold read", f"{r['ratio_wall']:.0%} (process wall), "
+                f"{r['ratio_work']:.0%} (ingest call)", r["ratio_wall"] >= 0.7)
+    fl = _load("io_floor")
+    pe = _load("peers")
+    if fl:
+        for op in ("linear", "ties"):
+            x = fl.get(f"{op}-1.0")
+            if x:
+                ratio = med(x["merge"]["wall"]) / x["floor"]["floor_med"]
+                add(f"K=8 {op} full budget ≤ 1.5 × I/O floor", f"{ratio:.2f}×", ratio <= 1.5)
+    if pe:
+        for op in ("linear", "ties"):
+            d = pe.get(op)
+            if not d:
+                continue
+            ours = med(d["ours"])
+            for peer in ("naive", "mergekit"):
+                if d[peer]:
+                    theirs = med([m["wall"] for m in d[peer]])
+                    add(f"K=8 {op} full budget faster than {peer}", f"ours/{peer} = {ours / theirs:.2f}",
+                        ours < theirs)
+                else:
+                    add(f"K=8 {op} full budget faster than {peer}", "peer not run", None)
+    op = _load("operators")
+    if op:
+        for name in ex.OPS:
+            f, p = op["recs"].get(f"{name}-1.0"), op["recs"].get(f"{name}-0.1")
+            if not (f and p):
+                continue
+            frac = p["realized_bytes"] / f["realized_bytes"]
+            rb = med(p["read_bytes"]) / med(f["read_bytes"])
+            add(f"{name} @0.1 expert bytes ≤ 10 % of full", f"{frac:.1%} (whole-process read_bytes ratio "
+                f"{rb:.1%}, incl. base)", frac <= 0.1)
+            speed = f["wall_med"] / p["wall_med"]
+            moved = (f["realized_bytes"] + f["base_bytes"]) / (p["realized_bytes"] + p["base_bytes"])
+            add(f"{name} @0.1 speed-up ≥ 0.8 × bytes-moved ratio", f"{speed:.2f}× vs 0.8 × {moved:.2f} = "
+                f"{0.8 * moved:.2f}×", speed >= 0.8 * moved)
+    sc = _load("scaling")
+    if sc:
+        xs = [sc[f"{k}-budget"]["realized_bytes"] for k in (2, 4, 8, 16) if f"{k}-budget" in sc]
+        if xs:
+            add("expert bytes flat as K grows (fixed budget)", ", ".join(f"{x / 1e9:.3f}" for x in xs) + " GB",
+                max(xs) <= sc["2-budget"]["budget_bytes"] and max(xs) / min(xs) < 1.1)
+        rss = {k: med(sc[f"{k}-full"]["maxrss"]) for k in (2, 4, 8, 16) if f"{k}-full" in sc}
+        if rss:
+            add("peak RSS independent of K (full read)",
+                ", ".join(f"K={k}: {v / 2**30:.2f} GiB" for k, v in rss.items()),
+                max(rss.values()) / min(rss.values()) < 1.25)
+    bs = _load("budget_sweep")
+    if bs and "ties-0.5" in bs["dev"]:
+        d = bs["dev"]["ties-0.5"]["rel_l2"]
+        add("TIES @0.5 relative L2 deviation ≤ 1e-3", f"{d:.2e}", d <= 1e-3)
+    pl = _load("planner")
+    if pl:
+        for k, v in pl.items():
+            if k.endswith("-1000000"):
+                t = med(v["catalog_plan"])
+                add(f"planning 10^6 blocks < 1 s ({k.split('-')[0]})", f"{t:.3f} s (build_plan "
+                    f"{med(v['build_plan']):.3f} s)", t < 1)
+    from benchmarks.common import md_table
+
+    text = "## Targets\n\n" + md_table(["target", "measured (median)", "status"], rows)
+    write_section("targets", text)
+    return text
+
+
+def assemble(cfg_line: str) -> None:
+    parts = []
+    names = sorted(p.stem for p in RESULTS.glob("*.md"))
+    ordered = [n for n in ORDER if n in names] + [n for n in names if n not in ORDER]
+    for n in ordered:
+        parts.append((RESULTS / f"{n}.md").read_text().replace("](figures/", "](figures/"))
+    head = f"""# Benchmark results
+
+Generated by `.venv/bin/python -m benchmarks.run` on {datetime.date.today().isoformat()}.
+Machine: {machine_line()}. {cfg_line}
+All timings are cold-cache (`sync; echo 3 > /proc/sys/vm/drop_caches` before every timed process) medians of
+the stated number of runs with [min–max] spread, on a shared, noisy machine (other test suites ran in parallel).
+Per-experiment sections live in `benchmarks/results/*.md`; raw numbers in `benchmarks/results/raw/*.json`.
+
+"""
+    (REPO / "benchmarks" / "RESULTS.md").write_text(head + "\n\n".join(parts))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny family (~20 MB models), for development")
+    ap.add_argument("--only", help="comma-separated experiment names: " + ", ".join(EXPERIMENTS))
+    ap.add_argument("--assemble-only", action="store_true", help="rebuild RESULTS.md from results/*.md")
+    a = ap.parse_args(argv)
+    cfg = config(a.quick)
+    fam = None
+    if (cfg.family_dir / "family.json").exists():
+        fam = json.loads((cfg.family_dir / "family.json").read_text())
+    cfg_line = ""
+    if not a.assemble_only:
+        names = a.only.split(",") if a.only else list(EXPERIMENTS)
+        bad = [n for n in names if n not in EXPERIMENTS]
+        if bad:
+            print(f"unknown experiment(s): {', '.join(bad)}", file=sys.stderr)
+            return 2
+        DATA.mkdir(parents=True, exist_ok=True)
+        if any(n != "planner" for n in names):
+            fam = ensure_family(cfg)
+            ensure_catalog(cfg)
+        for n in names:
+            t0 = time.perf_counter()
+            print(f"[bench] {n} ...", flush=True)
+            try:
+                EXPERIMENTS[n](cfg)
+            except Exception:  # noqa: BLE001 - keep going; the failure is recorded in the section
+                tb = traceback.format_exc()
+                print(tb, file=sys.stderr)
+                write_section(n, f"## {n}\n\n**FAILED**:\n\n```\n{tb[-3000:]}\n```\n")
+            print(f"[bench] {n} done in {time.perf_counter() - t0:.0f} s", flush=True)
+        ex.cleanup_outputs()
+    if fam:
+        cfg_line = (f"Family: Llama-shaped BF16 via `mergepipe_db.testing.make_family`, {fam['model_bytes'] / 1e9:.2f}"
+                    f" GB per model, {fam['n_experts']} experts (smaller K = prefix), {fam['shard_bytes'] >> 20} MiB "
+                    f"shards, shape {fam['shape']}.")
+    targets()
+    assemble(cfg_line + (" **Quick mode (tiny sizes; not representative).**" if a.quick else ""))
+    print(f"[bench] wrote {REPO / 'benchmarks' / 'RESULTS.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
