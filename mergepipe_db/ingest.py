@@ -7,13 +7,16 @@ All rows of one checkpoint are written in a single transaction: a failure leaves
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import json
+import math
 import os
 import queue
 import threading
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -38,6 +41,7 @@ from mergepipe_db.storage import RangeReader, xxh3_hex
 
 KINDS = ("full", "delta", "snapshot")
 _READ_AHEAD = 8  # blocks queued between the reader thread and the hashing/statistics thread
+_STATS_WORKERS = 2  # blocks whose statistics are computed at once (this machine class has 2 cores)
 
 
 @dataclass(frozen=True)
@@ -222,26 +226,12 @@ def _read_exact(fh, n: int) -> bytearray:
     return buf
 
 
-def _delta_stats(data: bytearray, base: bytearray, dtype: str) -> dict[str, Any]:
-    import torch
+def _delta_stats(data: bytearray, base: bytearray | None, dtype: str) -> dict[str, Any]:
+    """Statistics of Δ = data − base (base None: data is Δ itself), one fused pass (kernels.delta_stats)."""
+    from mergepipe_db import kernels, sketch
 
-    from mergepipe_db import sketch
-    from mergepipe_db.formats.dtypes import torch_dtype
-
-    if len(data) == 0:
-        return {"delta_l2": 0.0, "delta_l1": 0.0, "delta_max": 0.0, "pos_frac": 0.0,
-                "sketch": sketch.encode(sketch.histogram(torch.zeros(0)))}
-    td = torch_dtype(dtype)
-    e = torch.frombuffer(data, dtype=td).to(torch.float32)
-    d = e.sub_(torch.frombuffer(base, dtype=td).to(torch.float32))
-    a = d.abs()
-    return {
-        "delta_l2": float(torch.linalg.vector_norm(d, dtype=torch.float64)),
-        "delta_l1": float(a.sum(dtype=torch.float64)),
-        "delta_max": float(a.max()),
-        "pos_frac": float((d > 0).sum()) / d.numel(),
-        "sketch": sketch.encode(sketch.histogram(a)),
-    }
+    l2, l1, mx, pos, hist = kernels.delta_stats(data, bytes(len(data)) if base is None else base, dtype)
+    return {"delta_l2": l2, "delta_l1": l1, "delta_max": mx, "pos_frac": pos, "sketch": sketch.encode(hist)}
 
 
 def _zero_stats(nbytes: int, dtype: str) -> dict[str, Any]:
@@ -261,8 +251,12 @@ def scan(
     block_bytes: int,
     base: dict[str, BaseTensor] | None,
     progress: bool = False,
+    delta: bool = False,
 ) -> tuple[list[dict], list[dict], list[dict], list[str], int]:
     """Read every file once; return (file rows, tensor rows, block rows, file sha256s, bytes read).
+
+    `delta`: the tensors hold Δ itself (a delta checkpoint): statistics are of the stored values, blocked
+    like the base's rows, and no base bytes are read.
 
     Rows lack `checkpoint_id` (known only once all content is hashed); ids are filled in by the caller.
     """
@@ -274,17 +268,26 @@ def scan(
     q: queue.Queue = queue.Queue(maxsize=_READ_AHEAD)
     sha: list[str] = []
     stop = threading.Event()
-    thread = threading.Thread(target=_reader, args=(layout, plan, base, q, sha, stop), daemon=True)
+    thread = threading.Thread(target=_reader, args=(layout, plan, None if delta else base, q, sha, stop), daemon=True)
     thread.start()
     bar = tqdm(total=total, unit="B", unit_scale=True, disable=not progress, desc="ingest", leave=False)
     tensor_rows: list[dict] = []
     block_rows: list[dict] = []
+    # Statistics run on a small pool (the kernels release the GIL): a window of blocks in flight.
+    pool = ThreadPoolExecutor(max_workers=_STATS_WORKERS)
+    pending: collections.deque[tuple[dict[str, Any], Future]] = collections.deque()
+
+    def settle(limit: int) -> None:
+        while len(pending) > limit:
+            row, fut = pending.popleft()
+            row.update(fut.result())
+
     try:
         for fi, entry, rpb, ranges in plan:
             header = layout.files[fi]
             tx = xxhash.xxh3_128()
             bt = base[entry.name] if base is not None else None
-            l2sq = 0.0
+            tensor_blocks: list[dict[str, Any]] = []
             all_equal = True
             for bi, rows in enumerate(ranges):
                 item = q.get()
@@ -305,16 +308,21 @@ def scan(
                     "delta_l2": None, "delta_l1": None, "delta_max": None, "pos_frac": None, "sketch": None,
                 }
                 if bt is not None and entry.dtype in ARITHMETIC_DTYPES:
-                    same = bi < len(bt.block_xxh3) and bt.block_xxh3[bi] == h
-                    stats = _zero_stats(length, entry.dtype) if same else _delta_stats(
-                        item.data, item.base, entry.dtype)
-                    row.update(stats)
-                    l2sq += stats["delta_l2"] ** 2
-                    all_equal &= stats["delta_max"] == 0.0 and same
+                    same = not delta and bi < len(bt.block_xxh3) and bt.block_xxh3[bi] == h
+                    if same:
+                        row.update(_zero_stats(length, entry.dtype))
+                    else:
+                        pending.append((row, pool.submit(_delta_stats, item.data, item.base, entry.dtype)))
+                        settle(_STATS_WORKERS * 2)
+                    tensor_blocks.append(row)
+                    all_equal &= same or delta
                 elif bt is not None:
                     all_equal &= bi < len(bt.block_xxh3) and bt.block_xxh3[bi] == h
                 block_rows.append(row)
                 bar.update(length)
+            settle(0)
+            l2sq = math.fsum(r["delta_l2"] ** 2 for r in tensor_blocks)
+            all_equal &= all(r["delta_max"] == 0.0 for r in tensor_blocks)
             tensor_rows.append({
                 "tensor_idx": len(tensor_rows),
                 "name": entry.name,
@@ -334,6 +342,7 @@ def scan(
         if isinstance(tail, BaseException):
             raise tail
     finally:
+        pool.shutdown(wait=True, cancel_futures=True)
         stop.set()
         while thread.is_alive():  # unblock the reader if it waits on a full queue
             with contextlib.suppress(queue.Empty):
