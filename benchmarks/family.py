@@ -22,7 +22,7 @@ def ensure_family(cfg: Config) -> dict[str, Any]:
     t0 = time.perf_counter()
     print(f"[bench] generating family in {d} ({shape}) ...", flush=True)
     make_family(d, n_experts=cfg.n_experts, preset=shape, dtype="bfloat16", seed=0, shard_bytes=cfg.shard_bytes,
-                progress=True)
+                progress=False)
     info = {"shape": shape.__dict__, "model_bytes": shape.nbytes("bfloat16"), "n_experts": cfg.n_experts,
             "shard_bytes": cfg.shard_bytes, "seconds": time.perf_counter() - t0}
     marker.write_text(json.dumps(info))

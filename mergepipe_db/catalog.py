@@ -76,12 +76,30 @@ class Catalog:
 
     def ingest(self, path: str | Path, *, name: str | None = None, base: str | None = None,
                block_bytes: int | None = None, kind: str = "full", progress: bool = False) -> IngestResult:
-        """Catalogue a checkpoint (HF directory or .safetensors file). Idempotent for the same content."""
+        """Catalogue a checkpoint (HF directory or .safetensors file). Idempotent for the same content.
+
+        `kind`: ``full`` (default; a directory with adapter_config.json is taken as ``lora``), ``delta`` (tensors
+        hold Δ) or ``lora`` (a PEFT adapter directory); delta and lora need `base`."""
         from mergepipe_db.ingest import ingest
 
         if name is None:
             name = _default_name(path)
         return ingest(self.db, path, name=name, base=base, block_bytes=block_bytes, kind=kind, progress=progress)
+
+    def export_delta(self, expert: str, out: str | Path, *, dtype: str = "float32") -> dict[str, Any]:
+        """Write Δ = expert − base (LoRA: B@A·s; delta: as stored) of every tensor the expert covers as an HF
+        directory at `out` (must not exist or be empty), in `dtype` (float32: exact for BF16/F16 inputs)."""
+        from mergepipe_db.sources import export_delta
+
+        return export_delta(self.db, expert, out, dtype=dtype)
+
+    def pack(self, expert: str, *, store: str | Path | None = None) -> Any:
+        """Store the candidate blocks of a full expert zstd-compressed (XOR base) in the content-addressed block
+        store `store` (default: beside a DuckDB catalog, else ./mergepipe-store); plans then cost those blocks
+        their compressed length and merges read them from the store. Idempotent. Returns a PackResult."""
+        from mergepipe_db.blockstore import pack
+
+        return pack(self.db, expert, store=store)
 
     def checkpoint_id(self, ref: str) -> str:
         """Id of a checkpoint by name, or of the snapshot a ref points to. UnknownCheckpointError otherwise."""
@@ -213,6 +231,7 @@ class Catalog:
             timings = {"plan": t_plan, "execute": t_exec, **result.timings}
             t0 = time.perf_counter()
             mhash = cm.finish_staging(plan, result, staging, manifest, timings)
+            timings["finalize"] = time.perf_counter() - t0  # index, side files, header re-check, manifest
             commit = cm.commit(self.db, plan, result, manifest=manifest, mhash=mhash, timings=timings,
                                intent=intent, staging=staging, out=out_path, ref=ref_name, expected_version=expected)
             committed = True
@@ -244,6 +263,13 @@ class Catalog:
         from mergepipe_db.maintenance import gc
 
         return gc(self.db, dry_run=dry_run)
+
+    def fsck(self, *, full: bool = False) -> list[Any]:
+        """Cross-check catalog, manifests and files (`mergepipe_db.fsck`): a list of `Finding`s, each of kind
+        ok, leftover (gc collects it), missing or corrupt. `full` also rehashes every file."""
+        from mergepipe_db.fsck import fsck
+
+        return fsck(self.db, full=full)
 
     def verify(self, *, full: bool = False, checkpoint: str | None = None) -> list[str]:
         """Check source files against the catalog (size/mtime; sha256 with full=True). Returns problems."""

@@ -86,7 +86,8 @@ def cmd_db_upgrade(args: argparse.Namespace) -> int:
 def cmd_ingest(args: argparse.Namespace) -> int:
     cat = _catalog(args)
     block_bytes = _parse_size(args.block_bytes) if args.block_bytes else None
-    res = cat.ingest(args.path, name=args.name, base=args.base, block_bytes=block_bytes, progress=_progress(args))
+    res = cat.ingest(args.path, name=args.name, base=args.base, block_bytes=block_bytes, progress=_progress(args),
+                     kind=args.kind)
     if args.json:
         _print_json(res.to_dict())
     else:
@@ -188,7 +189,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         for p in problems:
             print(p)
         if not problems:
-            print(f"ok: {'; '.join(checked)} match the record")
+            what = "; ".join(checked) if len(checked) <= 3 else f"{checked[0]} and {len(checked) - 1} snapshots"
+            print(f"ok: {what} match the record")
     if problems:
         from mergepipe_db.errors import VerifyError
 
@@ -244,6 +246,45 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_fsck(args: argparse.Namespace) -> int:
+    from mergepipe_db.fsck import problems
+
+    cat = _catalog(args)
+    findings = cat.fsck(full=args.full)
+    bad = problems(findings)
+    if args.json:
+        _print_json({"ok": not bad, "findings": [f.to_dict() for f in findings]})
+    else:
+        for f in findings:
+            print(f)
+        n_left = sum(f.kind == "leftover" for f in findings)
+        print(f"{len(bad)} problem(s), {n_left} leftover(s) `mergepipe gc --apply` collects")
+    if bad:
+        from mergepipe_db.errors import VerifyError
+
+        raise VerifyError(f"fsck found {len(bad)} missing or corrupt item(s) (listed above)")
+    return 0
+
+
+def cmd_export_delta(args: argparse.Namespace) -> int:
+    res = _catalog(args).export_delta(args.expert, args.out, dtype=args.dtype)
+    if args.json:
+        _print_json(res)
+    else:
+        print(f"wrote {res['n_tensors']} delta tensors ({res['dtype']}) of {res['expert']} to {res['out']}")
+    return 0
+
+
+def cmd_pack(args: argparse.Namespace) -> int:
+    res = _catalog(args).pack(args.expert, store=args.store)
+    if args.json:
+        _print_json(res.to_dict())
+    else:
+        print(f"packed {res.blocks_packed} blocks of {res.expert} ({res.blocks_deduplicated} deduplicated): "
+              f"{_fmt_bytes(res.raw_bytes)} -> {_fmt_bytes(res.packed_bytes)} (x{res.ratio:.2f}) in {res.store}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from mergepipe_db.demo import run_demo
 
@@ -287,6 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--base", help="catalogued base model this checkpoint is an expert of (enables delta statistics)")
     s.add_argument("--block-bytes", metavar="N", help="target block size, e.g. 1MiB (default 1MiB; experts use "
                    "their base's)")
+    s.add_argument("--kind", choices=["full", "delta", "lora"], default="full",
+                   help="full checkpoint (default; a directory with adapter_config.json is a LoRA adapter), delta "
+                   "(tensors hold expert - base) or lora (PEFT adapter); delta and lora need --base")
     s.add_argument("--json", action="store_true", help="print the result as JSON")
     s.set_defaults(func=cmd_ingest)
 
@@ -390,6 +434,34 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--apply", action="store_true", help="remove leftovers / publish committed snapshots")
     s.set_defaults(func=cmd_gc)
 
+    s = sub.add_parser("fsck", parents=[common], help="cross-check catalog, snapshots, staging and sources",
+                       description="Check that every committed snapshot's files are at its output directory with "
+                       "the catalogued sizes and manifest, list leftovers of interrupted merges (collectable by "
+                       "`gc --apply`) and check every source file. Exit 1 when anything is missing or corrupt; "
+                       "leftovers alone exit 0.", epilog=EPILOG)
+    s.add_argument("--full", action="store_true", help="also rehash every file (sha256)")
+    s.add_argument("--json", action="store_true", help="print the findings as JSON")
+    s.set_defaults(func=cmd_fsck)
+
+    s = sub.add_parser("export-delta", parents=[common], help="write an expert's delta (expert - base) as a model dir",
+                       description="Write delta = expert - base (LoRA: B@A*scale; delta checkpoints: as stored) of "
+                       "every tensor the expert covers to a new Hugging Face directory (model.safetensors + the "
+                       "base's config.json); ingest it back with --kind delta.", epilog=EPILOG)
+    s.add_argument("expert", help="catalogued expert name")
+    s.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    s.add_argument("--dtype", default="float32", help="float32 (default, exact for bf16/f16), bfloat16 or float16")
+    s.add_argument("--json", action="store_true", help="print the result as JSON")
+    s.set_defaults(func=cmd_export_delta)
+
+    s = sub.add_parser("pack", parents=[common], help="store an expert's delta blocks compressed",
+                       description="Store the blocks of a full expert whose delta is nonzero as zstd(expert XOR "
+                       "base) in a content-addressed, append-only block store; plans then cost those blocks their "
+                       "compressed length and merges read them from the store. Idempotent.", epilog=EPILOG)
+    s.add_argument("expert", help="catalogued full expert name")
+    s.add_argument("--store", help="store directory (default: mergepipe-store beside a DuckDB catalog, else ./)")
+    s.add_argument("--json", action="store_true", help="print the result as JSON")
+    s.set_defaults(func=cmd_pack)
+
     s = sub.add_parser("demo", parents=[common], help="generate a small model family, ingest it, merge it",
                        description="Generate a small Llama-shaped family (base + experts, sharded safetensors, HF "
                        "layout), ingest it, run a budgeted merge and print what it read.", epilog=EPILOG)
@@ -413,6 +485,8 @@ def main(argv: list[str] | None = None) -> int:
         msg = " ".join(str(e).split()) or type(e).__name__
         print(f"mergepipe: error: {type(e).__name__}: {msg}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # e.g. `mergepipe sql ... | head`: not an error
+        return 0
     except OSError as e:
         if os.environ.get("MERGEPIPE_DEBUG"):
             raise
@@ -421,8 +495,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("mergepipe: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:
-        return 0
 
 
 if __name__ == "__main__":

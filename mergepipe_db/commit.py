@@ -12,11 +12,15 @@ A crash anywhere leaves the old state or the complete new one; leftovers are lis
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import math
 import os
 import shutil
 import socket
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +31,7 @@ from mergepipe_db import __version__, faults
 from mergepipe_db.db import schema
 from mergepipe_db.db.bulk import bulk_insert
 from mergepipe_db.db.engine import Database
-from mergepipe_db.errors import CommitConflictError, IntegrityError, OutputExistsError
+from mergepipe_db.errors import CommitConflictError, IntegrityError, OutOfSpaceError, OutputExistsError
 from mergepipe_db.executor import ExecutionResult
 from mergepipe_db.ingest import now_iso
 from mergepipe_db.planner import Plan, canonical_json, sha256_hex
@@ -58,8 +62,26 @@ def begin_staging(db: Database, out: Path) -> tuple[str, Path]:
         conn.execute(schema.staging.insert().values(
             id=sid, staging_path=str(staging), out_path=str(out), pid=os.getpid(), host=socket.gethostname(),
             created_at=now_iso()))
-    staging.mkdir(mode=0o755)  # exclusive: fails if it exists
+    try:
+        with out_of_space(staging):
+            staging.mkdir(mode=0o755)  # exclusive: fails if it exists
+    except BaseException:
+        with db.connect() as conn:  # nothing was created: drop the intent (the directory is not ours)
+            conn.execute(schema.staging.delete().where(schema.staging.c.id == sid))
+        raise
     return sid, staging
+
+
+@contextlib.contextmanager
+def out_of_space(where: Path) -> Iterator[None]:
+    """Turn ENOSPC/EDQUOT raised inside the block into OutOfSpaceError (nothing is published on failure)."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise OutOfSpaceError(f"out of space while writing the output in {where.parent}: nothing was "
+                                  f"published") from e
+        raise
 
 
 def abandon_staging(db: Database, intent: str, staging: Path) -> None:
@@ -129,6 +151,14 @@ def manifest_hash(manifest: dict[str, Any]) -> str:
 def finish_staging(plan: Plan, result: ExecutionResult, staging: Path, manifest: dict[str, Any],
                    timings: dict[str, float]) -> str:
     """Write index, side files and manifest.json into staging; re-check headers; fsync. Returns manifest hash."""
+    with out_of_space(staging):
+        mhash = _finish_staging(plan, result, staging, manifest, timings)
+    faults.point("manifest_written")
+    return mhash
+
+
+def _finish_staging(plan: Plan, result: ExecutionResult, staging: Path, manifest: dict[str, Any],
+                    timings: dict[str, float]) -> str:
     from mergepipe_db.formats.safetensors import read_header
 
     for name, t_expected in _by_shard(result).items():
@@ -153,7 +183,6 @@ def finish_staging(plan: Plan, result: ExecutionResult, staging: Path, manifest:
     mhash = manifest_hash(manifest)
     _write_json(staging / "manifest.json", {"manifest_hash": mhash, "manifest": manifest, "timings": timings})
     fsync_dir(staging)
-    faults.point("manifest_written")
     return mhash
 
 
@@ -250,7 +279,10 @@ def commit(
                      "position": e.position, "snapshot_id": snapshot_id} for e in plan.experts]
         bulk_insert(conn, schema.lineage, lineage)
         bulk_insert(conn, schema.read_stat, _read_rows(plan, result, snapshot_id))
-        conn.execute(schema.staging.delete().where(schema.staging.c.id == intent))
+        if conn.execute(schema.staging.delete().where(schema.staging.c.id == intent)).rowcount != 1:
+            # gc judged this merge dead and removed its staging: committing would publish nothing.
+            raise CommitConflictError(f"the staging intent of this merge was collected (gc?) before commit; "
+                                      f"rerun the merge (staging {staging})")
     faults.point("catalog_committed")
     return CommitResult(snapshot_id, snapshot_id, cp_name, ref, version, mhash)
 
@@ -259,11 +291,11 @@ def _read_rows(plan: Plan, result: ExecutionResult, snapshot_id: str) -> list[di
     rows = []
     for e in plan.experts:
         for t in plan.base_tensors:
-            if t.dtype not in ("F32", "F16", "BF16"):
+            if t.dtype not in ("F32", "F16", "BF16") or t.name not in e.tensors:  # delta/LoRA: a subset
                 continue
             et = e.tensors[t.name]
             reads = plan.access.get((e.position, t.idx), ())
-            n_sel = t.n_blocks if any(r.block_idx < 0 for r in reads) else len(reads)
+            n_sel = t.n_blocks if any(r.block_idx == -1 for r in reads) else sum(r.block_idx >= 0 for r in reads)
             rows.append({
                 "snapshot_id": snapshot_id, "expert_id": e.checkpoint.id, "tensor_idx": t.idx,
                 "position": e.position, "blocks_total": t.n_blocks, "blocks_read": n_sel,
@@ -275,7 +307,8 @@ def _read_rows(plan: Plan, result: ExecutionResult, snapshot_id: str) -> list[di
 
 def _insert_output_checkpoint(conn: sa.Connection, plan: Plan, result: ExecutionResult, cid: str, name: str,
                               out: Path, staging: Path) -> None:
-    """Catalogue the output as a checkpoint (kind 'snapshot', no delta statistics) so it can be merged again.
+    """Catalogue the output as a checkpoint (kind 'snapshot', with delta statistics against the base when it
+    has the base's dtypes) so it can be merged again, ranked block by block.
 
     Paths are the published ones (`out`); size and mtime come from the staged files, which the rename keeps.
     """
@@ -291,27 +324,32 @@ def _insert_output_checkpoint(conn: sa.Connection, plan: Plan, result: Execution
     blocks_by_tensor: dict[int, list[dict[str, Any]]] = {}
     for b in result.block_rows:
         blocks_by_tensor.setdefault(b["tensor_idx"], []).append(b)
+    has_stats = True
     for t, h, off in zip(result.out_tensors, result.tensor_xxh3, result.tensor_offsets):
         bl = blocks_by_tensor.get(t.idx, [])
+        with_stats = bool(bl) and all(b["delta_l2"] is not None for b in bl)
+        has_stats &= with_stats or t.dtype not in ("F32", "F16", "BF16")
         tensors.append({
             "checkpoint_id": cid, "tensor_idx": t.idx, "name": t.name, "dtype": t.dtype,
             "shape": json.dumps(list(t.shape)), "file_id": file_ids[t.shard], "offset": off,
             "nbytes": t.nbytes, "n_rows": t.shape[0] if t.shape else 1,
             "rows_per_block": bl[0]["rows_per_block"] if bl else 1, "n_blocks": len(bl), "xxh3": h,
-            "delta_l2": None, "equal_to_base": None,
+            "delta_l2": math.sqrt(math.fsum(b["delta_l2"] ** 2 for b in bl)) if with_stats else None,
+            "equal_to_base": all(b["delta_max"] == 0.0 for b in bl) if with_stats else None,
         })
         for b in bl:
             blocks.append({
                 "checkpoint_id": cid, "tensor_idx": t.idx, "block_idx": b["block_idx"], "row_start": b["row_start"],
                 "row_stop": b["row_stop"], "offset": off + b["rel"], "nbytes": b["nbytes"], "xxh3": b["xxh3"],
-                "delta_l2": None, "delta_l1": None, "delta_max": None, "pos_frac": None, "sketch": None,
+                "delta_l2": b["delta_l2"], "delta_l1": b["delta_l1"], "delta_max": b["delta_max"],
+                "pos_frac": b["pos_frac"], "sketch": b["sketch"],
             })
     conn.execute(schema.checkpoint.insert().values(
         id=cid, name=name, kind="snapshot", base_id=plan.base.id, root=str(out),
         config=json.dumps(plan.base.config) if plan.base.config is not None else None,
         block_bytes=plan.base.block_bytes, n_tensors=len(tensors),
         total_bytes=sum(t.nbytes for t in result.out_tensors),
-        has_stats=False, created_at=now_iso(), tool_version=__version__,
+        has_stats=has_stats, created_at=now_iso(), tool_version=__version__,
     ))
     bulk_insert(conn, schema.source_file, files)
     bulk_insert(conn, schema.tensor, tensors)
@@ -320,8 +358,15 @@ def _insert_output_checkpoint(conn: sa.Connection, plan: Plan, result: Execution
 
 def publish(staging: Path, out: Path) -> None:
     """Make the committed output visible at `out` (atomic rename on the same filesystem)."""
+    if not staging.is_dir() and (out / "manifest.json").is_file():
+        return  # already rolled forward by `gc --apply` (which may run while a merge is between commit and publish)
     if out.is_dir() and not any(out.iterdir()):
         out.rmdir()
-    os.rename(staging, out)
+    try:
+        os.rename(staging, out)
+    except FileNotFoundError:
+        if not (out / "manifest.json").is_file():
+            raise
+        return  # gc published it between our look and the rename
     fsync_dir(out.parent)
     faults.point("published")

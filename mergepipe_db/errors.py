@@ -179,3 +179,12 @@ class SymlinkEscapeError(BadCheckpointError):
 
 class ShardSymlinkEscapeError(ShardIndexError, SymlinkEscapeError):
     """A shard named by the index is a symlink that resolves outside the checkpoint directory."""
+
+
+class LoraAdapterError(BadCheckpointError):
+    """A LoRA adapter that cannot be used: missing adapter_config.json or weights, an unknown module, or
+    factor shapes that disagree with the config's rank or with the base tensor."""
+
+
+class PackError(MergePipeError):
+    """The packed block store cannot hold or serve an expert (not a full checkpoint, store missing, …)."""

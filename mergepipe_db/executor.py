@@ -4,10 +4,17 @@ A reader thread issues every read (base tensors sequentially, expert ranges with
 adjacent blocks coalesced) one item ahead of the compute thread, so reads overlap with compute. Items are
 one tensor of one checkpoint, so memory is a few tensors whatever the number of experts. Realized expert
 bytes are counted where the reads are issued and must equal the plan's bytes (budget soundness).
+
+Compute runs with one torch intra-op thread by default (`MERGEPIPE_COMPUTE_THREADS` overrides): operators
+work in L2-sized chunks, where OpenMP fork/join costs more than it saves, and on a 2-core machine the second
+core belongs to the reader thread (measured: 20x less per-chunk overhead under load, benchmarks/RESULTS.md).
+The float32 copies of the base and of each expert tensor go into grow-only buffers reused across tensors,
+so the kernel does not zero-fill fresh pages for every tensor (DESIGN §6).
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -15,6 +22,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from mergepipe_db.blocks import block_ranges, rows_per_block
 from mergepipe_db.errors import IntegrityError, OutOfSpaceError, PlanExecutionMismatchError
@@ -124,6 +133,9 @@ def _reader_thread(plan: Plan, q: queue.Queue, stop: threading.Event, counters: 
                 reads = plan.access.get((e.position, t.idx))
                 if not reads:
                     continue
+                if e.position in plan.sources:  # delta / LoRA / packed experts (mergepipe_db/sources.py)
+                    q.put(plan.sources[e.position].read(_Item, t, reads, base, expert_reader, verify))
+                    continue
                 et = e.tensors[t.name]
                 buf = torch.empty(et.nbytes, dtype=torch.uint8)
                 view = memoryview(buf.numpy())
@@ -183,6 +195,49 @@ def execute(
 ) -> ExecutionResult:
     """Run `plan`, writing output shards into the (existing, empty) `staging` directory."""
     import torch
+
+    threads = int(os.environ.get("MERGEPIPE_COMPUTE_THREADS", "1") or 1)
+    prev_threads = torch.get_num_threads()
+    if threads > 0 and threads != prev_threads:
+        torch.set_num_threads(threads)
+    try:
+        return _execute(plan, staging, shard_bytes=shard_bytes, progress=progress, verify_reads=verify_reads,
+                        on_tensor=on_tensor)
+    finally:
+        if torch.get_num_threads() != prev_threads:
+            torch.set_num_threads(prev_threads)
+
+
+class _F32Pool:
+    """Grow-only float32 buffers reused across tensors (no fresh, zero-filled pages per tensor)."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, Any] = {}
+
+    def convert(self, name: str, src: Any) -> Any:
+        """`src.to(float32)` into the reused buffer `name` (same values, bit for bit)."""
+        import torch
+
+        n = src.numel()
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(max(n, 1), dtype=torch.float32)
+            self._bufs[name] = buf
+        out = buf[:n].view(src.shape)
+        out.copy_(src)
+        return out
+
+
+def _execute(
+    plan: Plan,
+    staging: Path,
+    *,
+    shard_bytes: int,
+    progress: bool,
+    verify_reads: bool,
+    on_tensor: Any,
+) -> ExecutionResult:
+    import torch
     from tqdm import tqdm
 
     from mergepipe_db import faults
@@ -198,6 +253,9 @@ def execute(
     params = [ExpertParams(key=e.checkpoint.id, weight=e.weight, density=e.density, gamma=e.gamma)
               for e in plan.experts]
     op = make_operator(spec.method, params, normalize=spec.normalize, lam=spec.lam, t=spec.t)
+    pool = _F32Pool()
+    # an operator that keeps θ_k past add() (slerp keeps its one expert until finish) gets fresh memory
+    reuse_theta = not op.tensor_granular
 
     q: queue.Queue = queue.Queue(maxsize=_QUEUE_DEPTH)
     stop = threading.Event()
@@ -232,7 +290,7 @@ def execute(
             t0 = time.perf_counter()
             if t.dtype in ARITHMETIC:
                 tdt = torch_dtype(t.dtype)
-                base32 = base_item.data.view(tdt).reshape(t.shape).to(torch.float32)
+                base32 = pool.convert("base", base_item.data.view(tdt).reshape(t.shape))
                 ctx = TensorContext(name=t.name, shape=t.shape, rows_per_block=t.rows_per_block,
                                     n_blocks=t.n_blocks, seed=spec.seed)
                 op.begin(base32, ctx)
@@ -246,13 +304,18 @@ def execute(
                         reads[key] = item.nbytes_read
                         realized[e.position] += item.nbytes_read
                         et = e.tensors[t.name]
+                        if item.data.dtype == torch.float32:  # Δ given directly (sources.py: delta, LoRA)
+                            op.add(ExpertInput(index=e.position, params=params[e.position],
+                                               selected_blocks=item.blocks, full=plan.full_selection.get(key, True),
+                                               sketch=plan.sketches.get(key), base=base32, delta=item.data))
+                            continue
                         raw = item.data.view(torch_dtype(et.dtype)).reshape(t.shape)
                         if len(item.blocks) == t.n_blocks:
-                            theta = raw.to(torch.float32)
+                            theta = pool.convert("theta", raw) if reuse_theta else raw.to(torch.float32)
                         else:
-                            theta = base32.clone()
+                            theta = pool.convert("theta", base32) if reuse_theta else base32.clone()
                             for start, stop_ in item.rows:
-                                theta[start:stop_] = raw[start:stop_].to(torch.float32)
+                                theta[start:stop_].copy_(raw[start:stop_])
                         x = ExpertInput(index=e.position, params=params[e.position], selected_blocks=item.blocks,
                                         full=plan.full_selection.get(key, True),
                                         sketch=plan.sketches.get(key), base=base32, theta=theta)
@@ -279,7 +342,9 @@ def execute(
                                            exclusive=True)
             writer.write(ot.name, data)
             tensor_xxh3.append(xxh3_hex(data))
-            block_rows.extend(_out_blocks(ot, data, bb))
+            same_coords = t.dtype in ARITHMETIC and ot.dtype == t.dtype
+            base_view = memoryview(base_item.data.numpy()) if same_coords else None
+            block_rows.extend(_out_blocks(ot, data, bb, base_view))
             timings["write"] += time.perf_counter() - t0
             bar.update(t.nbytes)
             faults.point("tensor_written")
@@ -340,8 +405,15 @@ def _shard_offsets(out_tensors: list[OutTensor], by_shard: dict[int, list[OutTen
     return [absolute[o.idx] for o in out_tensors], header_lens
 
 
-def _out_blocks(ot: OutTensor, data: memoryview, block_bytes: int) -> Iterator[dict[str, Any]]:
-    """Block rows of an output tensor (offsets relative to the tensor; made absolute at commit)."""
+def _out_blocks(ot: OutTensor, data: memoryview, block_bytes: int,
+                base: memoryview | None = None) -> Iterator[dict[str, Any]]:
+    """Block rows of an output tensor (offsets relative to the tensor; made absolute at commit).
+
+    With the base's bytes (same dtype), each block also gets its delta statistics against the base, so a
+    snapshot can be ranked block by block when it is merged again; blocks equal to the base cost a hash.
+    """
+    from mergepipe_db import kernels, sketch
+
     bits = DTYPE_BITS[ot.dtype]
     rpb = rows_per_block(ot.shape, bits, block_bytes)
     rb = 0 if len(ot.shape) <= 1 else _nbytes(ot.shape[1:], ot.dtype)
@@ -350,5 +422,16 @@ def _out_blocks(ot: OutTensor, data: memoryview, block_bytes: int) -> Iterator[d
             lo, hi = 0, ot.nbytes
         else:
             lo, hi = start * rb, stop * rb
-        yield {"tensor_idx": ot.idx, "block_idx": bi, "row_start": start, "row_stop": stop, "rel": lo,
-               "nbytes": hi - lo, "xxh3": xxh3_hex(data[lo:hi]), "rows_per_block": rpb}
+        h = xxh3_hex(data[lo:hi])
+        row = {"tensor_idx": ot.idx, "block_idx": bi, "row_start": start, "row_stop": stop, "rel": lo,
+               "nbytes": hi - lo, "xxh3": h, "rows_per_block": rpb, "delta_l2": None, "delta_l1": None,
+               "delta_max": None, "pos_frac": None, "sketch": None}
+        if base is not None:
+            if data[lo:hi] == base[lo:hi]:
+                hist = np.zeros(sketch.NBINS, dtype=np.int64)
+                hist[0] = (hi - lo) * 8 // bits
+                l2, l1, mx, pos = 0.0, 0.0, 0.0, 0.0
+            else:
+                l2, l1, mx, pos, hist = kernels.delta_stats(data[lo:hi], base[lo:hi], ot.dtype)
+            row.update(delta_l2=l2, delta_l1=l1, delta_max=mx, pos_frac=pos, sketch=sketch.encode(hist))
+        yield row

@@ -40,9 +40,10 @@ class Finding:
 
     kind: str
     text: str
+    path: str | None = None  # the directory or file the finding is about, when there is one
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "text": self.text}
+        return {"kind": self.kind, "text": self.text, "path": self.path}
 
     def __str__(self) -> str:
         return f"{self.kind}: {self.text}"
@@ -109,41 +110,72 @@ def _manifest_state(root: Path, expected_hash: str) -> tuple[str, str]:
     return "ok", "manifest matches"
 
 
-def _check_snapshots(db: Database, conn: sa.Connection, *, full: bool) -> list[Finding]:
-    s, c, m, f, r = schema.snapshot, schema.checkpoint, schema.manifest, schema.source_file, schema.ref
-    out: list[Finding] = []
+
+@dataclass
+class _State:
+    """What fsck read from the catalog (one consistent read), checked against the disk afterwards."""
+
+    intents: list[Any]
+    snapshots: list[Any]
+    names: dict[str, str]
+    manifests: dict[str, str]
+    outputs: dict[str, list[Any]]
+    refs: list[Any]
+    sources: dict[str, list[Any]]
+    no_files: list[str]
+
+
+def _read_state(conn: sa.Connection) -> _State:
+    s, c, m, f, r, st = (schema.snapshot, schema.checkpoint, schema.manifest, schema.source_file, schema.ref,
+                         schema.staging)
+    # Intents before snapshots: a merge committing meanwhile moves from one to the other, never out of sight.
+    intents = conn.execute(sa.select(st)).mappings().all()
     snaps = conn.execute(sa.select(s.c.id, s.c.ref, s.c.checkpoint_id, s.c.out_path, s.c.staging_path)
                          .order_by(s.c.created_at, s.c.id)).all()
     names = dict(conn.execute(sa.select(c.c.id, c.c.name).where(c.c.kind == "snapshot")).all())
     manifests = {sid: hashlib.sha256(text.encode("utf-8")).hexdigest()
                  for sid, text in conn.execute(sa.select(m.c.snapshot_id, m.c.manifest))}
-    files: dict[str, list[Any]] = {}
+    outputs: dict[str, list[Any]] = {}
     for row in conn.execute(sa.select(f.c.checkpoint_id, f.c.relpath, f.c.size, f.c.sha256)
                             .join(s, s.c.checkpoint_id == f.c.checkpoint_id).order_by(f.c.file_idx)):
-        files.setdefault(row.checkpoint_id, []).append(row)
-    refs = conn.execute(sa.select(r.c.name, r.c.snapshot_id, r.c.version)).all()
+        outputs.setdefault(row.checkpoint_id, []).append(row)
+    refs = conn.execute(sa.select(r.c.name, r.c.snapshot_id, r.c.version).order_by(r.c.name)).all()
+    sources: dict[str, list[Any]] = {}
+    for row in conn.execute(sa.select(c.c.name, f.c.path, f.c.size, f.c.mtime_ns, f.c.sha256)
+                            .join(c, c.c.id == f.c.checkpoint_id).where(c.c.kind != "snapshot")
+                            .order_by(c.c.name, f.c.file_idx)):
+        sources.setdefault(row.name, []).append(row)
+    no_files = list(conn.execute(sa.select(c.c.name).where(
+        c.c.kind != "snapshot", ~sa.exists().where(f.c.checkpoint_id == c.c.id)).order_by(c.c.name)).scalars())
+    return _State(list(intents), list(snaps), names, manifests, outputs, list(refs), sources, no_files)
 
-    by_id = {sn.id: sn for sn in snaps}
-    for name, sid, version in refs:
+
+def _check_refs(state: _State) -> list[Finding]:
+    out = []
+    by_id = {sn.id: sn for sn in state.snapshots}
+    for name, sid, version in state.refs:
         head = by_id.get(sid)
         if head is None:
             out.append(Finding("corrupt", f"ref {name!r} (version {version}) points to unknown snapshot {sid}"))
-        elif names.get(head.checkpoint_id) != f"{name}@{version}":
-            out.append(Finding("corrupt", f"ref {name!r} is at version {version} but its snapshot is "
-                                          f"{names.get(head.checkpoint_id)!r}"))
-    for sn in snaps:
-        label = f"snapshot {names.get(sn.checkpoint_id, sn.id)} ({sn.id[:12]})"
-        if sn.checkpoint_id not in names:
-            out.append(Finding("corrupt", f"{label}: its output checkpoint row is missing"))
-            continue
-        if sn.id not in manifests:
-            out.append(Finding("corrupt", f"{label}: its manifest row is missing"))
-            continue
-        ckfiles = files.get(sn.checkpoint_id, [])
-        if not ckfiles:
-            out.append(Finding("corrupt", f"{label}: the catalog lists no output files"))
-            continue
-        out.append(_snapshot_on_disk(label, sn, ckfiles, manifests[sn.id], full=full))
+        elif state.names.get(head.checkpoint_id) != f"{name}@{version}":
+            out.append(Finding("corrupt", f"ref {name!r} is at version {version} but points to snapshot "
+                                          f"{state.names.get(head.checkpoint_id)!r}"))
+    return out
+
+
+def _check_snapshots(state: _State, *, full: bool) -> list[Finding]:
+    out: list[Finding] = []
+    for sn in state.snapshots:
+        label = f"snapshot {state.names.get(sn.checkpoint_id, sn.id)} ({sn.id[:12]})"
+        if sn.checkpoint_id not in state.names:
+            out.append(Finding("corrupt", f"{label}: its output checkpoint row is missing", sn.out_path))
+        elif sn.id not in state.manifests:
+            out.append(Finding("corrupt", f"{label}: its manifest row is missing", sn.out_path))
+        elif not state.outputs.get(sn.checkpoint_id):
+            out.append(Finding("corrupt", f"{label}: the catalog lists no output files", sn.out_path))
+        else:
+            out.append(_snapshot_on_disk(label, sn, state.outputs[sn.checkpoint_id], state.manifests[sn.id],
+                                         full=full))
     return out
 
 
@@ -155,95 +187,89 @@ def _snapshot_on_disk(label: str, sn: Any, files: list[Any], mhash: str, *, full
             if state == "ok":
                 state, detail = _manifest_state(out_dir, mhash)
             if state == "ok":
-                return Finding("ok", f"{label} at {out_dir}: {len(files)} file(s), manifest matches")
-            return Finding(state, f"{label} at {out_dir}: {detail}")
+                return Finding("ok", f"{label} at {out_dir}: {len(files)} file(s), manifest matches", str(out_dir))
+            return Finding(state, f"{label} at {out_dir}: {detail}", str(out_dir))
         if staging.is_dir():
             state, detail = _files_state(staging, files, full=full)
             if state == "ok":
                 state, detail = _manifest_state(staging, mhash)
             if state == "ok":
                 return Finding("leftover", f"{label} is committed but not yet published at {out_dir}: "
-                                           f"`mergepipe gc --apply` renames {staging.name} into place")
-            if not staging.is_dir():  # published while we looked: look at --out again
-                continue
-            return Finding(state, f"{label} is committed but unpublished and its staging {staging} is "
-                                  f"incomplete: {detail}")
-    return Finding("missing", f"{label}: output directory {out_dir} is missing")
+                                           f"`mergepipe gc --apply` renames {staging.name} into place", str(staging))
+            if staging.is_dir():
+                return Finding(state, f"{label} is committed but unpublished and its staging {staging} is "
+                                      f"incomplete: {detail}", str(staging))
+        # else: published between the two looks (staging renamed to --out): look at --out once more
+    return Finding("missing", f"{label}: output directory {out_dir} is missing", str(out_dir))
 
 
-def _check_staging(db: Database, conn: sa.Connection) -> list[Finding]:
-    """Intents of merges in flight (or interrupted), and stray staging directories next to known outputs."""
-    from mergepipe_db.commit import STAGING_PREFIX
-
-    st, s = schema.staging, schema.snapshot
+def _check_intents(state: _State) -> list[Finding]:
     host = socket.gethostname()
-    out: list[Finding] = []
-    intents = conn.execute(sa.select(st)).mappings().all()
-    snaps = conn.execute(sa.select(s.c.out_path, s.c.staging_path)).all()
-    owned = {sp for _o, sp in snaps} | {it["staging_path"] for it in intents}
-    for it in intents:
+    out = []
+    for it in state.intents:
         pid = int(it["pid"])
         where = f"staging {it['staging_path']} (pid {pid} on {it['host']})"
         if it["host"] != host:
-            out.append(Finding("ok", f"{where}: merge on another host, not checked from here"))
+            out.append(Finding("ok", f"{where}: merge on another host, not checked from here", it["staging_path"]))
         elif _pid_alive(pid) and pid != os.getpid():
-            out.append(Finding("ok", f"{where}: merge in progress"))
+            out.append(Finding("ok", f"{where}: merge in progress", it["staging_path"]))
         else:
-            out.append(Finding("leftover", f"{where}: merge interrupted; `mergepipe gc --apply` removes it"))
-    parents = {Path(o).parent for o, _sp in snaps} | {Path(it["out_path"]).parent for it in intents}
-    for parent in sorted(parents):
-        if not parent.is_dir():
-            continue
-        for p in sorted(parent.glob(f"{STAGING_PREFIX}*")):
-            if str(p) not in owned:
-                out.append(Finding("leftover", f"stray staging directory {p}: `mergepipe gc --apply` removes it"))
+            out.append(Finding("leftover", f"{where}: merge interrupted; `mergepipe gc --apply` removes it",
+                               it["staging_path"]))
     return out
 
 
-def _check_sources(conn: sa.Connection, *, full: bool) -> list[Finding]:
-    c, f = schema.checkpoint, schema.source_file
-    rows = conn.execute(sa.select(c.c.name, f.c.path, f.c.size, f.c.mtime_ns, f.c.sha256)
-                        .join(c, c.c.id == f.c.checkpoint_id).where(c.c.kind != "snapshot")
-                        .order_by(c.c.name, f.c.file_idx)).all()
-    by_ck: dict[str, list[Any]] = {}
-    for row in rows:
-        by_ck.setdefault(row.name, []).append(row)
-    no_files = conn.execute(sa.select(c.c.name).where(c.c.kind != "snapshot",
-                                                      ~sa.exists().where(f.c.checkpoint_id == c.c.id))).scalars()
-    out = [Finding("corrupt", f"checkpoint {n!r}: the catalog lists no source files") for n in no_files]
-    for name, files in by_ck.items():
+def _check_sources(state: _State, *, full: bool) -> list[Finding]:
+    out = [Finding("corrupt", f"checkpoint {n!r}: the catalog lists no source files") for n in state.no_files]
+    for name, files in state.sources.items():
         bad = []
         for r in files:
             try:
                 stt = os.stat(r.path)
             except OSError:
-                bad.append(Finding("missing", f"checkpoint {name!r}: source file {r.path} is missing"))
+                bad.append(Finding("missing", f"checkpoint {name!r}: source file {r.path} is missing", r.path))
                 continue
             if stt.st_size != r.size or stt.st_mtime_ns != r.mtime_ns:
                 bad.append(Finding("corrupt", f"checkpoint {name!r}: source file {r.path} changed since ingest "
-                                              f"(size {r.size} -> {stt.st_size} or mtime)"))
+                                              f"(size {r.size} -> {stt.st_size}, or mtime)", r.path))
             elif full and _sha256(Path(r.path)) != r.sha256:
                 bad.append(Finding("corrupt", f"checkpoint {name!r}: source file {r.path} content changed "
-                                              f"(sha256 differs from ingest)"))
+                                              f"(sha256 differs from ingest)", r.path))
         out.extend(bad or [Finding("ok", f"checkpoint {name!r}: {len(files)} source file(s) as ingested")])
     return out
+
+
+def _known_parents(conn: sa.Connection) -> set[Path]:
+    s, st = schema.snapshot, schema.staging
+    outs = list(conn.execute(sa.select(s.c.out_path)).scalars()) + list(
+        conn.execute(sa.select(st.c.out_path)).scalars())
+    return {Path(o).parent for o in outs}
 
 
 def fsck(db: Database, *, full: bool = False) -> list[Finding]:
     """Cross-check catalog, manifests and files; returns findings (see the module docstring for kinds).
 
-    Sizes (and source mtimes) are compared by default; `full` also rehashes every file (sha256). Never
-    raises for what it finds; a catalog it cannot open raises CatalogError.
+    Sizes (and source mtimes) are compared by default; `full` also rehashes every file (sha256). Reads the
+    catalog in short transactions and looks at the files without holding it. Never raises for what it finds;
+    a catalog it cannot open raises CatalogError.
     """
+    from mergepipe_db.commit import STAGING_PREFIX
+
     with db.connect() as conn:
-        # Staging first: a merge that commits meanwhile moves from intent to snapshot, never out of sight.
-        found = _check_staging(db, conn)
-        found = _check_snapshots(db, conn, full=full) + found
-        found += _check_sources(conn, full=full)
-    # A leftover intent whose merge finished while we looked is not a leftover: drop those.
-    gone = [f for f in found if f.kind == "leftover" and f.text.startswith("staging ")]
-    if gone:
+        parents = _known_parents(conn)
+    # Directories listed before ownership is read: a staging directory exists only once its intent does.
+    dirs = sorted(p for parent in sorted(parents) if parent.is_dir() for p in parent.glob(f"{STAGING_PREFIX}*"))
+    with db.connect() as conn:
+        state = _read_state(conn)
+    owned = {sn.staging_path for sn in state.snapshots} | {it["staging_path"] for it in state.intents}
+    found = _check_refs(state) + _check_snapshots(state, full=full) + _check_intents(state)
+    found += [Finding("leftover", f"stray staging directory {p}: `mergepipe gc --apply` removes it", str(p))
+              for p in dirs if str(p) not in owned and p.is_dir()]
+    found += _check_sources(state, full=full)
+    # An intent that looked interrupted may belong to a merge that finished while we looked.
+    if any(f.kind == "leftover" and f.text.startswith("staging ") for f in found):
         with db.connect() as conn:
-            live = {p for (p,) in conn.execute(sa.select(schema.staging.c.staging_path))}
-        found = [f for f in found if not (f in gone and f.text.split(" ", 2)[1] not in live)]
+            still = set(conn.execute(sa.select(schema.staging.c.staging_path)).scalars())
+        found = [f for f in found if not (f.kind == "leftover" and f.text.startswith("staging ")
+                                          and f.path not in still)]
     return found

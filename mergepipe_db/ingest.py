@@ -39,7 +39,7 @@ from mergepipe_db.formats.dtypes import ARITHMETIC_DTYPES, DTYPE_BITS
 from mergepipe_db.formats.hf_layout import CheckpointLayout, resolve_checkpoint
 from mergepipe_db.storage import RangeReader, xxh3_hex
 
-KINDS = ("full", "delta", "snapshot")
+KINDS = ("full", "delta", "lora", "snapshot")
 _READ_AHEAD = 8  # blocks queued between the reader thread and the hashing/statistics thread
 _STATS_WORKERS = 2  # blocks whose statistics are computed at once (this machine class has 2 cores)
 
@@ -402,12 +402,13 @@ def ingest(
     progress: bool = False,
 ) -> IngestResult:
     """Catalogue the checkpoint at `path` as `name` (an expert of `base` when given). Idempotent."""
+    from mergepipe_db import sources
+
     validate_checkpoint_name(name)
-    if kind not in ("full",):
-        raise BadCheckpointError(f"unsupported checkpoint kind {kind!r}; supported: full")
+    kind = sources.detect_kind(path, kind, base)  # full | delta | lora (a dir with adapter_config.json)
     if block_bytes is not None and block_bytes < 1:
         raise BadCheckpointError(f"--block-bytes must be a positive number of bytes, got {block_bytes}")
-    layout = resolve_checkpoint(path)
+    layout = sources.lora_layout(path) if kind == "lora" else resolve_checkpoint(path)
 
     base_row: dict[str, Any] | None = None
     base_tensors: dict[str, BaseTensor] | None = None
@@ -423,13 +424,16 @@ def ingest(
         if base is not None:
             base_row, base_tensors = load_base(conn, base)
     if base_tensors is not None:
-        check_coordinates(layout, base_tensors, what=f"checkpoint {name!r} at {path}")
+        if kind == "full":
+            check_coordinates(layout, base_tensors, what=f"checkpoint {name!r} at {path}")
+        else:
+            sources.check_coordinates(kind, layout, base_tensors, what=f"{kind} checkpoint {name!r} at {path}")
         bb = int(base_row["block_bytes"])  # experts inherit the base's blocking
     else:
         bb = int(block_bytes or DEFAULT_BLOCK_BYTES)
 
-    file_rows, tensor_rows, block_rows, _sha, bytes_read = scan(
-        layout, block_bytes=bb, base=base_tensors, progress=progress)
+    file_rows, tensor_rows, block_rows, _sha, bytes_read = (sources.scan_lora if kind == "lora" else scan)(
+        layout, block_bytes=bb, base=base_tensors, progress=progress, delta=kind == "delta")
     base_id = base_row["id"] if base_row else None
     cid = checkpoint_id(kind, base_id, bb, tensor_rows)
     file_ids = [hashlib.sha256(f"{cid}/{fr['relpath']}".encode()).hexdigest()[:32] for fr in file_rows]

@@ -168,18 +168,23 @@ def _describe(node: dict[str, Any]) -> str:
 
 
 def render_text(graph: dict[str, Any]) -> str:
-    """An indented tree, root first; a parent shared by several merges is printed under each of them."""
+    """An indented tree, root first. A parent shared by several merges is listed under each of them; the
+    parents of a snapshot already expanded above are not repeated (``…``), so the output stays linear."""
     nodes = {n["id"]: n for n in graph["nodes"]}
     parents = _parents(graph)
     lines = [_describe(nodes[graph["root"]])]
+    expanded = {graph["root"]}
 
     def walk(cid: str, prefix: str, depth: int) -> None:
         kids = parents.get(cid, [])
         for i, e in enumerate(kids):
             last = i == len(kids) - 1
             role = "base" if e["role"] == "base" else f"expert {e['position']}"
-            lines.append(f"{prefix}{'└── ' if last else '├── '}{role}: {_describe(nodes[e['parent']])}")
-            if depth < MAX_DEPTH:
+            seen = e["parent"] in expanded and e["parent"] in parents
+            more = " … (parents listed above)" if seen else ""
+            lines.append(f"{prefix}{'└── ' if last else '├── '}{role}: {_describe(nodes[e['parent']])}{more}")
+            if not seen and depth < MAX_DEPTH:
+                expanded.add(e["parent"])
                 walk(e["parent"], prefix + ("    " if last else "│   "), depth + 1)
 
     walk(graph["root"], "", 1)

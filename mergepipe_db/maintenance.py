@@ -28,46 +28,53 @@ def _pid_alive(pid: int) -> bool:
 def gc(db: Database, *, dry_run: bool = True) -> list[str]:
     """Find leftovers of interrupted merges; remove them (and roll committed ones forward) unless dry_run.
 
-    - an intent whose process is gone: its staging directory and intent row;
+    - an intent whose process (on this host) is gone: its intent row, then its staging directory;
     - a committed snapshot whose output is not at `out_path` but whose staging directory is complete:
       published now (rename), since the catalog already made it visible;
     - stray `.mergepipe-staging-*` directories beside known outputs that no intent or snapshot owns.
-    Returns one line per action taken (or that would be taken).
+    Intents of merges on other hosts are left alone (their process cannot be checked from here).
+    Safe to run while merges run: staging directories are listed before ownership is read (a staging
+    directory is created only after its intent row), and an intent is removed only if its row is still there
+    (a merge that committed meanwhile owns its staging as a snapshot). Returns one line per action.
     """
+    from mergepipe_db.commit import publish
+
     actions: list[str] = []
     host = socket.gethostname()
     with db.connect() as conn:
+        parents = {Path(o).parent for o in conn.execute(sa.select(schema.snapshot.c.out_path)).scalars()}
+        parents |= {Path(o).parent for o in conn.execute(sa.select(schema.staging.c.out_path)).scalars()}
+    listed = sorted(p for parent in sorted(parents) if parent.is_dir() for p in parent.glob(f"{STAGING_PREFIX}*"))
+    with db.connect() as conn:  # intents before snapshots: a commit moves ownership from one to the other
         intents = conn.execute(sa.select(schema.staging)).mappings().all()
         snaps = conn.execute(sa.select(schema.snapshot.c.id, schema.snapshot.c.out_path,
                                        schema.snapshot.c.staging_path)).all()
-    live = set()
     for it in intents:
-        if it["host"] == host and _pid_alive(int(it["pid"])) and int(it["pid"]) != os.getpid():
-            live.add(it["staging_path"])
+        pid = int(it["pid"])
+        if it["host"] != host:
+            actions.append(f"skip staging {it['staging_path']} (merge on host {it['host']}, pid {pid}: "
+                           f"run gc there)")
             continue
-        actions.append(f"remove staging {it['staging_path']} (merge interrupted, pid {it['pid']})")
+        if _pid_alive(pid) and pid != os.getpid():
+            continue
+        actions.append(f"remove staging {it['staging_path']} (merge interrupted, pid {pid})")
         if not dry_run:
-            shutil.rmtree(it["staging_path"], ignore_errors=True)
             with db.connect() as conn:
-                conn.execute(schema.staging.delete().where(schema.staging.c.id == it["id"]))
+                gone = conn.execute(schema.staging.delete().where(schema.staging.c.id == it["id"])).rowcount
+            if gone:
+                shutil.rmtree(it["staging_path"], ignore_errors=True)
     owned = {s.staging_path for s in snaps} | {it["staging_path"] for it in intents}
     for sid, out, staging in snaps:
         if not Path(out).exists() and Path(staging).is_dir() and (Path(staging) / "manifest.json").is_file():
             actions.append(f"publish committed snapshot {sid} at {out}")
             if not dry_run:
-                from mergepipe_db.commit import publish
-
                 publish(Path(staging), Path(out))
-    parents = {Path(out).parent for _sid, out, _st in snaps} | {Path(it["out_path"]).parent for it in intents}
-    for parent in sorted(parents):
-        if not parent.is_dir():
+    for p in listed:
+        if str(p) in owned or not p.is_dir():
             continue
-        for p in sorted(parent.glob(f"{STAGING_PREFIX}*")):
-            if str(p) in owned or str(p) in live:
-                continue
-            actions.append(f"remove stray staging {p}")
-            if not dry_run:
-                shutil.rmtree(p, ignore_errors=True)
+        actions.append(f"remove stray staging {p}")
+        if not dry_run:
+            shutil.rmtree(p, ignore_errors=True)
     return actions
 
 

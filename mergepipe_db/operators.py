@@ -277,6 +277,7 @@ def _weight_sum(weights: Sequence[float]) -> float:
 
 
 _RADIX_SMALL = 4096  # below this many elements a sort is cheaper than two 64 Ki-bin bincounts
+_RADIX_CHUNK = 1 << 20  # elements per bincount of the radix select
 
 
 def _locate_from_top(counts: np.ndarray, k: int) -> tuple[int, int]:
@@ -287,24 +288,37 @@ def _locate_from_top(counts: np.ndarray, k: int) -> tuple[int, int]:
     return idx, int(from_top[i]) - int(counts[idx])
 
 
-def _kth_largest_exact(a: torch.Tensor, k: int, op: MergeOperator) -> float:
+def _kth_largest_exact(a: torch.Tensor, k: int, op: MergeOperator, cache: dict[str, np.ndarray] | None = None,
+                       ) -> float:
     """The k-th largest (1 <= k <= numel) of a 1-D float32 tensor of magnitudes, NaN counted largest.
 
     Radix select on the bit patterns (non-negative float32 order = int32 order, NaN above inf): a
     bincount of the top 16 bits locates the k-th largest's prefix, a second one its low 16 bits. Equal
     to ``torch.sort(a, descending=True).values[k-1]`` without sorting, topk or selecting elements.
+    ``cache`` keeps the first bincount for further queries on the same ``a``.
     """
     n = a.numel()
     if n <= _RADIX_SMALL:
         return float(torch.sort(a, descending=True).values[k - 1])
     bits = a.view(torch.int32)
-    c = op._scratch("radix", n, torch.int32)
-    torch.bitwise_right_shift(bits, 16, out=c)
-    hi, above = _locate_from_top(torch.bincount(c, minlength=1 << 15).numpy(), k)
-    torch.sub(bits, hi << 16, out=c)
-    c.clamp_(-1, 1 << 16).add_(1)  # 0: below the prefix, 1..65536: inside, 65537: above
-    inside = torch.bincount(c, minlength=(1 << 16) + 2).numpy()[1 : (1 << 16) + 1]
-    low, _ = _locate_from_top(inside, k - above)
+    step = min(n, _RADIX_CHUNK)
+    c = op._scratch("radix", step, torch.int32)
+    h1 = None if cache is None else cache.get("h1")
+    if h1 is None:
+        h1_t = torch.zeros(1 << 15, dtype=torch.int64)
+        for s in range(0, n, step):
+            chunk = torch.bitwise_right_shift(bits[s : s + step], 16, out=c[: min(step, n - s)])
+            h1_t += torch.bincount(chunk, minlength=1 << 15)
+        h1 = h1_t.numpy()
+        if cache is not None:
+            cache["h1"] = h1
+    hi, above = _locate_from_top(h1, k)
+    first = (hi << 16) - 1  # 0: below the prefix, 1..65536: inside, 65537: above
+    h2 = torch.zeros((1 << 16) + 2, dtype=torch.int64)
+    for s in range(0, n, step):
+        chunk = torch.clamp(bits[s : s + step], first, first + (1 << 16) + 1, out=c[: min(step, n - s)])
+        h2 += torch.bincount(chunk.sub_(first), minlength=(1 << 16) + 2)
+    low, _ = _locate_from_top(h2.numpy()[1 : (1 << 16) + 1], k - above)
     return float(np.array([(hi << 16) | low], dtype=np.int32).view(np.float32)[0])
 
 
@@ -324,6 +338,7 @@ class _Magnitudes:
         self.hist = hist
         self._op = op
         self._nan_read: int | None = None
+        self._cache: dict[str, np.ndarray] = {}
 
     def nan_read(self) -> int:
         if self._nan_read is None:
@@ -335,8 +350,10 @@ class _Magnitudes:
 
     def _count_ge(self, v: float) -> int:
         """Read elements with |Δ| >= v (NaN not counted)."""
-        t = torch.ge(self.a, v, out=self._op._scratch("ind_count", self.a.numel()))
-        return int(torch.count_nonzero(t))
+        total = 0
+        for s, e in _chunks([(0, self.a.numel())]):
+            total += int(torch.count_nonzero(torch.ge(self.a[s:e], v, out=self._op._scratch("ind", e - s))))
+        return total
 
     def _desc_sketch(self, k: int) -> float | None:
         """Exact k-th largest from the sketch's counts when every element of its bin was read, else None."""
@@ -355,12 +372,12 @@ class _Magnitudes:
             read_above += self.nan_read()
         if in_bin != int(hist[b]):
             return None
-        return _kth_largest_exact(self.a, read_above + r, self._op)
+        return _kth_largest_exact(self.a, read_above + r, self._op, self._cache)
 
     def desc(self, k: int) -> float:
         """The k-th largest |Δ| of the whole tensor (1 <= k <= n), NaN counted largest."""
         if self.hist is None:
-            return _kth_largest_exact(self.a, k, self._op) if k <= self.a.numel() else 0.0
+            return _kth_largest_exact(self.a, k, self._op, self._cache) if k <= self.a.numel() else 0.0
         exact = self._desc_sketch(k) if int(self.hist.sum()) == self.n else None
         if exact is not None:
             return exact
@@ -375,7 +392,8 @@ class _Magnitudes:
         return None
 
     def topk_min(self, k: int) -> float:
-        """``torch.topk(|Δ|.flatten(), k).values.min()`` (+inf for k == 0): NaN if any NaN."""
+        """``torch.topk(|Δ|.flatten(), k).values.min()`` (+inf for k == 0): NaN if any NaN. When a partial
+        read cannot tell (NaN would sit in the sketch's last bin, not wholly read), NaN is left out."""
         if k <= 0:
             return math.inf
         if self.nan_total():
@@ -494,6 +512,8 @@ class MergeOperator(abc.ABC):
             raise RuntimeError("add() before begin()")
         if x.index != self._next:
             raise ValueError(f"expert inputs must arrive in spec order: expected {self._next}, got {x.index}")
+        if x.params is not None and x.params != self.experts[x.index]:
+            raise ValueError(f"expert {x.index}: input parameters {x.params} differ from the operator's")
         x._bind(self._base, self._ctx)
         self._add(x)
         self._next += 1
@@ -636,7 +656,11 @@ class _DeltaFold(MergeOperator):
                 D.mul_(ind)
                 self._combine(s, e, D, True)
             else:  # the literal formula
-                keep = ac >= lo if hi is None else ((ac < hi) if lo is None else (ac > lo) & (ac < hi))
+                if hi is None:
+                    assert lo is not None
+                    keep = ac >= lo
+                else:
+                    keep = ac < hi if lo is None else (ac > lo) & (ac < hi)
                 self._combine(s, e, torch.where(keep, d, 0.0).mul_(w), None)
 
     def _fold_ties_trim(self, x: ExpertInput, ranges: list[tuple[int, int]]) -> None:

@@ -94,6 +94,7 @@ class Plan:
     bound_total: float | None
     plan_hash: str = ""
     sketches: dict[tuple[int, int], Any] = field(default_factory=dict)
+    sources: dict[int, Any] = field(default_factory=dict)  # position -> sources.ExpertSource (delta/LoRA/packed)
 
     def access_mask(self) -> list[list[Any]]:
         """Compact access set: [position, tensor name, [[first_block, stop_block], ...]] sorted."""
@@ -103,7 +104,7 @@ class Plan:
             t = names[tidx]
             ranges: list[list[int]] = []
             for r in reads:
-                if r.block_idx < 0:
+                if r.block_idx == -1:
                     ranges.append([0, t.n_blocks])
                 elif ranges and ranges[-1][1] == r.block_idx:
                     ranges[-1][1] = r.block_idx + 1
@@ -225,6 +226,9 @@ def load_experts(conn: sa.Connection, spec: MergeSpec, expert_ids: list[str]) ->
 
 def finalize(conn: sa.Connection, plan: Plan, op: Any) -> None:
     """Attach the sketches partial reads need, check dtypes, and compute the plan hash."""
+    from mergepipe_db.sources import attach_sources
+
+    attach_sources(conn, plan)  # delta / LoRA / packed experts: read hooks and packed read costs
     base_idx_by_name = {t.name: t.idx for t in plan.base_tensors}
     if op.needs_full_tensor_stats:
         for e in plan.experts:
@@ -255,7 +259,8 @@ def build_plan(
 
     experts, op = load_experts(conn, spec, expert_ids)
 
-    full_bytes = sum(e.tensors[t.name].nbytes for e in experts for t in base_tensors if t.dtype in ARITHMETIC)
+    full_bytes = sum(e.tensors[t.name].nbytes for e in experts for t in base_tensors
+                     if t.dtype in ARITHMETIC and t.name in e.tensors)  # delta/LoRA experts cover a subset
     budget_bytes = budget_spec.resolve(full_bytes)
 
     conn.execute(sa.text("DROP TABLE IF EXISTS mp_plan_ranked"))

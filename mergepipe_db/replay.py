@@ -127,7 +127,8 @@ def plan_from_manifest(conn: sa.Connection, manifest: dict[str, Any]) -> Plan:
                 elif candidate:
                     all_candidates_read = False
                     score = math.inf if row.delta_l2 is None else abs(e.coef) * row.delta_l2
-                    bound_per_tensor[tidx] += score
+                    if row.block_idx != -2:  # a LoRA factor unit is no update of its own
+                        bound_per_tensor[tidx] += score
             if len(reads) != len(chosen):
                 raise ReplayError(f"manifest selects blocks of {tname!r} that the catalog does not have")
             if reads:
@@ -136,7 +137,8 @@ def plan_from_manifest(conn: sa.Connection, manifest: dict[str, Any]) -> Plan:
                 e.blocks_selected += len(reads)
             full_selection[(e.position, tidx)] = all_candidates_read
     planned = sum(e.planned_bytes for e in experts)
-    full_bytes = sum(e.tensors[x.name].nbytes for e in experts for x in base_tensors if x.dtype in ARITHMETIC)
+    full_bytes = sum(e.tensors[x.name].nbytes for e in experts for x in base_tensors
+                     if x.dtype in ARITHMETIC and x.name in e.tensors)
     additive = bool(op.additive)
     plan = Plan(
         spec=spec, base=base, base_tensors=base_tensors, experts=experts, out_dtype=sp["dtype"],

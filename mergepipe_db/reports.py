@@ -184,7 +184,7 @@ def _sections(d: dict[str, Any]) -> dict[str, Any]:
     params = [("merge_method", spec.get("merge_method")), ("base_model", spec.get("base_model")),
               ("dtype", spec.get("dtype") or "(base dtype)"), ("seed", m.get("seed"))]
     for k, v in (spec.get("parameters") or {}).items():
-        params.append((k, v))
+        params.append((k, "(default)" if v is None else v))
     models = [(i, mm.get("model"), *((mm.get("parameters") or {}).get(k) for k in ("weight", "density", "gamma")))
               for i, mm in enumerate(spec.get("models", []))]
     t = d["timings"]

@@ -2,10 +2,12 @@
 
 Bin 0 counts exact zeros; a value ``x > 0`` goes to ``clamp(floor(4*log2(x)) + 161, 1, NBINS-1)``: four bins
 per octave from 2^-40 to 2^16, everything below in bin 1, everything from 2^15.75 up (and inf, NaN) in the
-last bin. Binning is exact for every float32 value: ``floor(4*log2(x))`` is the binary exponent of ``x**4``
-computed in float64 (``x*x`` is exact there, and no float32 lies close enough to an edge ``2^(j/4)`` for the
-one rounding of ``(x*x)**2`` to cross it; the tests check every edge). Consequently, for float32 ``x``,
-``bin(x) >= j`` if and only if ``x >= bin_edges()[j]``.
+last bin. Binning is exact for every float32 value: ``floor(4*log2(x)) + 48`` is the binary exponent of
+``y**4``, ``y = x * 2**12``, computed as two float32 squarings. That map is monotone in x, depends only on
+the mantissa while ``y**4`` stays normal (x in [2^-40, 2^16]; outside it the bins are clamped anyway), and
+the three in-octave edges 2^(1/4), 2^(1/2), 2^(3/4) and their float32 predecessors land on the right side
+(the tests check every edge of every octave). Consequently, for float32 ``x``, ``bin(x) >= j`` if and only
+if ``x >= bin_edges()[j]``. Exact zeros are counted apart (tiny values underflow to exponent 0 as well).
 
 Block histograms sum to the tensor histogram (the counts are exact), so the k-th largest |Δ| of a whole
 tensor can be located in its bin without reading the tensor, and estimated inside the bin.
@@ -51,12 +53,12 @@ LAST_BIN = NBINS - 1
 #: bin = floor(4*log2(x)) + _OFFSET, clamped to [1, LAST_BIN]
 _OFFSET = BINS_PER_OCTAVE * -MIN_EXP + 1  # 161
 
-_CHUNK = 1 << 16  # elements per step of `histogram` (keeps the float64 scratch in cache)
-_F64_EXP_BIAS = 1023
+_CHUNK = 1 << 16  # elements per step of `histogram` (keeps the scratch in cache)
+_SCALE = 4096.0  # 2^12: keeps y**4 normal for x in [2^-40, 2^16]
+_F32_EXP_BIAS = 127
 
-# float64 exponent field E of x**4 (0..2047) -> bin. E == 0 only for x == 0 (x**4 >= 2^-596 otherwise).
-_CODE_TO_BIN = np.clip(np.arange(2048, dtype=np.int64) - _F64_EXP_BIAS + _OFFSET, 1, LAST_BIN)
-_CODE_TO_BIN[0] = ZERO_BIN
+# float32 exponent field E of (x * 2^12)**4 (0..255) -> bin; E == 0 holds exact zeros and tiny values.
+_CODE_TO_BIN = np.clip(np.arange(256, dtype=np.int64) - _F32_EXP_BIAS - 48 + _OFFSET, 1, LAST_BIN)
 
 # encode/decode: version byte, then sorted (bin, count) pairs of the non-empty bins, little-endian.
 _PAIR32 = np.dtype([("bin", "<u2"), ("count", "<u4")])
@@ -117,17 +119,15 @@ def _as_float32_flat(abs_delta: torch.Tensor) -> torch.Tensor:
 
 
 def _codes(chunk: torch.Tensor, fbuf: torch.Tensor, ibuf: torch.Tensor) -> torch.Tensor:
-    """float64 exponent field of chunk**4 (int64, 0..2047), computed in the given scratch buffers."""
+    """float32 exponent field of (chunk * 2^12)**4 (int32, 0..255), computed in the scratch buffers."""
     import torch
 
     m = chunk.numel()
-    x4 = fbuf[:m]
-    x4.copy_(chunk)
-    x4.mul_(x4)  # exact: a float32 square fits in float64
-    x4.mul_(x4)
-    codes = ibuf[:m]
-    torch.bitwise_right_shift(x4.view(torch.int64), 52, out=codes)
-    codes.bitwise_and_(0x7FF)  # a NaN may carry a sign bit
+    y = torch.mul(chunk, _SCALE, out=fbuf[:m])
+    y.mul_(y)
+    y.mul_(y)
+    codes = torch.bitwise_right_shift(y.view(torch.int32), 23, out=ibuf[:m])
+    codes.bitwise_and_(0xFF)  # a NaN may carry a sign bit
     return codes
 
 
@@ -137,10 +137,10 @@ def bin_index(abs_delta: torch.Tensor) -> torch.Tensor:
 
     flat = _as_float32_flat(abs_delta)
     n = flat.numel()
-    fbuf = torch.empty(n, dtype=torch.float64)
-    ibuf = torch.empty(n, dtype=torch.int64)
-    codes = _codes(flat, fbuf, ibuf)
-    return torch.from_numpy(_CODE_TO_BIN)[codes].reshape(abs_delta.shape)
+    codes = _codes(flat, torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.int32))
+    bins = torch.from_numpy(_CODE_TO_BIN)[codes.long()]
+    bins.masked_fill_(flat == 0, ZERO_BIN)
+    return bins.reshape(abs_delta.shape)
 
 
 def histogram(abs_delta: torch.Tensor) -> np.ndarray:
@@ -152,15 +152,22 @@ def histogram(abs_delta: torch.Tensor) -> np.ndarray:
 
     flat = _as_float32_flat(abs_delta)
     n = flat.numel()
-    codes_count = torch.zeros(2048, dtype=torch.int64)
+    code_counts = torch.zeros(256, dtype=torch.int64)
+    zeros = 0
     if n:
         step = min(n, _CHUNK)
-        fbuf = torch.empty(step, dtype=torch.float64)
-        ibuf = torch.empty(step, dtype=torch.int64)
+        fbuf = torch.empty(step, dtype=torch.float32)
+        ibuf = torch.empty(step, dtype=torch.int32)
         for s in range(0, n, step):
-            codes_count += torch.bincount(_codes(flat[s : s + step], fbuf, ibuf), minlength=2048)
+            chunk = flat[s : s + step]
+            counts = torch.bincount(_codes(chunk, fbuf, ibuf), minlength=256)
+            if int(counts[0]):
+                zeros += chunk.numel() - int(torch.count_nonzero(chunk))
+            code_counts += counts
     hist = np.zeros(NBINS, dtype=np.int64)
-    np.add.at(hist, _CODE_TO_BIN, codes_count.numpy())
+    np.add.at(hist, _CODE_TO_BIN, code_counts.numpy())
+    hist[1] -= zeros
+    hist[ZERO_BIN] = zeros
     return hist
 
 

@@ -7,6 +7,8 @@ connecting user may create roles). Either way exactly one statement is accepted.
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
 from mergepipe_db.db.engine import Database
@@ -64,20 +66,57 @@ def _duckdb(db: Database, query: str) -> tuple[list[str], list[tuple[Any, ...]]]
 def _ensure_reader_role(db: Database) -> bool:
     import sqlalchemy as sa
 
+    r = {"r": READER_ROLE}
     with db.connect() as conn:
-        exists = conn.execute(sa.text("SELECT 1 FROM pg_roles WHERE rolname = :r"), {"r": READER_ROLE}).scalar()
+        exists = conn.execute(sa.text("SELECT 1 FROM pg_roles WHERE rolname = :r"), r).scalar()
         can = conn.execute(sa.text("SELECT rolsuper OR rolcreaterole FROM pg_roles WHERE rolname = current_user")
                            ).scalar()
         if not exists and not can:
             return False
-        if not exists:
+        if not can:
+            return bool(conn.execute(sa.text("SELECT pg_has_role(current_user, :r, 'MEMBER')"), r).scalar())
+        # Grant only what is missing, one `mergepipe sql` at a time: concurrent CREATE ROLE/GRANT on the same
+        # objects fail ("tuple concurrently updated").
+        conn.execute(sa.text("SELECT pg_advisory_xact_lock(hashtext(:r))"), r)
+        if not conn.execute(sa.text("SELECT 1 FROM pg_roles WHERE rolname = :r"), r).scalar():
             conn.execute(sa.text(f"CREATE ROLE {READER_ROLE} NOLOGIN"))
-        if can:
-            schema = conn.execute(sa.text("SELECT current_schema()")).scalar()
-            conn.execute(sa.text(f'GRANT USAGE ON SCHEMA "{schema}" TO {READER_ROLE}'))
-            conn.execute(sa.text(f'GRANT SELECT ON ALL TABLES IN SCHEMA "{schema}" TO {READER_ROLE}'))
+        schema = conn.execute(sa.text("SELECT current_schema()")).scalar()
+        quoted = '"' + str(schema).replace('"', '""') + '"'
+        s = {"r": READER_ROLE, "s": schema}
+        if not conn.execute(sa.text("SELECT has_schema_privilege(:r, :s, 'USAGE')"), s).scalar():
+            conn.execute(sa.text(f"GRANT USAGE ON SCHEMA {quoted} TO {READER_ROLE}"))
+        if conn.execute(sa.text(
+                "SELECT COUNT(*) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = :s "
+                "AND c.relkind IN ('r', 'v', 'm', 'p', 'f') AND NOT has_table_privilege(:r, c.oid, 'SELECT')"),
+                s).scalar():
+            conn.execute(sa.text(f"GRANT SELECT ON ALL TABLES IN SCHEMA {quoted} TO {READER_ROLE}"))
+        if not conn.execute(sa.text("SELECT pg_has_role(current_user, :r, 'MEMBER')"), r).scalar():
             conn.execute(sa.text(f"GRANT {READER_ROLE} TO current_user"))
     return True
+
+
+# A login role may always switch back to itself: `set_config('role', ...)` in a SELECT undoes SET LOCAL ROLE
+# (and a superuser login then reads server files through dynamic SQL). So, on PostgreSQL, a query whose plan
+# calls a setting changer, or a function that runs SQL text the plan cannot show, is refused.
+_PG_REFUSED = re.compile(
+    r"\b(set_config|query_to_xml\w*|cursor_to_xml\w*|ts_stat|ts_rewrite|dblink\w*|lo_\w+|pg_read_\w+"
+    r"|pg_ls_\w+|pg_stat_file|pg_file_\w+)\s*\(", re.IGNORECASE)
+_PG_LITERAL = re.compile(r"'(?:[^']|'')*'")
+
+
+def _pg_refuse_escapes(conn: Any, query: str) -> None:
+    """Plan `query` (EXPLAIN VERBOSE does not run it) and refuse it if it calls a function in _PG_REFUSED."""
+    import duckdb
+
+    if duckdb.extract_statements(query)[0].type == duckdb.StatementType.EXPLAIN:
+        if re.search(r"\banaly[sz]e\b", query, re.IGNORECASE):
+            raise ReadOnlySqlError("refused: EXPLAIN ANALYZE runs the query; use EXPLAIN")
+        return  # a plain EXPLAIN only plans
+    plan = conn.exec_driver_sql("EXPLAIN (VERBOSE, FORMAT JSON) " + query).scalar()
+    text = _PG_LITERAL.sub("''", plan if isinstance(plan, str) else json.dumps(plan))
+    found = _PG_REFUSED.search(text)
+    if found:
+        raise ReadOnlySqlError(f"refused: {found.group(1)}() is not allowed in mergepipe sql")
 
 
 def _postgres(db: Database, query: str) -> tuple[list[str], list[tuple[Any, ...]]]:
@@ -90,6 +129,7 @@ def _postgres(db: Database, query: str) -> tuple[list[str], list[tuple[Any, ...]
             conn.execute(sa.text(f"SET LOCAL ROLE {READER_ROLE}"))
         conn.execute(sa.text("SET LOCAL statement_timeout = '300s'"))
         try:
+            _pg_refuse_escapes(conn, query)
             res = conn.exec_driver_sql(query)
             cols = list(res.keys())
             rows = [tuple(r) for r in res.fetchall()]

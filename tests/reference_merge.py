@@ -311,6 +311,7 @@ def reference_merge(
     expert_keys: list[str] | None = None,
     block_bytes: int = 1 << 20,
     out_dtype: torch.dtype | None = None,
+    expert_deltas: list[dict[str, torch.Tensor] | None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Full-read merge of ``experts`` onto ``base`` per SEMANTICS.md.
 
@@ -318,7 +319,9 @@ def reference_merge(
     ``gamma`` (default 0.01, breadcrumbs). ``expert_keys[k]`` is expert k's catalog id, the DARE mask key.
     ``block_bytes`` only decides how DARE masks are cut into row blocks (using the expert tensor's stored
     itemsize). Returns tensor name -> merged tensor in ``out_dtype`` (default: the base tensor's dtype),
-    for every tensor of the base.
+    for every tensor of the base. ``expert_deltas[k]``, when given, is expert k's Δ directly (name -> tensor,
+    upcast to float32; a missing name has Δ = 0; θ_k = θ₀ + Δ_k; DARE blocks follow the base's itemsize) and
+    ``experts[k]`` is then not read.
     """
     if method not in METHODS:
         raise ValueError(f"unknown merge method {method!r}; expected one of {METHODS}")
@@ -354,7 +357,8 @@ def reference_merge(
         raise ValueError(f"{method} needs one expert key (catalog id) per expert")
 
     base_files = _tensor_files(Path(base))
-    expert_files = [_tensor_files(p) for p in experts]
+    given = list(expert_deltas) if expert_deltas is not None else [None] * len(experts)
+    expert_files = [_tensor_files(p) if given[k] is None else {} for k, p in enumerate(experts)]
 
     out: dict[str, torch.Tensor] = {}
     for name in sorted(base_files):
@@ -364,6 +368,9 @@ def reference_merge(
 
         expert_stored = []
         for k, files in enumerate(expert_files):
+            if given[k] is not None:
+                expert_stored.append(base_stored)
+                continue
             if name not in files:
                 raise KeyError(f"expert {k} ({experts[k]}) has no tensor {name!r}")
             stored = _read_tensor(files[name], name)
@@ -374,13 +381,15 @@ def reference_merge(
                 )
             expert_stored.append(stored)
         thetas = [s.to(torch.float32) for s in expert_stored]
+        dgiven = [None if g is None else g.get(name, torch.zeros_like(theta0)).to(torch.float32) for g in given]
+        thetas = [th if d is None else theta0 + d for th, d in zip(thetas, dgiven)]
 
         if method == "slerp":
             merged = slerp_combine(theta0, thetas[0], t)
         elif method == "linear":
             merged = linear_combine(theta0, thetas, weights, normalize)
         else:
-            deltas = [theta - theta0 for theta in thetas]
+            deltas = [theta - theta0 if d is None else d for theta, d in zip(thetas, dgiven)]
             if method == "task_arithmetic":
                 merged = task_arithmetic_combine(theta0, deltas, weights, normalize, lam)
             elif method == "ties":

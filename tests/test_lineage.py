@@ -27,11 +27,11 @@ def _two_levels(catalog, family, tmp_path: Path):
     gen2 = catalog.merge({"merge_method": "task_arithmetic", "base_model": "base",
                           "models": [{"model": "gen1", "parameters": {"weight": 0.5}},
                                      {"model": names[2], "parameters": {"weight": 0.5}}]},
-                         out=tmp_path / "gen2", budget=0.6)
+                         out=tmp_path / "gen2", budget=0.6, shard_bytes=60_000)
     return gen1, gen2
 
 
-def test_lineage_two_levels_in_every_format_and_audit_sql(catalog, catalog_url, tiny_family, tmp_path,
+def test_lineage_two_levels_audit_sql_and_verify(catalog, catalog_url, tiny_family, tmp_path,
                                                           capsys) -> None:
     gen1, gen2 = _two_levels(catalog, tiny_family, tmp_path)
     g = catalog.lineage("gen2")
@@ -110,50 +110,50 @@ def test_lineage_two_levels_in_every_format_and_audit_sql(catalog, catalog_url, 
     assert {e for e, _b in contributed} <= {"gen1@1", "e2"}
 
 
-def test_unknown_snapshot_is_one_line_exit_1(catalog, catalog_url, tiny_family, capsys) -> None:
-    ingest_family(catalog, tiny_family)
-    with pytest.raises(UnknownCheckpointError):
-        catalog.lineage("no-such-snapshot")
-    assert catalog.lineage("e0")["edges"] == []  # an original checkpoint is its own root
-    for args in (["lineage", "nope"], ["verify", "nope"], ["report", "nope", "--out", "x.html"],
-                 ["report", "e0", "--out", "x.html"]):
-        assert main([*args, "--catalog", catalog_url]) == 1
-        err = capsys.readouterr().err
-        assert err.count("\n") == 1 and err.startswith("mergepipe: error: UnknownCheckpointError"), err
-
-
-def test_verify_names_the_tampered_file_and_tensor(catalog, catalog_url, tiny_family, tmp_path, capsys) -> None:
-    names = ingest_family(catalog, tiny_family)
-    spec = {"merge_method": "task_arithmetic", "base_model": "base",
-            "models": [{"model": names[0], "parameters": {"weight": 0.7}}]}
-    good = catalog.merge(spec, out=tmp_path / "good", budget=1.0)
-    bad = catalog.merge(spec, out=tmp_path / "bad", budget=0.5, shard_bytes=60_000)
-    assert catalog.verify_snapshot("good") == [] and catalog.verify_snapshot("bad@1") == []
+    # verify: both snapshots are intact; then a flipped byte in one of gen2's shards is named by file and tensor
+    assert catalog.verify_snapshot("gen1") == [] and catalog.verify_snapshot("gen2@1") == []
     assert main(["verify", "--catalog", catalog_url]) == 0
     assert "ok:" in capsys.readouterr().out
-
-    shards = sorted(Path(bad.out).glob("*.safetensors"))
+    shards = sorted(Path(gen2.out).glob("*.safetensors"))
     assert len(shards) > 1
     shard = shards[1]
     header = read_header(shard)
     victim = max(header.tensors, key=lambda t: t.nbytes)
-    pos = header.absolute_offset(victim) + victim.nbytes // 2
     data = bytearray(shard.read_bytes())
-    data[pos] ^= 0x01
+    data[header.absolute_offset(victim) + victim.nbytes // 2] ^= 0x01
     shard.write_bytes(bytes(data))
 
-    problems = catalog.verify_snapshot(bad.snapshot_id)
+    problems = catalog.verify_snapshot(gen2.snapshot_id)
+    assert len(problems) == 2, problems  # exactly the file and the one tensor
     assert any(shard.name in p and "sha256" in p for p in problems)
     assert any(repr(victim.name) in p and shard.name in p and "xxh3" in p for p in problems)
-    assert len(problems) == 2, problems  # exactly the file and the one tensor
-    assert catalog.verify_snapshot("good") == []
-
-    for args in (["verify", "bad"], ["verify"]):
+    assert catalog.verify_snapshot("gen1") == []
+    assert catalog.verify_all()[0] == problems
+    for args in (["verify", "gen2"], ["verify"]):
         assert main([*args, "--catalog", catalog_url]) == 1
         cap = capsys.readouterr()
         assert victim.name in cap.out and shard.name in cap.out
-        assert cap.err.count("\n") == 1 and cap.err.startswith("mergepipe: error: VerifyError")
-    assert main(["verify", "good", "--catalog", catalog_url]) == 0
+        assert cap.err.count("\n") == 1 and cap.err.startswith("mergepipe: error: VerifyError"), cap.err
+    assert main(["verify", "gen1@1", "--catalog", catalog_url]) == 0
     assert "ok:" in capsys.readouterr().out
-    problems, _checked = catalog.verify_all()
-    assert problems == catalog.verify_snapshot("bad")
+    assert main(["verify", "e0", "--catalog", catalog_url]) == 0  # an original checkpoint: its sources
+    assert "checkpoint e0 (sources)" in capsys.readouterr().out
+
+    assert catalog.lineage("e0") == {"root": catalog.checkpoint_id("e0"), "edges": [],
+                                     "nodes": [{"id": catalog.checkpoint_id("e0"), "name": "e0", "kind": "full",
+                                                "snapshot": None}]}
+    assert main(["report", "e0", "--out", str(tmp_path / "x.html"), "--catalog", catalog_url]) == 1
+    assert "not a committed merge snapshot" in capsys.readouterr().err
+    assert not (tmp_path / "x.html").exists()
+
+
+def test_unknown_snapshot_is_one_line_exit_1(catalog, catalog_url, tmp_path, capsys) -> None:
+    with pytest.raises(UnknownCheckpointError):
+        catalog.lineage("no-such-snapshot")
+    with pytest.raises(UnknownCheckpointError):
+        catalog.verify_snapshot("no-such-snapshot")
+    for args in (["lineage", "nope"], ["lineage", "nope", "--format", "mermaid"], ["verify", "nope"],
+                 ["report", "nope", "--out", str(tmp_path / "r.html")]):
+        assert main([*args, "--catalog", catalog_url]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("mergepipe: error: UnknownCheckpointError"), err

@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.pool import NullPool
 
-from mergepipe_db.errors import CatalogError, CatalogLockedError, CatalogOutOfDateError
+from mergepipe_db.errors import CatalogError, CatalogLockedError, CatalogOutOfDateError, CommitConflictError
 
 DEFAULT_CATALOG = "./mergepipe.duckdb"
 ENV_CATALOG = "MERGEPIPE_CATALOG"
@@ -104,8 +104,17 @@ class Database:
                         conn.commit()
                     with conn.begin():
                         yield conn
+            except sa.exc.IntegrityError as e:
+                # A unique key another writer committed first (PostgreSQL: concurrent inserts of one ref/name).
+                raise CommitConflictError(f"catalog write lost a race with another writer: {_first_line(e)}; "
+                                          f"rerun the command") from e
             except sa.exc.OperationalError as e:
+                if getattr(getattr(e, "orig", None), "sqlstate", None) in ("40001", "40P01"):
+                    raise CommitConflictError(f"catalog transaction conflicted with another writer: "
+                                              f"{_first_line(e)}; rerun the command") from e
                 raise CatalogError(f"catalog {self.display()} is unavailable: {_first_line(e)}") from e
+            except sa.exc.DBAPIError as e:  # any other database error: one line, never a traceback
+                raise CatalogError(f"catalog {self.display()} error: {_first_line(e)}") from e
             finally:
                 engine.dispose()
 

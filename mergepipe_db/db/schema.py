@@ -153,3 +153,26 @@ staging = sa.Table(
     sa.Column("host", sa.Text, nullable=False),
     sa.Column("created_at", sa.Text, nullable=False),
 )
+
+# Packed block store (mergepipe_db/blockstore.py): content-addressed, zstd-compressed block payloads.
+blob = sa.Table(
+    "mp_blob",
+    metadata,
+    sa.Column("hash", sa.String(32), primary_key=True),  # xxh3_128 of the uncompressed payload
+    sa.Column("store_path", sa.Text, nullable=False),  # append-only store file (absolute path)
+    sa.Column("offset", sa.BigInteger, nullable=False),  # byte offset of the compressed payload in the file
+    sa.Column("clen", sa.BigInteger, nullable=False),  # compressed length (bytes): the read cost
+    sa.Column("raw_len", sa.BigInteger, nullable=False),  # uncompressed length (bytes)
+    sa.Column("codec", sa.String(16), nullable=False),  # zstd-xor: payload = zstd(expert bytes XOR base bytes)
+)
+
+packed_block = sa.Table(
+    "mp_packed_block",
+    metadata,
+    sa.Column("checkpoint_id", sa.String(64), primary_key=True),
+    sa.Column("tensor_idx", sa.Integer, primary_key=True),  # the expert's tensor_idx (as in mp_block)
+    sa.Column("block_idx", sa.Integer, primary_key=True),
+    sa.Column("blob_hash", sa.String(32), nullable=False),
+    sa.Column("clen", sa.BigInteger, nullable=False),  # = the blob's clen, kept here for the planner's join
+    sa.Column("base_xxh3", sa.String(32), nullable=False),  # the base block the payload is XORed against
+)

@@ -1,0 +1,705 @@
+"""Streaming merge operators against a literal, whole-tensor reading of docs/SEMANTICS.md.
+
+The `lit_*` functions below are written from SEMANTICS.md alone: plain torch on whole tensors, loops in
+spec order, no streaming, no buffers. At full selection every operator must match them byte for byte
+(compared as int32 bit patterns), whatever the data, weights, block layout and input form.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+import torch
+
+from mergepipe_db import sketch
+from mergepipe_db.errors import SpecError, UnsupportedDtypeError
+from mergepipe_db.operators import (
+    OPERATORS,
+    ExpertInput,
+    ExpertParams,
+    TensorContext,
+    dare_keep_mask,
+    make_operator,
+)
+
+METHODS = ("linear", "task_arithmetic", "ties", "dare_linear", "dare_ties", "breadcrumbs", "slerp")
+
+# --------------------------------------------------------------------------------------------------
+# The literal formulas (SEMANTICS.md), whole tensors
+# --------------------------------------------------------------------------------------------------
+
+
+def lit_weight_sum(weights: Sequence[float]) -> float:
+    total = 0.0
+    for w in weights:
+        total = total + w
+    if abs(total) < 1e-8:
+        total = 1.0
+    return total
+
+
+def lit_linear(base, thetas, weights, normalize):
+    acc = torch.zeros_like(base)
+    for theta, w in zip(thetas, weights):
+        acc = acc + theta * w
+    return acc / lit_weight_sum(weights) if normalize else acc
+
+
+def lit_task_arithmetic(base, deltas, weights, normalize, lam):
+    mixed = torch.zeros_like(base)
+    for delta, w in zip(deltas, weights):
+        mixed = mixed + delta * w
+    if normalize:
+        mixed = mixed / lit_weight_sum(weights)
+    return base + mixed * lam
+
+
+def lit_ties_trim(delta, d, tau=None):
+    if d >= 1:
+        return delta
+    n = delta.numel()
+    k = int(d * n)
+    a = delta.abs()
+    if tau is None:
+        tau = torch.tensor(math.inf) if k == 0 else torch.topk(a.flatten(), k).values.min()
+    return torch.where(a >= tau, delta, 0.0)
+
+
+def lit_breadcrumbs_trim(delta, d, g):
+    if d >= 1:
+        return delta
+    n = delta.numel()
+    target = int(d * n)
+    n_top = int(g * n)
+    n_bot = n - target - n_top
+    if n_bot < 0:
+        n_top += n_bot
+        n_bot = 0
+    a = delta.abs()
+    hi = torch.tensor(math.inf) if n_top == 0 else torch.topk(a.flatten(), n_top).values.min()
+    lo = torch.tensor(-math.inf) if n_bot == 0 else torch.topk(a.flatten(), n_bot, largest=False).values.max()
+    return torch.where((a > lo) & (a < hi), delta, 0.0)
+
+
+def lit_dare_mask(seed, key, name, shape, rows_per_block, d):
+    """Per-block masks concatenated along dim 0 (SEMANTICS.md's generator recipe)."""
+    def draw(block_index, block_shape):
+        digest = hashlib.sha256(f"{seed}\x1f{key}\x1f{name}\x1f{block_index}".encode()).digest()
+        g = torch.Generator(device="cpu")
+        g.manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+        return torch.rand(block_shape, generator=g, dtype=torch.float32) < d
+
+    if len(shape) == 0:
+        return draw(0, ())
+    if math.prod(shape) == 0:
+        return torch.zeros(shape, dtype=torch.bool)
+    if len(shape) == 1:
+        return draw(0, tuple(shape))
+    rows = shape[0]
+    pieces = [draw(i, (min(rows, s + rows_per_block) - s, *shape[1:]))
+              for i, s in enumerate(range(0, rows, rows_per_block))]
+    return torch.cat(pieces, dim=0)
+
+
+def lit_dare_trim(delta, d, mask):
+    if d >= 1:
+        return delta
+    return torch.where(mask, delta / d, 0.0)
+
+
+def lit_ties_combine(base, trimmed, weights, normalize, lam):
+    D = [t * w for t, w in zip(trimmed, weights)]
+    S = torch.zeros_like(base)
+    for x in D:
+        S = S + x
+    s = torch.where(S >= 0, 1.0, -1.0)
+    mixed = torch.zeros_like(base)
+    div = torch.zeros_like(base)
+    for x, w in zip(D, weights):
+        keep = torch.sign(x) == s
+        mixed = mixed + torch.where(keep, x, 0.0)
+        div = div + torch.where(keep, w, 0.0)
+    div = torch.where(div == 0, 1.0, div)
+    if normalize:
+        mixed = mixed / div
+    return base + mixed * lam
+
+
+def lit_slerp(theta0, theta1, t):
+    v0, v1 = theta0.flatten(), theta1.flatten()
+    n0 = float(torch.linalg.vector_norm(v0.double()))
+    n1 = float(torch.linalg.vector_norm(v1.double()))
+    dot = float(torch.dot(v0.double(), v1.double())) / ((n0 if n0 > 1e-8 else 1.0) * (n1 if n1 > 1e-8 else 1.0))
+    if abs(dot) > 0.9995:
+        return theta0 * (1 - t) + theta1 * t
+    th0 = math.acos(dot)
+    s = math.sin(th0)
+    tht = th0 * t
+    return theta0 * (math.sin(th0 - tht) / s) + theta1 * (math.sin(tht) / s)
+
+
+DEFAULT_NORMALIZE = {"linear": True, "task_arithmetic": False, "ties": True, "dare_linear": False,
+                     "dare_ties": False, "breadcrumbs": False}
+
+
+def literal_merge(method, base, thetas, params, *, normalize=None, lam=1.0, t=None, seed=0, name="t",
+                  rows_per_block=1):
+    """The whole-tensor merge of SEMANTICS.md (θ_k given; omitted rows already equal to the base)."""
+    weights = [p.weight for p in params]
+    if method == "slerp":
+        return lit_slerp(base, thetas[0], t)
+    normalize = DEFAULT_NORMALIZE[method] if normalize is None else normalize
+    if method == "linear":
+        return lit_linear(base, thetas, weights, normalize)
+    deltas = [theta - base for theta in thetas]
+    if method == "task_arithmetic":
+        return lit_task_arithmetic(base, deltas, weights, normalize, lam)
+    if method == "ties":
+        return lit_ties_combine(base, [lit_ties_trim(x, p.density) for x, p in zip(deltas, params)],
+                                weights, normalize, lam)
+    if method == "breadcrumbs":
+        return lit_task_arithmetic(base, [lit_breadcrumbs_trim(x, p.density, p.gamma)
+                                          for x, p in zip(deltas, params)], weights, normalize, lam)
+    trimmed = [lit_dare_trim(x, p.density, lit_dare_mask(seed, p.key, name, tuple(base.shape), rows_per_block,
+                                                         p.density))
+               for x, p in zip(deltas, params)]
+    if method == "dare_linear":
+        return lit_task_arithmetic(base, trimmed, weights, normalize, lam)
+    return lit_ties_combine(base, trimmed, weights, normalize, lam)
+
+
+# --------------------------------------------------------------------------------------------------
+# Driving the streaming operators
+# --------------------------------------------------------------------------------------------------
+
+
+def blocks_of(shape, rows_per_block) -> list[tuple[int, int]]:
+    if len(shape) <= 1 or shape[0] == 0:
+        return [(0, shape[0] if shape else 1)]
+    return [(s, min(shape[0], s + rows_per_block)) for s in range(0, shape[0], rows_per_block)]
+
+
+def context(shape, rows_per_block, seed=0, name="t") -> TensorContext:
+    rpb = rows_per_block if len(shape) >= 2 else max(1, shape[0] if shape else 1)
+    return TensorContext(name=name, shape=tuple(shape), rows_per_block=rpb,
+                         n_blocks=len(blocks_of(shape, rpb)), seed=seed)
+
+
+def omit_rows(base, theta, ctx, selected) -> torch.Tensor:
+    """θ with the rows of unselected blocks replaced by the base."""
+    out = base.clone()
+    if selected is None:
+        return theta.clone()
+    for b in selected:
+        s, e = blocks_of(ctx.shape, ctx.rows_per_block)[b]
+        if base.dim() == 0:
+            out = theta.clone()
+        else:
+            out[s:e] = theta[s:e]
+    return out
+
+
+def stream(method, base, thetas, params, ctx, *, selected=None, supply="theta", sketches=None, full=None,
+           op=None, **kw) -> torch.Tensor:
+    """Run the operator; ``selected[k]``: block indices read for expert k (None: all)."""
+    op = op or make_operator(method, params, **kw)
+    op.begin(base, ctx)
+    for k, (theta, p) in enumerate(zip(thetas, params)):
+        sel = tuple(range(ctx.n_blocks)) if selected is None or selected[k] is None else tuple(selected[k])
+        sk = None if sketches is None else sketches[k]
+        is_full = (len(sel) == ctx.n_blocks) if full is None else full
+        if not sel:
+            x = ExpertInput(k, p, (), is_full, sk, base=base)
+        else:
+            th = omit_rows(base, theta, ctx, sel)
+            if supply == "theta":
+                x = ExpertInput(k, p, sel, is_full, sk, base=base, theta=th)
+            elif supply == "delta":
+                x = ExpertInput.from_delta(k, p, sel, is_full, sk, base=base, delta=th - base)
+            else:  # theta, no base given: the operator binds its own
+                x = ExpertInput.from_theta(k, p, sel, is_full, sk, theta=th)
+        op.add(x)
+    return op.finish()
+
+
+def assert_bits_equal(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype == torch.float32
+    assert tuple(got.shape) == tuple(want.shape)
+    g, w = got.contiguous().view(torch.int32), want.contiguous().view(torch.int32)
+    if not torch.equal(g, w):
+        diff = (g != w).flatten().nonzero()
+        i = int(diff[0])
+        raise AssertionError(f"{diff.numel()} of {got.numel()} elements differ; first at {i}: "
+                             f"{got.flatten()[i].item()!r} != {want.flatten()[i].item()!r}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------------------------------
+
+LAYOUTS = [  # (shape, rows_per_block)
+    ((), 1),
+    ((7,), 7),
+    ((13, 5), 3),
+    ((64, 33), 7),
+    ((5003,), 5003),  # 1-d, above the exact-selection small-tensor cutoff
+    ((300, 40), 16),
+    ((2, 3, 4), 1),
+]
+
+
+def make_data(shape, K, seed, *, special=False):
+    """Base and K experts: heavy-tailed deltas, exact zeros, ties in |Δ| (also ±), sometimes inf/NaN."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(shape, generator=g)
+    thetas = []
+    for k in range(K):
+        scale = torch.exp(1.5 * torch.randn(shape, generator=g)) * 0.02
+        delta = torch.randn(shape, generator=g) * scale
+        u = torch.rand(shape, generator=g)
+        delta = torch.where(u < 0.15, torch.zeros_like(delta), delta)
+        tied = torch.round(delta * 50) / 50  # many equal magnitudes, both signs
+        delta = torch.where((u > 0.15) & (u < 0.45), tied, delta)
+        theta = base + delta
+        theta = torch.where(u > 0.97, base, theta)  # θ == θ₀ exactly
+        if special and theta.numel() > 4:
+            flat = theta.view(-1)
+            flat[(k * 7) % flat.numel()] = math.inf
+            flat[(k * 11 + 3) % flat.numel()] = -math.inf
+            flat[(k * 13 + 5) % flat.numel()] = math.nan
+        thetas.append(theta)
+    return base, thetas
+
+
+def make_params(K, seed, *, method="ties"):
+    rng = np.random.default_rng(seed)
+    params = []
+    for k in range(K):
+        w = float(rng.choice([1.0, 0.5, -0.7, 0.3, 2.5, -1.25, 0.1]))
+        d = float(rng.choice([1.0, 0.5, 0.37, 0.9, 0.05, 0.001, 0.995]))
+        gamma = float(rng.choice([0.01, 0.0, 0.1]))  # 0.995 + 0.01: breadcrumbs' n_bot < 0 case
+        params.append(ExpertParams(key=hashlib.sha256(f"{seed}-{k}".encode()).hexdigest()[:32], weight=w,
+                                   density=d, gamma=gamma))
+    return params
+
+
+# --------------------------------------------------------------------------------------------------
+# Full selection: bit-exact
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_full_selection_matches_literal_formulas(method: str) -> None:
+    case = 0
+    for i, (shape, rpb) in enumerate(LAYOUTS):
+        # K = 1..5, two of them per layout
+        for K in ((1,) if method == "slerp" else (1 + i % 5, 1 + (i + 2) % 5)):
+            case += 1
+            seed = 1000 * METHODS.index(method) + case
+            base, thetas = make_data(shape, K, seed)
+            params = make_params(K, seed)
+            ctx = context(shape, rpb, seed=seed % 7)
+            kw = {"t": [0.0, 0.3, 0.5, 1.0][case % 4]} if method == "slerp" else {}
+            if method != "slerp" and case % 3 == 0:
+                kw["normalize"] = not DEFAULT_NORMALIZE[method]
+            if method not in ("slerp", "linear") and case % 2:
+                kw["lam"] = 0.75
+            want = literal_merge(method, base, thetas, params, seed=ctx.seed, rows_per_block=ctx.rows_per_block,
+                                 **kw)
+            for supply in ("theta", ("delta", "theta-no-base")[case % 2]):
+                got = stream(method, base, thetas, params, ctx, supply=supply, **kw)
+                if supply == "delta" and OPERATORS[method].uses_theta:
+                    # θ is then θ₀ + Δ, which may differ from the stored θ by a rounding
+                    thetas2 = [base + (th - base) for th in thetas]
+                    want2 = literal_merge(method, base, thetas2, params, seed=ctx.seed,
+                                          rows_per_block=ctx.rows_per_block, **kw)
+                    assert_bits_equal(got, want2)
+                else:
+                    assert_bits_equal(got, want)
+
+
+@pytest.mark.parametrize("method", ["ties", "breadcrumbs", "dare_ties", "dare_linear", "task_arithmetic",
+                                    "linear"])
+def test_full_selection_with_inf_and_nan(method: str) -> None:
+    for i, (shape, rpb) in enumerate(LAYOUTS[2:]):
+        base, thetas = make_data(shape, 3, 77 + i, special=True)
+        params = make_params(3, 5 + i)
+        ctx = context(shape, rpb, seed=3)
+        want = literal_merge(method, base, thetas, params, seed=3, rows_per_block=ctx.rows_per_block)
+        assert_bits_equal(stream(method, base, thetas, params, ctx), want)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_empty_tensors_and_other_base_dtypes(method: str) -> None:
+    for shape, rpb in (((0, 5), 2), ((5, 0), 2), ((0,), 1), ((9, 4), 2)):
+        K = 1 if method == "slerp" else 2
+        base, thetas = make_data(shape, K, 3)
+        params = make_params(K, 3)
+        kw = {"t": 0.5} if method == "slerp" else {}
+        ctx = context(shape, rpb)
+        want = literal_merge(method, base, thetas, params, rows_per_block=rpb, **kw)
+        assert_bits_equal(stream(method, base, thetas, params, ctx, **kw), want)
+    base16 = base.to(torch.bfloat16)
+    thetas16 = [th.to(torch.bfloat16) for th in thetas]
+    want = literal_merge(method, base16.float(), [t.float() for t in thetas16], params, rows_per_block=rpb, **kw)
+    op = make_operator(method, params, **kw)
+    op.begin(base16, ctx)  # upcast to float32 first, as SEMANTICS.md says
+    for k, p in enumerate(params):
+        op.add(ExpertInput(k, p, range(ctx.n_blocks), True, base=base16, theta=thetas16[k]))
+    assert_bits_equal(op.finish(), want)
+
+
+def test_nan_in_delta_with_ties_threshold() -> None:
+    # τ = topk(...).values.min() is NaN as soon as one |Δ| is NaN: that expert keeps nothing
+    shape, rpb = (100, 50), 10
+    base, thetas = make_data(shape, 2, 9)
+    thetas[0].view(-1)[17] = math.nan
+    params = [ExpertParams("a", 1.0, 0.5), ExpertParams("b", 0.5, 0.3)]
+    ctx = context(shape, rpb)
+    for method in ("ties", "breadcrumbs"):
+        assert_bits_equal(stream(method, base, thetas, params, ctx), literal_merge(method, base, thetas, params))
+
+
+def test_many_ties_and_constant_magnitudes() -> None:
+    shape, rpb = (128, 64), 8
+    base = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+    signs = torch.where(torch.rand(shape, generator=torch.Generator().manual_seed(4)) < 0.5, -1.0, 1.0)
+    thetas = [base + signs * 0.25, base + signs * torch.tensor(1e-30), base.clone(), base + 3.0]
+    params = [ExpertParams(str(k), w, d, 0.05) for k, (w, d) in enumerate([(1, .5), (2, .3), (1, .2), (-1, .9)])]
+    ctx = context(shape, rpb)
+    for method in ("ties", "breadcrumbs", "dare_ties", "dare_linear"):
+        assert_bits_equal(stream(method, base, thetas, params, ctx), literal_merge(method, base, thetas, params,
+                                                                                    rows_per_block=rpb))
+
+
+def test_operator_is_reusable_across_tensors_and_shapes() -> None:
+    params = make_params(3, 11)
+    for method in METHODS:
+        ps = params[:1] if method == "slerp" else params
+        kw = {"t": 0.4} if method == "slerp" else {}
+        op = make_operator(method, ps, **kw)
+        for i, (shape, rpb) in enumerate([((150, 40), 16), ((7,), 7), ((64, 33), 7), ((150, 40), 16)]):
+            base, thetas = make_data(shape, len(ps), 500 + i)
+            ctx = context(shape, rpb, seed=i, name=f"layer.{i}")
+            got = stream(method, base, thetas, ps, ctx, op=op)
+            want = literal_merge(method, base, thetas, ps, seed=i, name=f"layer.{i}", rows_per_block=rpb, **kw)
+            assert_bits_equal(got, want)
+            got.fill_(0.0)  # the caller owns the result: scribbling on it must not disturb the next tensor
+
+
+def test_protocol_misuse_is_reported() -> None:
+    params = make_params(2, 1)
+    base, thetas = make_data((4, 4), 2, 1)
+    ctx = context((4, 4), 2)
+    op = make_operator("task_arithmetic", params)
+    with pytest.raises(RuntimeError):
+        op.add(ExpertInput(0, params[0], (), True))
+    op.begin(base, ctx)
+    with pytest.raises(ValueError, match="spec order"):
+        op.add(ExpertInput(1, params[1], (0, 1), True, base=base, theta=thetas[1]))
+    op.add(ExpertInput(0, params[0], (0, 1), True, base=base, theta=thetas[0]))
+    with pytest.raises(RuntimeError):
+        op.finish()
+    with pytest.raises(ValueError):
+        ExpertInput(0, params[0], (0,), True, base=base)  # blocks selected but no data
+
+
+# --------------------------------------------------------------------------------------------------
+# Partial selection
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["linear", "task_arithmetic", "dare_linear", "dare_ties", "ties",
+                                    "breadcrumbs"])
+def test_omitted_rows_behave_as_zero_delta(method: str) -> None:
+    rng = np.random.default_rng(5)
+    for i, (shape, rpb) in enumerate([((64, 33), 7), ((300, 40), 16), ((13, 5), 3)]):
+        K = 3
+        base, thetas = make_data(shape, K, 40 + i)
+        params = make_params(K, 40 + i)
+        ctx = context(shape, rpb, seed=2)
+        selected = [sorted(rng.choice(ctx.n_blocks, size=int(rng.integers(0, ctx.n_blocks)), replace=False).tolist())
+                    for _ in range(K)]
+        eff = [omit_rows(base, th, ctx, sel) for th, sel in zip(thetas, selected)]
+        # no sketch: global statistics come from the rows read, the rest counting as Δ = 0
+        want = literal_merge(method, base, eff, params, seed=2, rows_per_block=rpb)
+        for supply in ("theta", "delta"):
+            got = stream(method, base, thetas, params, ctx, selected=selected, supply=supply)
+            if supply == "delta" and method == "linear":
+                want_l = literal_merge(method, base, [base + (t - base) for t in eff], params)
+                assert_bits_equal(got, want_l)
+            else:
+                assert_bits_equal(got, want)
+
+
+def test_slerp_omitted_tensor_means_base() -> None:
+    base, thetas = make_data((13, 5), 1, 3)
+    ctx = context((13, 5), 3)
+    params = make_params(1, 3)
+    got = stream("slerp", base, thetas, params, ctx, selected=[()], t=0.3)
+    assert_bits_equal(got, lit_slerp(base, base.clone(), 0.3))
+
+
+@pytest.mark.parametrize("method", ["linear", "task_arithmetic"])
+def test_omitted_update_bound(method: str) -> None:
+    rng = np.random.default_rng(9)
+    shape, rpb = (120, 30), 8
+    for trial in range(6):
+        K = int(rng.integers(1, 5))
+        base, thetas = make_data(shape, K, 60 + trial)
+        params = make_params(K, 60 + trial)
+        kw = {"normalize": bool(trial % 2)} | ({"lam": 0.6} if method == "task_arithmetic" else {})
+        ctx = context(shape, rpb)
+        op = make_operator(method, params, **kw)
+        selected = [sorted(rng.choice(ctx.n_blocks, size=int(rng.integers(0, ctx.n_blocks + 1)),
+                                      replace=False).tolist()) for _ in range(K)]
+        full = stream(method, base, thetas, params, ctx, **kw)
+        part = stream(method, base, thetas, params, ctx, selected=selected, **kw)
+        bound = 0.0
+        for k in range(K):
+            for b, (s, e) in enumerate(blocks_of(shape, rpb)):
+                if b not in selected[k]:
+                    bound += op.coefficient(k) * float(torch.linalg.vector_norm((thetas[k][s:e] - base[s:e]).double()))
+        dev = float(torch.linalg.vector_norm((part - full).double()))
+        assert dev <= bound * (1 + 1e-5) + 1e-6 * float(torch.linalg.vector_norm(full.double()))
+
+
+def test_ties_exact_when_skipped_blocks_cannot_reach_the_threshold() -> None:
+    """Blocks whose max |Δ| is below the sketch's lower bound of τ contribute nothing: skipping them
+    (a partial selection with the sketch) still gives the full-read result, bit for bit."""
+    shape, rpb = (400, 32), 10
+    base, thetas = make_data(shape, 3, 21)
+    # make half of the blocks small so the planner can skip them
+    for k, th in enumerate(thetas):
+        d = th - base
+        for b, (s, e) in enumerate(blocks_of(shape, rpb)):
+            if (b + k) % 2:
+                d[s:e] *= 1e-3
+        thetas[k] = base + d
+    params = [ExpertParams(str(k), w, dens) for k, (w, dens) in enumerate([(1.0, 0.2), (0.6, 0.1), (-0.4, 0.3)])]
+    ctx = context(shape, rpb)
+    sketches, selected = [], []
+    for th, p in zip(thetas, params):
+        d = (th - base).abs()
+        h = sum(sketch.histogram(d[s:e]) for s, e in blocks_of(shape, rpb))
+        lb = sketch.lower_bound_kth_largest(h, int(p.density * d.numel()))
+        sel = [b for b, (s, e) in enumerate(blocks_of(shape, rpb)) if float(d[s:e].max()) >= lb]
+        assert 0 < len(sel) < ctx.n_blocks
+        sketches.append(h)
+        selected.append(sel)
+    want = literal_merge("ties", base, thetas, params)
+    got = stream("ties", base, thetas, params, ctx, selected=selected, sketches=sketches, full=False)
+    assert_bits_equal(got, want)
+
+
+def test_partial_selection_uses_the_sketch_threshold() -> None:
+    shape, rpb = (200, 50), 10
+    base, thetas = make_data(shape, 2, 31)
+    params = [ExpertParams("a", 1.0, 0.3), ExpertParams("b", -0.5, 0.6)]
+    ctx = context(shape, rpb)
+    selected = [[0, 3, 4, 5, 12], [1, 2, 19]]
+    sketches = [sketch.histogram(th - base) for th in thetas]
+    got = stream("ties", base, thetas, params, ctx, selected=selected, sketches=sketches, full=False)
+    trimmed = []
+    for th, p, sel, h in zip(thetas, params, selected, sketches):
+        d = omit_rows(base, th, ctx, sel) - base
+        k = int(p.density * d.numel())
+        tau = torch.tensor(float(np.float32(sketch.kth_largest(h, k))))
+        true = torch.topk((th - base).abs().flatten(), k).values.min()
+        assert sketch.bin_index(tau.reshape(1)) == sketch.bin_index(true.reshape(1))  # τ's bin is exact
+        trimmed.append(lit_ties_trim(d, p.density, tau=tau))
+    assert_bits_equal(got, lit_ties_combine(base, trimmed, [p.weight for p in params], True, 1.0))
+    # the sketch is only used when the read is partial: a full expert ignores it
+    full = stream("ties", base, thetas, params, ctx, sketches=[np.zeros(sketch.NBINS, np.int64)] * 2)
+    assert_bits_equal(full, literal_merge("ties", base, thetas, params))
+
+
+def expected_sketch_tau(delta_full, delta_read, h, k):
+    """SEMANTICS.md under a partial read: τ from the sketch. Its bin is exact; when every element of that
+    bin was read the value is exact too, otherwise it is interpolated in the bin (float32). A NaN seen
+    among the rows read makes τ NaN, as topk(...).values.min() would."""
+    if torch.isnan(delta_read).any():
+        return math.nan
+    b, _ = sketch.locate_kth_largest(h, k)
+    if b == 0:
+        return 0.0
+    bins_read = sketch.bin_index(delta_read.abs())
+    if int((bins_read == b).sum()) == int(h[b]):
+        return float(torch.sort(delta_full.abs().flatten(), descending=True).values[k - 1])
+    return float(np.float32(sketch.kth_largest(h, k)))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_partial_ties_with_sketch_in_all_regimes(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    shape, rpb = (120, 40), 10
+    base, thetas = make_data(shape, 3, 300 + seed, special=seed >= 4)
+    if seed == 2:  # mostly zeros: τ = 0 (bin 0) is known exactly from the sketch
+        thetas = [torch.where(torch.rand(shape) < 0.9, base, th) for th in thetas]
+    if seed == 3:  # huge updates: τ in the last bin
+        thetas = [base + (th - base) * 1e7 for th in thetas]
+    params = [ExpertParams(str(k), float(rng.choice([1.0, -0.5])), float(rng.choice([0.3, 0.6, 0.95])))
+              for k in range(3)]
+    ctx = context(shape, rpb)
+    selected = [sorted(rng.choice(ctx.n_blocks, size=int(rng.integers(1, ctx.n_blocks)), replace=False).tolist())
+                for _ in range(3)]
+    if seed == 5:
+        selected[0] = list(range(ctx.n_blocks))  # all read but flagged partial: the sketch still decides
+    sketches = [sketch.histogram(th - base) for th in thetas]
+    got = stream("ties", base, thetas, params, ctx, selected=selected, sketches=sketches, full=False)
+    trimmed = []
+    for th, p, sel, h in zip(thetas, params, selected, sketches):
+        d_read = omit_rows(base, th, ctx, sel) - base
+        k = int(p.density * d_read.numel())
+        rows = blocks_of(shape, rpb)
+        tau = expected_sketch_tau(th - base, torch.cat([d_read[rows[b][0]:rows[b][1]] for b in sel]), h, k)
+        trimmed.append(lit_ties_trim(d_read, p.density, tau=torch.tensor(tau)))
+    assert_bits_equal(got, lit_ties_combine(base, trimmed, [p.weight for p in params], True, 1.0))
+
+
+def test_dare_mask_is_deterministic_and_block_local() -> None:
+    shape, rpb = (50, 12), 6
+    ctx = context(shape, rpb, seed=5)
+    m1 = dare_keep_mask(5, "abc", "w", 3, (6, 12), 0.4)
+    m2 = dare_keep_mask(5, "abc", "w", 3, (6, 12), 0.4)
+    assert m1.dtype == torch.bool and m1.shape == (6, 12) and torch.equal(m1, m2)
+    assert not torch.equal(m1, dare_keep_mask(5, "abc", "w", 4, (6, 12), 0.4))
+    assert not torch.equal(m1, dare_keep_mask(6, "abc", "w", 3, (6, 12), 0.4))
+    assert not torch.equal(m1, dare_keep_mask(5, "abd", "w", 3, (6, 12), 0.4))
+    assert dare_keep_mask(1, "k", "scalar", 0, (), 0.5).shape == ()
+    full_mask = lit_dare_mask(5, "abc", "w", shape, rpb, 0.4)
+    for b, (s, e) in enumerate(blocks_of(shape, rpb)):
+        assert torch.equal(full_mask[s:e], dare_keep_mask(5, "abc", "w", b, (e - s, 12), 0.4))
+    # a block's result does not depend on which other blocks were read
+    base, thetas = make_data(shape, 2, 8)
+    params = [ExpertParams("abc", 0.7, 0.4), ExpertParams("def", -0.2, 0.7)]
+    full = stream("dare_linear", base, thetas, params, ctx)
+    for sel in ([2], [0, 5, 8], [1, 2, 3, 4]):
+        part = stream("dare_linear", base, thetas, params, ctx, selected=[sel, sel])
+        for b in sel:
+            s, e = blocks_of(shape, rpb)[b]
+            assert_bits_equal(part[s:e], full[s:e])
+
+
+# --------------------------------------------------------------------------------------------------
+# Parameters
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("method", "experts", "kw"), [
+    ("ties", [ExpertParams("a", 1.0, 0.0)], {}),
+    ("ties", [ExpertParams("a", 1.0, 1.5)], {}),
+    ("dare_linear", [ExpertParams("a", 1.0, -0.2)], {}),
+    ("linear", [ExpertParams("a", 1.0, math.nan)], {}),
+    ("task_arithmetic", [ExpertParams("a", math.inf)], {}),
+    ("task_arithmetic", [ExpertParams("a", "heavy")], {}),  # type: ignore[arg-type]
+    ("breadcrumbs", [ExpertParams("a", 1.0, 0.5, -0.1)], {}),
+    ("ties", [], {}),
+    ("task_arithmetic", [ExpertParams("a")], {"lam": math.inf}),
+    ("slerp", [ExpertParams("a"), ExpertParams("b")], {"t": 0.5}),
+    ("slerp", [ExpertParams("a")], {}),
+    ("slerp", [ExpertParams("a")], {"t": 1.5}),
+    ("dare_ties", [ExpertParams("", 1.0, 0.5)], {}),
+    ("magic", [ExpertParams("a")], {}),
+])
+def test_bad_parameters_raise_spec_error(method, experts, kw) -> None:
+    with pytest.raises(SpecError) as info:
+        make_operator(method, experts, **kw)
+    assert "\n" not in str(info.value)
+
+
+def test_unknown_method_lists_the_known_ones() -> None:
+    with pytest.raises(SpecError, match="breadcrumbs.*dare_linear.*linear.*slerp.*task_arithmetic.*ties"):
+        make_operator("model_soup", [ExpertParams("a")])
+
+
+def test_flags_defaults_and_coefficients() -> None:
+    assert set(OPERATORS) == set(METHODS)
+    assert {m for m in METHODS if OPERATORS[m].additive} == {"linear", "task_arithmetic"}
+    assert {m for m in METHODS if OPERATORS[m].uses_theta} == {"linear", "slerp"}
+    assert {m for m in METHODS if OPERATORS[m].tensor_granular} == {"slerp"}
+    assert {m for m in METHODS if OPERATORS[m].needs_full_tensor_stats} == {"ties", "breadcrumbs"}
+    ps = [ExpertParams("a", 2.0), ExpertParams("b", -1.0), ExpertParams("c", 3.0)]
+    for m, norm in DEFAULT_NORMALIZE.items():
+        assert make_operator(m, ps).normalize is norm
+    assert make_operator("linear", ps, lam=5.0).coefficient(1) == pytest.approx(1 / 4)
+    assert make_operator("linear", ps, normalize=False).coefficient(2) == 3.0
+    assert make_operator("task_arithmetic", ps, lam=0.5).coefficient(1) == 0.5
+    assert make_operator("task_arithmetic", ps, lam=0.5, normalize=True).coefficient(0) == pytest.approx(0.25)
+    assert make_operator("ties", ps).coefficient(2) == pytest.approx(0.75)
+    assert make_operator("linear", [ExpertParams("a", 1.0), ExpertParams("b", -1.0)]).coefficient(0) == 1.0
+    assert make_operator("slerp", ps[:1], t=0.25).coefficient(0) == 0.25
+
+
+def test_expert_input_lazy_theta_and_delta() -> None:
+    shape, rpb = (10, 4), 3
+    base, thetas = make_data(shape, 1, 2)
+    ctx = context(shape, rpb)
+    p = ExpertParams("a")
+    x = ExpertInput(0, p, [3, 1], False, base=base, theta=omit_rows(base, thetas[0], ctx, [1, 3]), ctx=ctx)
+    assert x.selected_blocks == (1, 3)
+    assert x.selected_row_ranges(ctx) == [(3, 6), (9, 10)]
+    assert ExpertInput(0, p, [0, 1, 2], True, base=base, theta=base).selected_row_ranges(ctx) == [(0, 9)]
+    d = x.delta
+    assert d is x.delta  # cached
+    want = omit_rows(base, thetas[0], ctx, [1, 3]) - base
+    assert_bits_equal(d, want)
+    y = ExpertInput.from_delta(0, p, [1, 3], False, base=base, delta=want, ctx=ctx)
+    th = y.theta
+    assert torch.equal(th[:3].view(torch.int32), base[:3].view(torch.int32))  # omitted rows: θ₀ itself
+    assert_bits_equal(th[3:6], base[3:6] + want[3:6])
+    none = ExpertInput(0, p, (), False, base=base)
+    assert none.theta is None and none.delta is None
+
+
+def test_input_errors() -> None:
+    base = torch.zeros(6, 4)
+    ctx = context((6, 4), 2)
+    p = ExpertParams("a")
+    with pytest.raises(ValueError, match="out of range"):
+        ctx.block_rows(3)
+    with pytest.raises(ValueError, match="single block"):
+        context((7,), 7).block_rows(1)
+    with pytest.raises(UnsupportedDtypeError):
+        ExpertInput(0, p, (0,), False, base=base, theta=torch.zeros(6, 4, dtype=torch.int32))
+    op = make_operator("task_arithmetic", [p])
+    with pytest.raises(ValueError, match="shape"):
+        op.begin(torch.zeros(6, 5), ctx)
+    op.begin(base, ctx)
+    with pytest.raises(ValueError, match="shape"):
+        op.add(ExpertInput(0, p, (0,), False, theta=torch.zeros(5, 4)))
+    with pytest.raises(SpecError):
+        make_operator("ties", [{"weight": 1.0}])  # type: ignore[list-item]
+    # without a context, lazy θ/Δ are plain whole-tensor sums
+    th = torch.randn(6, 4)
+    x = ExpertInput(0, p, (0, 1, 2), True, base=base + 1, theta=th)
+    assert torch.equal(x.delta, th - (base + 1))
+    assert torch.equal(ExpertInput(0, p, (0,), True, base=base, delta=th).theta, base + th)
+    with pytest.raises(ValueError, match="base"):
+        _ = ExpertInput(0, p, (0,), True, theta=th).delta
+
+
+@pytest.mark.parametrize("chunk", [3001, 1 << 20])
+def test_exact_selection_equals_sort(monkeypatch, chunk: int) -> None:
+    """The radix select behind TIES/breadcrumbs thresholds: the k-th of torch's descending sort (NaN first)."""
+    import mergepipe_db.operators as ops
+
+    monkeypatch.setattr(ops, "_RADIX_CHUNK", chunk)
+    monkeypatch.setattr(ops, "_RADIX_SMALL", 16)
+    op = make_operator("ties", [ExpertParams("a")])
+    g = torch.Generator().manual_seed(0)
+    for case in range(3):
+        a = (torch.randn(9001, generator=g) * torch.exp(3 * torch.randn(9001, generator=g))).abs()
+        a[torch.rand(9001, generator=g) < 0.2] = 0.0
+        a[:3000] = torch.round(a[:3000] * 4) / 4  # ties
+        if case == 2:
+            a[[5, 77, 4000]] = torch.tensor([math.inf, math.nan, math.nan])
+        desc = torch.sort(a, descending=True).values
+        for k in [1, 3, 4, 4500, 9000, 9001]:
+            got = ops._kth_largest_exact(a, k, op, {})
+            want = float(desc[k - 1])
+            assert (math.isnan(got) and math.isnan(want)) or got == want
