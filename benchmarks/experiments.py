@@ -395,7 +395,7 @@ def peers(cfg: Config) -> str:
     # full-budget equality with MergeKit (float32 output on both sides)
     eq_rows = []
     eq_k = int(os.environ.get("BENCH_EQ_K", 8 if not cfg.quick else 4))
-    if ok:
+    if ok and not os.environ.get("BENCH_SKIP_EQ"):
         for op in ("linear", "task_arithmetic", "ties"):
             ours = run_merge(cfg, op, eq_k, "1.0", reps=1, keep=True, dtype="float32")
             out = OUT / f"mk-eq-{op}"

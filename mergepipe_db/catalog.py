@@ -139,8 +139,8 @@ class Catalog:
               ) -> tuple[MergeSpec, Budget]:
         s = spec if isinstance(spec, MergeSpec) else load_spec(spec)
         if seed is not None:
-            if seed < 0:
-                raise SpecError(f"seed must be a non-negative integer, got {seed}")
+            if not 0 <= seed < 2**63:
+                raise SpecError(f"seed must be an integer in [0, 2^63), got {seed}")
             s = MergeSpec(s.method, s.base, s.models, s.normalize, s.lam, s.t, s.dtype, s.budget, seed, s.source)
         b = parse_budget(budget) if budget is not None else (s.budget or Budget(fraction=1.0))
         return s, b

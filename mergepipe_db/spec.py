@@ -79,6 +79,8 @@ def parse_budget(value: Any) -> Budget:
     if unit == "" and number <= 1.0:
         return Budget(fraction=number)
     nbytes = number * _UNITS[unit]
+    if not nbytes < 2**63:  # also inf: '1e300TiB'
+        raise BudgetError(f"budget {text!r} is too large: at most 2^63 - 1 bytes")
     if unit == "" and not number.is_integer():
         raise BudgetError(f"budget {text!r} is neither a fraction in [0, 1] nor a whole number of bytes")
     return Budget(nbytes=int(nbytes))
@@ -111,9 +113,13 @@ def _number(value: Any, what: str) -> float:
         if isinstance(value, list):
             raise SpecError(f"{what}: per-layer gradients (lists) are not supported; give one number")
         raise SpecError(f"{what} must be a number, got {value!r}")
-    if not math.isfinite(float(value)):
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond float range
+        number = math.inf
+    if not math.isfinite(number):
         raise SpecError(f"{what} must be finite, got {value!r}")
-    return float(value)
+    return number
 
 
 def load_spec(source: str | Path | dict[str, Any]) -> MergeSpec:
@@ -135,6 +141,9 @@ def load_spec(source: str | Path | dict[str, Any]) -> MergeSpec:
             raw = yaml.safe_load(text)
         except yaml.YAMLError as e:
             raise SpecError(f"spec {label} is not valid YAML: {str(e).splitlines()[0]}") from e
+        except (ValueError, TypeError, OverflowError, RecursionError) as e:  # bad dates, !!int/!!float, nesting
+            raise SpecError(f"spec {label} is not valid YAML: {type(e).__name__}: "
+                            f"{(str(e).splitlines() or [''])[0][:200]}") from e
     if not isinstance(raw, dict):
         raise SpecError(f"spec {label} must be a YAML mapping")
     unknown = set(raw) - _TOP_KEYS
@@ -204,6 +213,6 @@ def load_spec(source: str | Path | dict[str, Any]) -> MergeSpec:
         dtype = DTYPES[str(dtype_raw).lower()]
     budget = parse_budget(raw["budget"]) if raw.get("budget") is not None else None
     seed = raw.get("seed", 0)
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise SpecError(f"spec {label}: seed must be a non-negative integer")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise SpecError(f"spec {label}: seed must be an integer in [0, 2^63)")
     return MergeSpec(method, base, tuple(models), normalize, lam, t, dtype, budget, seed, source=label)
