@@ -167,8 +167,8 @@ def _render(cols: list[str], rows: list[tuple[Any, ...]], fmt: str) -> str:
         return buf.getvalue().rstrip("\n")
     table = [[cell(v) for v in r] for r in rows]
     widths = [max([len(c)] + [len(r[i]) for r in table]) for i, c in enumerate(cols)]
-    lines = [" | ".join(c.ljust(w) for c, w in zip(cols, widths)), "-+-".join("-" * w for w in widths)]
-    lines += [" | ".join(v.ljust(w) for v, w in zip(r, widths)) for r in table]
+    lines = [" | ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip(), "-+-".join("-" * w for w in widths)]
+    lines += [" | ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in table]
     lines.append(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
     return "\n".join(lines)
 
