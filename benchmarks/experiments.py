@@ -429,7 +429,7 @@ def peers(cfg: Config) -> str:
                   f"of {reps}. MergeKit: `mergekit-yaml --lazy-unpickle` on the same YAML (CPU).")
     mk_line = "" if ok else f"\n**MergeKit skipped**: {why}\n"
     eq = (md_table(["operator", "K", "max |ours − MergeKit|", "fraction of elements differing", "rel. L2",
-                    "MergeKit wall (warm)"], eq_rows) if eq_rows else "(not run: MergeKit unavailable)\n")
+                    "MergeKit wall (warm)"], eq_rows) if eq_rows else ("(skipped: BENCH_SKIP_EQ set)\n" if ok else "(not run: MergeKit unavailable)\n"))
     text = f"""## 6. Peers: naive full-read script and MergeKit (K = 8)
 
 {HOW} The naive peer is `benchmarks/peers/naive_merge.py` (safetensors `get_tensor` of every tensor of every

@@ -3,14 +3,13 @@
 `delta_stats` reads an expert block and the base block once and produces, in one pass, the L2² (float64
 accumulation), L1, max |Δ|, the count of positive deltas and the magnitude histogram of docs/SEMANTICS.md
 ("Sketch") — the same bins as `sketch.histogram`, exactly. Δ is computed in float32, as everywhere else.
-The kernels release the GIL, so ingest runs them on several blocks at once.
+The kernels release the GIL, so ingest runs them on several blocks at once. Compiled once and cached on
+disk by numba (first use in a fresh install takes a few seconds).
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Any
-
+import numba
 import numpy as np
 
 from mergepipe_db import sketch
@@ -18,90 +17,119 @@ from mergepipe_db import sketch
 _CHUNK = 4096
 
 
-@functools.cache
-def _compiled() -> dict[str, Any]:
-    import numba
+_OFFSET = sketch.BINS_PER_OCTAVE * -sketch.MIN_EXP + 1
+_LAST = sketch.LAST_BIN
 
-    offset = sketch.BINS_PER_OCTAVE * -sketch.MIN_EXP + 1
-    last = sketch.LAST_BIN
 
-    @numba.njit(cache=True, nogil=True)
-    def _accumulate(ef: np.ndarray, bf: np.ndarray, m: int, y: np.ndarray, yu: np.ndarray, hist: np.ndarray,
-                    acc: np.ndarray) -> None:
-        """Δ = ef − bf (float32) on m elements; sums into acc = [l2², l1, max, pos]; bins into hist."""
-        l2 = acc[0]
-        l1 = acc[1]
-        mx = np.float32(acc[2])
-        pos = acc[3]
-        for i in range(m):
-            d = np.float32(ef[i] - bf[i])
-            a = abs(d)
-            x = np.float64(a)
-            l2 += x * x
-            l1 += x
-            if a > mx or a != a:
-                mx = a
-            if d > 0:
-                pos += 1.0
-            x = x * x
-            y[i] = x * x  # |Δ|**4 in float64: its binary exponent is floor(4*log2|Δ|) (see sketch.py)
-        for i in range(m):
-            code = np.int64((yu[i] >> np.uint64(52)) & np.uint64(0x7FF))
-            if code == 0:
-                hist[0] += 1  # zero (|Δ|**4 of a nonzero float32 is never subnormal in float64)
-            elif code == 0x7FF:
-                hist[last] += 1  # inf / NaN
-            else:
-                b = code - 1023 + offset
-                hist[min(max(b, 1), last)] += 1
-        acc[0] = l2
-        acc[1] = l1
-        acc[2] = mx
-        acc[3] = pos
+@numba.njit(cache=True, nogil=True)
+def _accumulate(ef: np.ndarray, bf: np.ndarray, m: int, y: np.ndarray, yu: np.ndarray, hist: np.ndarray,
+                acc: np.ndarray) -> None:
+    """Δ = ef − bf (float32) on m elements; sums into acc = [l2², l1, max, pos]; bins into hist."""
+    l2 = acc[0]
+    l1 = acc[1]
+    mx = np.float32(acc[2])
+    pos = acc[3]
+    for i in range(m):
+        d = np.float32(ef[i] - bf[i])
+        a = abs(d)
+        x = np.float64(a)
+        l2 += x * x
+        l1 += x
+        if a > mx or a != a:
+            mx = a
+        if d > 0:
+            pos += 1.0
+        x = x * x
+        y[i] = x * x  # |Δ|**4 in float64: its binary exponent is floor(4*log2|Δ|) (see sketch.py)
+    for i in range(m):
+        code = np.int64((yu[i] >> np.uint64(52)) & np.uint64(0x7FF))
+        if code == 0:
+            hist[0] += 1  # zero (|Δ|**4 of a nonzero float32 is never subnormal in float64)
+        elif code == 0x7FF:
+            hist[_LAST] += 1  # inf / NaN
+        else:
+            b = code - 1023 + _OFFSET
+            hist[min(max(b, 1), _LAST)] += 1
+    acc[0] = l2
+    acc[1] = l1
+    acc[2] = mx
+    acc[3] = pos
 
-    @numba.njit(cache=True, nogil=True)
-    def stats_f32(e: np.ndarray, b: np.ndarray, hist: np.ndarray, acc: np.ndarray) -> None:
-        y = np.empty(_CHUNK, np.float64)
-        yu = y.view(np.uint64)
-        n = e.shape[0]
-        for s in range(0, n, _CHUNK):
-            m = min(_CHUNK, n - s)
-            _accumulate(e[s:s + m], b[s:s + m], m, y, yu, hist, acc)
 
-    @numba.njit(cache=True, nogil=True)
-    def stats_bf16(e: np.ndarray, b: np.ndarray, hist: np.ndarray, acc: np.ndarray) -> None:
-        n = e.shape[0]
-        eu = np.empty(_CHUNK, np.uint32)
-        bu = np.empty(_CHUNK, np.uint32)
-        ef = eu.view(np.float32)
-        bf = bu.view(np.float32)
-        y = np.empty(_CHUNK, np.float64)
-        yu = y.view(np.uint64)
-        for s in range(0, n, _CHUNK):
-            m = min(_CHUNK, n - s)
-            for i in range(m):
-                eu[i] = np.uint32(e[s + i]) << np.uint32(16)
-                bu[i] = np.uint32(b[s + i]) << np.uint32(16)
-            _accumulate(ef, bf, m, y, yu, hist, acc)
+@numba.njit(cache=True, nogil=True)
+def _stats_f32(e: np.ndarray, b: np.ndarray, hist: np.ndarray, acc: np.ndarray) -> None:
+    y = np.empty(_CHUNK, np.float64)
+    yu = y.view(np.uint64)
+    n = e.shape[0]
+    for s in range(0, n, _CHUNK):
+        m = min(_CHUNK, n - s)
+        _accumulate(e[s:s + m], b[s:s + m], m, y, yu, hist, acc)
 
-    return {"F32": stats_f32, "BF16": stats_bf16}
+
+@numba.njit(cache=True, nogil=True)
+def _stats_bf16(e: np.ndarray, b: np.ndarray, hist: np.ndarray, acc: np.ndarray) -> None:
+    """BF16 blocks: equal raw values (common in fine-tunes) are an exact zero delta and skip the math."""
+    n = e.shape[0]
+    one = np.empty(2, np.uint32)
+    pair = one.view(np.float32)
+    y = np.empty(1, np.float64)
+    yu = y.view(np.uint64)
+    l2 = acc[0]
+    l1 = acc[1]
+    mx = np.float32(acc[2])
+    pos = acc[3]
+    zeros = 0
+    for i in range(n):
+        if e[i] == b[i] and (e[i] & 0x7F80) != 0x7F80:  # equal finite values (inf - inf is NaN)
+            zeros += 1
+            continue
+        one[0] = np.uint32(e[i]) << np.uint32(16)
+        one[1] = np.uint32(b[i]) << np.uint32(16)
+        d = np.float32(pair[0] - pair[1])
+        a = abs(d)
+        x = np.float64(a)
+        l2 += x * x
+        l1 += x
+        if a > mx or a != a:
+            mx = a
+        if d > 0:
+            pos += 1.0
+        x = x * x
+        y[0] = x * x
+        code = np.int64((yu[0] >> np.uint64(52)) & np.uint64(0x7FF))
+        if code == 0:
+            hist[0] += 1
+        elif code == 0x7FF:
+            hist[_LAST] += 1
+        else:
+            hist[min(max(code - 1023 + _OFFSET, 1), _LAST)] += 1
+    hist[0] += zeros
+    acc[0] = l2
+    acc[1] = l1
+    acc[2] = mx
+    acc[3] = pos
+
+
+def _writable(buf: bytes | bytearray | memoryview, dtype: type) -> np.ndarray:
+    """A writable numpy view (or copy) so every call hits the one compiled (and cached) signature."""
+    arr = np.frombuffer(buf, dtype=dtype)
+    return arr if arr.flags.writeable else arr.copy()
 
 
 def delta_stats(data: bytes | bytearray | memoryview, base: bytes | bytearray | memoryview, dtype: str
                 ) -> tuple[float, float, float, float, np.ndarray]:
     """(L2, L1, max |Δ|, fraction of Δ > 0, histogram) of Δ = expert − base for one block of raw bytes."""
-    kernels = _compiled()
     hist = np.zeros(sketch.NBINS, dtype=np.int64)
     acc = np.zeros(4, dtype=np.float64)
     if dtype == "BF16":
-        e = np.frombuffer(data, dtype=np.uint16)
-        b = np.frombuffer(base, dtype=np.uint16)
-        kernels["BF16"](e, b, hist, acc)
+        e = _writable(data, np.uint16)
+        b = _writable(base, np.uint16)
+        _stats_bf16(e, b, hist, acc)
     else:
         np_dtype = np.float16 if dtype == "F16" else np.float32
-        e = np.frombuffer(data, dtype=np_dtype).astype(np.float32, copy=False)
-        b = np.frombuffer(base, dtype=np_dtype).astype(np.float32, copy=False)
-        kernels["F32"](e, b, hist, acc)
+        e = _writable(data, np_dtype).astype(np.float32, copy=False)
+        b = _writable(base, np_dtype).astype(np.float32, copy=False)
+        _stats_f32(e, b, hist, acc)
     l2sq, l1, mx, pos = acc
     n = e.shape[0]
     return float(np.sqrt(l2sq)), float(l1), float(mx), (pos / n if n else 0.0), hist

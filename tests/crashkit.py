@@ -277,12 +277,13 @@ def ingest_kill_trials(catalog_url: str, experts: list[Path], *, rng: random.Ran
         name = Path(path).name
         before = _counts(Catalog.open(catalog_url))
         proc = popen_cli(["ingest", str(path), "--name", name, "--base", "base", "--catalog", catalog_url, "-q"])
-        mode = "outside-early" if i % 3 == 2 else "outside-reading"
+        mode = ("outside-reading", "outside-late", "outside-early")[i % 3]
+        root = Path(path).resolve()
         if mode == "outside-early":
             _kill_when(proc, lambda: False, rng.uniform(0.05, 1.5), deadline=0)
-        else:
-            root = Path(path).resolve()
-            _kill_when(proc, lambda p=proc, r=root: _has_open(p.pid, r), rng.uniform(0, 0.25))
+        else:  # once the expert's files are open: while it reads, or a little later (writing the catalog)
+            delay = rng.uniform(0, 0.25) if mode == "outside-reading" else rng.uniform(0.2, 1.5)
+            _kill_when(proc, lambda p=proc, r=root: _has_open(p.pid, r), delay)
         _o, stderr = proc.communicate(timeout=300)
         what = f"ingest trial {i} ({name}, {mode}, seed {seed})"
         assert proc.returncode in (0, -signal.SIGKILL), f"{what}: exit {proc.returncode}: {stderr}"
