@@ -14,11 +14,13 @@ so the kernel does not zero-fill fresh pages for every tensor (DESIGN §6).
 
 from __future__ import annotations
 
+import collections
 import os
 import queue
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -266,6 +268,8 @@ def _execute(
     realized = [0] * len(plan.experts)
     tensor_xxh3: list[str] = []
     block_rows: list[dict[str, Any]] = []
+    stats_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mergepipe-out-stats")
+    block_jobs: collections.deque[Future] = collections.deque()
     shard_sha: list[str] = []
     shard_sizes: list[int] = []
     writer = None
@@ -344,7 +348,11 @@ def _execute(
             tensor_xxh3.append(xxh3_hex(data))
             same_coords = t.dtype in ARITHMETIC and ot.dtype == t.dtype
             base_view = memoryview(base_item.data.numpy()) if same_coords else None
-            block_rows.extend(_out_blocks(ot, data, bb, base_view))
+            # Output block hashes and statistics run beside the compute (the kernel releases the GIL); both
+            # buffers are this tensor's own (fresh per tensor), and at most two tensors wait.
+            block_jobs.append(stats_pool.submit(lambda *a: list(_out_blocks(*a)), ot, data, bb, base_view))
+            while len(block_jobs) > 2:
+                block_rows.extend(block_jobs.popleft().result())
             timings["write"] += time.perf_counter() - t0
             bar.update(t.nbytes)
             faults.point("tensor_written")
@@ -353,6 +361,8 @@ def _execute(
         if writer is not None:
             shard_sha.append(writer.close(fsync=True))
             writer = None
+        while block_jobs:
+            block_rows.extend(block_jobs.popleft().result())
         tail = q.get()
         if isinstance(tail, BaseException):
             raise tail
@@ -371,6 +381,7 @@ def _execute(
             except queue.Empty:
                 pass
         bar.close()
+        stats_pool.shutdown(wait=True, cancel_futures=True)
         if writer is not None:
             try:
                 writer.close(fsync=False)
