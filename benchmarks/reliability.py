@@ -407,7 +407,8 @@ def write_report(res: dict[str, Any], args: argparse.Namespace, backend: str, wa
         rows.append(["merge kills survived (kill -9 at random moments)",
                      f"{mk['killed'] + mk['finished_first']} / {mk['trials']}",
                      f"{mk['killed']} killed mid-run ({mk['rolled_back']} rolled back, {mk['rolled_forward']} "
-                     f"rolled forward by gc), {mk['finished_first']} finished before the kill; "
+                     f"rolled forward by gc, {mk['killed'] - mk['rolled_back'] - mk['rolled_forward']} after the "
+                     f"rename), {mk['finished_first']} finished before the kill; "
                      f"{mk['leftovers_collected']} leftovers collected by gc; {mk['reruns_identical']} reruns "
                      f"with the reference manifest hash; modes {mk['modes']}"])
     ik = res.get("ingest_kills")
@@ -468,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kills", type=int, default=32, help="merge kill trials (default 32)")
     p.add_argument("--ingest-kills", type=int, default=8, help="ingest kill trials (default 8)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of four one-shot concurrent writers (default 3)")
-    p.add_argument("--fuzz-seconds", type=float, default=60, help="seconds per fuzz target (default 60)")
+    p.add_argument("--fuzz-seconds", type=float, default=60, help="seconds per fuzz target (default 60; 0 skips)")
     p.add_argument("--catalog", help="PostgreSQL URL to run on (default: DuckDB files); "
                    "default also $MERGEPIPE_TEST_CATALOG")
     p.add_argument("--seed", type=int, default=None, help="seed of the random kill moments")
@@ -494,6 +495,8 @@ def main(argv: list[str] | None = None) -> int:
         ("malformed", lambda: malformed(cats, fam, work)),
         ("fuzz", lambda: fuzz(args.fuzz_seconds, work)),
     ]
+    if args.fuzz_seconds <= 0:
+        sections.pop()
     for d in ("kills", "ingest", "concurrency"):
         (work / d).mkdir(exist_ok=True)
     for name, fn in sections:
