@@ -111,8 +111,8 @@ def measure(cmd: list[str], *, cold: bool = True, env: dict[str, str] | None = N
     was_cold = drop_caches() if cold else False
     full_env = dict(os.environ)
     full_env.update(env or {})
-    out_f = open(DATA / ".stdout", "w+")
-    err_f = open(DATA / ".stderr", "w+")
+    out_f = open(DATA / ".stdout", "w+")  # noqa: SIM115 - handed to the child process, closed below
+    err_f = open(DATA / ".stderr", "w+")  # noqa: SIM115
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, stdout=out_f, stderr=err_f, env=full_env, cwd=cwd or REPO)
     deadline = t0 + timeout

@@ -9,8 +9,24 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import (DATA, FIGURES, GiB, PY, RAW, REPO, Config, fmt_t, gb, md_table, measure, med,
-                               rmtree, save_raw, spread, write_section)
+from benchmarks.common import (
+    DATA,
+    FIGURES,
+    PY,
+    RAW,
+    REPO,
+    Config,
+    GiB,
+    fmt_t,
+    gb,
+    md_table,
+    measure,
+    med,
+    rmtree,
+    save_raw,
+    spread,
+    write_section,
+)
 from benchmarks.family import model_dir, model_files, spec
 from benchmarks.merges import OUT, compare, io_floor, run_merge
 
@@ -48,7 +64,7 @@ def ingest(cfg: Config) -> str:
     cat = DATA / "ingest-bench.duckdb"
     runs = []
     files = {"base": model_files(cfg, None), "expert": model_files(cfg, 0)}
-    for r in range(cfg.reps):
+    for _r in range(cfg.reps):
         for p in (cat, Path(str(cat) + ".wal")):
             p.unlink(missing_ok=True)
         row: dict[str, Any] = {}
@@ -158,7 +174,8 @@ def scaling(cfg: Config) -> str:
 
 {HOW} Operator: linear (weights 1/K), BF16 output. Fixed budget {b} bytes of expert reads.
 
-{md_table(["K", "mode", "expert bytes", "of full", "expert+base bytes", "read_bytes (/proc)", "wall", "peak RSS"], rows)}
+{md_table(["K", "mode", "expert bytes", "of full", "expert+base bytes", "read_bytes (/proc)", "wall",
+           "peak RSS"], rows)}
 Budgeted expert bytes across K: {', '.join(gb(x) for x in flat)} (max/min = {max(flat) / min(flat):.3f}).
 
 {fig_md}"""
@@ -192,7 +209,8 @@ def budget_sweep(cfg: Config) -> str:
             rel_bound = (bound / d["ref_l2"]) if (bound is not None and d["ref_l2"]) else None
             rows.append([name, b, gb(r["budget_bytes"]), gb(r["realized_bytes"]),
                          "yes" if r["realized_bytes"] <= r["budget_bytes"] else "**NO**",
-                         gb(med(r["read_bytes"])), fmt_t(r["wall"]) if len(r["wall"]) > 1 else f"{r['wall'][0]:.2f} s (1 run)",
+                         gb(med(r["read_bytes"])),
+                         fmt_t(r["wall"]) if len(r["wall"]) > 1 else f"{r['wall'][0]:.2f} s (1 run)",
                          f"{d['rel_l2']:.2e}", f"{rel_bound:.2e}" if rel_bound is not None else "n/a (non-additive)"])
     mono = all(lin[a]["realized_bytes"] <= lin[b]["realized_bytes"] for a, b in zip(BUDGETS, BUDGETS[1:]))
     mono_t = all(ties[a]["realized_bytes"] <= ties[b]["realized_bytes"] for a, b in zip(BUDGETS, BUDGETS[1:]))
@@ -366,7 +384,7 @@ def peers(cfg: Config) -> str:
         ours = run_merge(cfg, op, k, "1.0")
         ours01 = run_merge(cfg, op, k, "0.1")
         nv, mk = [], []
-        for r in range(reps):
+        for _r in range(reps):
             out = OUT / f"naive-{op}"
             rmtree(out)
             m = measure([PY, str(REPO / "benchmarks" / "peers" / "naive_merge.py"), op, str(out),
@@ -429,7 +447,8 @@ def peers(cfg: Config) -> str:
                   f"of {reps}. MergeKit: `mergekit-yaml --lazy-unpickle` on the same YAML (CPU).")
     mk_line = "" if ok else f"\n**MergeKit skipped**: {why}\n"
     eq = (md_table(["operator", "K", "max |ours − MergeKit|", "fraction of elements differing", "rel. L2",
-                    "MergeKit wall (warm)"], eq_rows) if eq_rows else ("(skipped: BENCH_SKIP_EQ set)\n" if ok else "(not run: MergeKit unavailable)\n"))
+                    "MergeKit wall (warm)"], eq_rows) if eq_rows
+          else ("(skipped: BENCH_SKIP_EQ set)\n" if ok else "(not run: MergeKit unavailable)\n"))
     text = f"""## 6. Peers: naive full-read script and MergeKit (K = 8)
 
 {HOW} The naive peer is `benchmarks/peers/naive_merge.py` (safetensors `get_tensor` of every tensor of every

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 T_START = time.perf_counter()
 
@@ -30,11 +31,11 @@ def main(argv: list[str]) -> None:
         base = argv[4] if len(argv) > 4 else None
         res = cat.ingest(argv[2], name=argv[3], base=base).to_dict()
     elif cmd == "merge":
-        spec = json.loads(open(argv[2]).read())
+        spec = json.loads(Path(argv[2]).read_text())
         r = cat.merge(spec, out=argv[4], budget=argv[3], shard_bytes=int(argv[5]))
         res = r.to_dict()
     elif cmd == "plan":
-        spec = json.loads(open(argv[2]).read())
+        spec = json.loads(Path(argv[2]).read_text())
         p = cat.plan(spec, budget=argv[3])
         res = p.summary()
     else:

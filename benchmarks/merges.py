@@ -98,7 +98,7 @@ def _tensor_map(d: str | Path) -> dict[str, Path]:
     out: dict[str, Path] = {}
     for f in sorted(Path(d).glob("*.safetensors")):
         with safe_open(str(f), "pt") as h:
-            for n in h.keys():
+            for n in h:
                 out[n] = f
     return out
 

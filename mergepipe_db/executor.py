@@ -15,6 +15,7 @@ so the kernel does not zero-fill fresh pages for every tensor (DESIGN §6).
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import queue
 import threading
@@ -376,17 +377,13 @@ def _execute(
     finally:
         stop.set()
         while reader.is_alive():
-            try:
+            with contextlib.suppress(queue.Empty):
                 q.get(timeout=0.05)
-            except queue.Empty:
-                pass
         bar.close()
         stats_pool.shutdown(wait=True, cancel_futures=True)
         if writer is not None:
-            try:
+            with contextlib.suppress(Exception):  # already failing: the first error is the one to report
                 writer.close(fsync=False)
-            except Exception:  # noqa: BLE001 - already failing
-                pass
 
     for name in shard_names:
         shard_sizes.append((staging / name).stat().st_size)
