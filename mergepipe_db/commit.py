@@ -244,6 +244,7 @@ def commit(
     snapshot_id = sha256_hex({"manifest": mhash, "ref": ref, "version": version})[:32]
     cp_name = f"{ref}@{version}"
     with db.connect() as conn:
+        _claim_out(conn, out)
         r = schema.ref
         if expected_version == 0:
             exists = conn.execute(sa.select(r.c.version).where(r.c.name == ref)).scalar()
@@ -285,6 +286,21 @@ def commit(
                                       f"rerun the merge (staging {staging})")
     faults.point("catalog_committed")
     return CommitResult(snapshot_id, snapshot_id, cp_name, ref, version, mhash)
+
+
+def _claim_out(conn: sa.Connection, out: Path) -> None:
+    """Refuse to commit a second snapshot to `out` while another one waits there to be published (a merge
+    killed between commit and rename, not yet rolled forward by gc), or when `out` filled up meanwhile:
+    its rename would fail after the commit and leave the snapshot unpublished."""
+    if conn.dialect.name == "postgresql":  # DuckDB commits are serialized by the catalog lock already
+        conn.execute(sa.text("SELECT pg_advisory_xact_lock(hashtext(:o))"), {"o": str(out)})
+    s = schema.snapshot
+    for sid, staging in conn.execute(sa.select(s.c.id, s.c.staging_path).where(s.c.out_path == str(out))):
+        if Path(staging).is_dir():
+            raise OutputExistsError(f"snapshot {sid} was committed to {out} but not yet published (interrupted "
+                                    f"merge): run `mergepipe gc --apply` to publish it, or choose another --out")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise OutputExistsError(f"output directory {out} was filled while this merge ran; choose a new --out")
 
 
 def _read_rows(plan: Plan, result: ExecutionResult, snapshot_id: str) -> list[dict[str, Any]]:

@@ -6,8 +6,8 @@ Each check yields a `Finding` of one kind:
 - ``leftover``: what an interrupted merge left and `gc --apply` collects: a staging directory or intent
   whose process is gone, or a snapshot the catalog committed but that was not yet renamed into place
   (gc rolls it forward);
-- ``missing``: a committed snapshot's output directory or files are gone or have another size, or a
-  catalogued source file is gone;
+- ``missing``: a committed snapshot's output directory or files are gone or have another size, a catalogued
+  source file is gone, or a packed block store is gone or shorter than the blobs it holds;
 - ``corrupt``: the catalog contradicts itself (snapshot without manifest, ref to nowhere) or the files
   (manifest hash, sha256 with ``full``, a source changed since ingest).
 
@@ -28,6 +28,7 @@ import sqlalchemy as sa
 
 from mergepipe_db.db import schema
 from mergepipe_db.db.engine import Database
+from mergepipe_db.maintenance import _pid_alive
 
 KINDS = ("ok", "leftover", "missing", "corrupt")
 #: Finding kinds that do not need a person (`mergepipe fsck` exits 0 when only these are found).
@@ -54,22 +55,19 @@ def problems(findings: list[Finding]) -> list[Finding]:
     return [f for f in findings if f.kind not in CLEAN_KINDS]
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         while chunk := fh.read(16 << 20):
             h.update(chunk)
     return h.hexdigest()
+
+
+def _sha256_or_none(path: Path) -> str | None:
+    try:
+        return _sha256(path)
+    except OSError:
+        return None
 
 
 def _files_state(root: Path, files: list[Any], *, full: bool) -> tuple[str, str]:
@@ -84,7 +82,10 @@ def _files_state(root: Path, files: list[Any], *, full: bool) -> tuple[str, str]
             return "missing", f"file {f.relpath} has {st.st_size} bytes, catalog says {f.size}"
     if full:
         for f in files:
-            got = _sha256(root / f.relpath)
+            try:
+                got = _sha256(root / f.relpath)
+            except OSError:
+                return "missing", f"file {f.relpath} is unreadable"
             if got != f.sha256:
                 return "corrupt", f"file {f.relpath} sha256 {got[:16]}… != catalog {f.sha256[:16]}…"
     return "ok", f"{len(files)} file(s)"
@@ -110,7 +111,6 @@ def _manifest_state(root: Path, expected_hash: str) -> tuple[str, str]:
     return "ok", "manifest matches"
 
 
-
 @dataclass
 class _State:
     """What fsck read from the catalog (one consistent read), checked against the disk afterwards."""
@@ -123,6 +123,7 @@ class _State:
     refs: list[Any]
     sources: dict[str, list[Any]]
     no_files: list[str]
+    stores: dict[str, tuple[int, int]]  # packed block store file -> (blobs, bytes the catalog says it holds)
 
 
 def _read_state(conn: sa.Connection) -> _State:
@@ -141,13 +142,33 @@ def _read_state(conn: sa.Connection) -> _State:
         outputs.setdefault(row.checkpoint_id, []).append(row)
     refs = conn.execute(sa.select(r.c.name, r.c.snapshot_id, r.c.version).order_by(r.c.name)).all()
     sources: dict[str, list[Any]] = {}
-    for row in conn.execute(sa.select(c.c.name, f.c.path, f.c.size, f.c.mtime_ns, f.c.sha256)
+    for src in conn.execute(sa.select(c.c.name, f.c.path, f.c.size, f.c.mtime_ns, f.c.sha256)
                             .join(c, c.c.id == f.c.checkpoint_id).where(c.c.kind != "snapshot")
                             .order_by(c.c.name, f.c.file_idx)):
-        sources.setdefault(row.name, []).append(row)
+        sources.setdefault(src.name, []).append(src)
     no_files = list(conn.execute(sa.select(c.c.name).where(
         c.c.kind != "snapshot", ~sa.exists().where(f.c.checkpoint_id == c.c.id)).order_by(c.c.name)).scalars())
-    return _State(list(intents), list(snaps), names, manifests, outputs, list(refs), sources, no_files)
+    b = schema.blob
+    stores = {path: (int(n), int(end or 0)) for path, n, end in conn.execute(
+        sa.select(b.c.store_path, sa.func.count(), sa.func.max(b.c.offset + b.c.clen)).group_by(b.c.store_path))}
+    return _State(list(intents), list(snaps), names, manifests, outputs, list(refs), sources, no_files, stores)
+
+
+def _check_stores(state: _State) -> list[Finding]:
+    """Packed block stores: each file holds at least every byte the catalog points into (appends may follow)."""
+    out = []
+    for path, (n, end) in sorted(state.stores.items()):
+        try:
+            size = os.stat(path).st_size
+        except OSError:
+            out.append(Finding("missing", f"packed block store {path} ({n} blobs) is missing", path))
+            continue
+        if size < end:
+            out.append(Finding("missing", f"packed block store {path} has {size} bytes, its {n} blobs need {end}",
+                               path))
+        else:
+            out.append(Finding("ok", f"packed block store {path}: {n} blobs within its {size} bytes", path))
+    return out
 
 
 def _check_refs(state: _State) -> list[Finding]:
@@ -211,7 +232,7 @@ def _check_intents(state: _State) -> list[Finding]:
         where = f"staging {it['staging_path']} (pid {pid} on {it['host']})"
         if it["host"] != host:
             out.append(Finding("ok", f"{where}: merge on another host, not checked from here", it["staging_path"]))
-        elif _pid_alive(pid) and pid != os.getpid():
+        elif _pid_alive(pid, it["created_at"]) and pid != os.getpid():
             out.append(Finding("ok", f"{where}: merge in progress", it["staging_path"]))
         else:
             out.append(Finding("leftover", f"{where}: merge interrupted; `mergepipe gc --apply` removes it",
@@ -232,7 +253,7 @@ def _check_sources(state: _State, *, full: bool) -> list[Finding]:
             if stt.st_size != r.size or stt.st_mtime_ns != r.mtime_ns:
                 bad.append(Finding("corrupt", f"checkpoint {name!r}: source file {r.path} changed since ingest "
                                               f"(size {r.size} -> {stt.st_size}, or mtime)", r.path))
-            elif full and _sha256(Path(r.path)) != r.sha256:
+            elif full and _sha256_or_none(Path(r.path)) != r.sha256:
                 bad.append(Finding("corrupt", f"checkpoint {name!r}: source file {r.path} content changed "
                                               f"(sha256 differs from ingest)", r.path))
         out.extend(bad or [Finding("ok", f"checkpoint {name!r}: {len(files)} source file(s) as ingested")])
@@ -265,7 +286,7 @@ def fsck(db: Database, *, full: bool = False) -> list[Finding]:
     found = _check_refs(state) + _check_snapshots(state, full=full) + _check_intents(state)
     found += [Finding("leftover", f"stray staging directory {p}: `mergepipe gc --apply` removes it", str(p))
               for p in dirs if str(p) not in owned and p.is_dir()]
-    found += _check_sources(state, full=full)
+    found += _check_sources(state, full=full) + _check_stores(state)
     # An intent that looked interrupted may belong to a merge that finished while we looked.
     if any(f.kind == "leftover" and f.text.startswith("staging ") for f in found):
         with db.connect() as conn:

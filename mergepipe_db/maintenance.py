@@ -15,14 +15,27 @@ from mergepipe_db.db import schema
 from mergepipe_db.db.engine import Database
 
 
-def _pid_alive(pid: int) -> bool:
+def _pid_alive(pid: int, since: str | None = None) -> bool:
+    """Is process `pid` alive, and (when `since`, an ISO time, is given) not a later process reusing the pid?"""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
+        pass
+    if since is None:
         return True
-    return True
+    try:  # Linux: the process's start time, from boot time + its start in clock ticks
+        from datetime import datetime
+
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            start_ticks = int(fh.read().rsplit(b")", 1)[1].split()[19])
+        with open("/proc/stat", "rb") as fh:
+            btime = next(int(line.split()[1]) for line in fh if line.startswith(b"btime"))
+        started = btime + start_ticks / os.sysconf("SC_CLK_TCK")
+        return started <= datetime.fromisoformat(since).timestamp() + 2.0
+    except (OSError, ValueError, IndexError, StopIteration):
+        return True
 
 
 def gc(db: Database, *, dry_run: bool = True) -> list[str]:
@@ -55,7 +68,7 @@ def gc(db: Database, *, dry_run: bool = True) -> list[str]:
             actions.append(f"skip staging {it['staging_path']} (merge on host {it['host']}, pid {pid}: "
                            f"run gc there)")
             continue
-        if _pid_alive(pid) and pid != os.getpid():
+        if _pid_alive(pid, it["created_at"]) and pid != os.getpid():
             continue
         actions.append(f"remove staging {it['staging_path']} (merge interrupted, pid {pid})")
         if not dry_run:

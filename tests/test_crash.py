@@ -12,7 +12,15 @@ import random
 
 import pytest
 from conftest import BLOCK, ingest_family
-from crashkit import ingest_kill_trials, merge_kill_trials, output_hashes, whole_snapshots, write_spec
+from crashkit import (
+    cli,
+    ingest_kill_trials,
+    merge_kill_trials,
+    output_hashes,
+    staging_dirs,
+    whole_snapshots,
+    write_spec,
+)
 
 pytestmark = pytest.mark.catalog
 
@@ -55,3 +63,25 @@ def test_random_kills_during_ingest_leave_the_catalog_unchanged_or_complete(cata
     assert stats.trials == 3 and stats.reruns_identical == 3
     _c, rows = catalog.sql("SELECT name FROM checkpoints ORDER BY name")
     assert [r[0] for r in rows] == sorted(["base", *reference_ids])
+
+
+def test_rerun_into_an_out_awaiting_roll_forward_is_refused_until_gc(catalog, catalog_url, tiny_family,
+                                                                     tmp_path) -> None:
+    """Killed between the catalog commit and the rename, a merge's output waits for gc. A rerun into the same
+    --out must not commit a second snapshot there (its rename would fail, or the first would leak)."""
+    from mergepipe_db.errors import OutputExistsError
+
+    names = ingest_family(catalog, tiny_family)
+    spec = write_spec(tmp_path / "spec.yml", names)
+    out = tmp_path / "out"
+    r = cli(["merge", str(spec), "--out", str(out), "--catalog", catalog_url, "--quiet"],
+            {"MERGEPIPE_FAULT": "catalog_committed"})
+    assert r.returncode == -9, r.stderr
+    with pytest.raises(OutputExistsError, match="gc --apply"):
+        catalog.merge(spec, out=out)
+    assert not out.exists() and len(staging_dirs(tmp_path)) == 1  # only the committed output, waiting
+    assert [f.kind for f in catalog.fsck() if f.kind != "ok"] == ["leftover"]
+    assert len(catalog.gc(dry_run=False)) == 1
+    assert all(f.kind == "ok" for f in catalog.fsck()) and (out / "manifest.json").is_file()
+    _c, rows = catalog.sql("SELECT checkpoint FROM snapshots")
+    assert rows == [("out@1",)]
