@@ -15,7 +15,6 @@ import math
 import os
 import queue
 import threading
-from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -471,9 +470,3 @@ def ingest(
         bulk_insert(conn, schema.tensor, tensor_rows)
         bulk_insert(conn, schema.block, block_rows)
     return IngestResult(cid, name, kind, len(tensor_rows), len(block_rows), total_bytes, bytes_read, True)
-
-
-def iter_checkpoint_files(conn: sa.Connection, checkpoint_ids: list[str]) -> Iterator[Any]:
-    f = schema.source_file
-    yield from conn.execute(sa.select(f).where(f.c.checkpoint_id.in_(checkpoint_ids)).order_by(
-        f.c.checkpoint_id, f.c.file_idx)).mappings()

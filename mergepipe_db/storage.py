@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from mergepipe_db.errors import IntegrityError, StaleSourceError
+from mergepipe_db.errors import StaleSourceError
 
 
 @dataclass(frozen=True)
@@ -100,13 +100,6 @@ def xxh3_hex(data: bytes | bytearray | memoryview) -> str:
     import xxhash
 
     return xxhash.xxh3_128_hexdigest(data)
-
-
-def verify_range(data: bytes | bytearray | memoryview, expected: str, *, where: str) -> None:
-    """Raise IntegrityError when the xxh3_128 of `data` differs from the catalog's."""
-    got = xxh3_hex(data)
-    if got != expected:
-        raise IntegrityError(f"corrupted bytes in {where}: xxh3 {got} != catalog {expected}")
 
 
 def fsync_dir(path: Path) -> None:
