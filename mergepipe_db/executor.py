@@ -140,15 +140,7 @@ def _reader_thread(plan: Plan, q: queue.Queue, stop: threading.Event, counters: 
                     q.put(plan.sources[e.position].read(_Item, t, reads, base, expert_reader, verify))
                     continue
                 et = e.tensors[t.name]
-                buf = torch.empty(et.nbytes, dtype=torch.uint8)
-                view = memoryview(buf.numpy())
-                n_read = 0
-                for off, n, members in coalesce(reads):
-                    rel = off - et.offset
-                    expert_reader.read_into(et.path, off, view[rel:rel + n])
-                    n_read += n
-                    if verify:
-                        _verify(view, et, members, e.checkpoint.name)
+                buf, n_read = read_selected(expert_reader, et, reads, e.checkpoint.name, verify)
                 blocks, rows = _selected(et, reads)
                 q.put(_Item("expert", t.idx, e.position, buf, rows, blocks, n_read))
         counters["base"] = base_reader.bytes_read
@@ -158,6 +150,23 @@ def _reader_thread(plan: Plan, q: queue.Queue, stop: threading.Event, counters: 
         q.put(None)
     except BaseException as e:  # noqa: BLE001 - re-raised in the compute thread
         q.put(e)
+
+
+def read_selected(reader: RangeReader, et: TensorInfo, reads: tuple[Read, ...], expert: str, verify: bool
+                  ) -> tuple[Any, int]:
+    """The tensor's bytes with only the selected ranges read (adjacent ones coalesced), and the bytes read."""
+    import torch
+
+    buf = torch.empty(et.nbytes, dtype=torch.uint8)
+    view = memoryview(buf.numpy())
+    n_read = 0
+    for off, n, members in coalesce(reads):
+        rel = off - et.offset
+        reader.read_into(et.path, off, view[rel:rel + n])
+        n_read += n
+        if verify:
+            _verify(view, et, members, expert)
+    return buf, n_read
 
 
 def _verify(view: memoryview, et: TensorInfo, members: list[Read], expert: str) -> None:

@@ -14,100 +14,62 @@ import numpy as np
 
 from mergepipe_db import sketch
 
-_CHUNK = 4096
-
-
 _OFFSET = sketch.BINS_PER_OCTAVE * -sketch.MIN_EXP + 1
 _LAST = sketch.LAST_BIN
 
 
-@numba.njit(cache=True, nogil=True)
-def _accumulate(ef: np.ndarray, bf: np.ndarray, m: int, y: np.ndarray, yu: np.ndarray, hist: np.ndarray,
-                acc: np.ndarray) -> None:
-    """Δ = ef − bf (float32) on m elements; sums into acc = [l2², l1, max, pos]; bins into hist."""
-    l2 = acc[0]
-    l1 = acc[1]
-    mx = np.float32(acc[2])
-    pos = acc[3]
-    for i in range(m):
-        d = np.float32(ef[i] - bf[i])
-        a = abs(d)
-        x = np.float64(a)
-        l2 += x * x
-        l1 += x
-        if a > mx or a != a:
-            mx = a
-        if d > 0:
-            pos += 1.0
-        x = x * x
-        y[i] = x * x  # |Δ|**4 in float64: its binary exponent is floor(4*log2|Δ|) (see sketch.py)
-    for i in range(m):
-        code = np.int64((yu[i] >> np.uint64(52)) & np.uint64(0x7FF))
-        if code == 0:
-            hist[0] += 1  # zero (|Δ|**4 of a nonzero float32 is never subnormal in float64)
-        elif code == 0x7FF:
-            hist[_LAST] += 1  # inf / NaN
-        else:
-            b = code - 1023 + _OFFSET
-            hist[min(max(b, 1), _LAST)] += 1
-    acc[0] = l2
-    acc[1] = l1
-    acc[2] = mx
-    acc[3] = pos
+@numba.njit(cache=True, nogil=True, inline="always")
+def _step(d: np.float32, l2: float, l1: float, mx: np.float32, pos: float, hist: np.ndarray, y: np.ndarray,
+          yu: np.ndarray) -> tuple[float, float, np.float32, float]:
+    """Fold one Δ (float32) into (L2², L1, max |Δ|, #positive) and bin |Δ| into `hist`."""
+    a = abs(d)
+    x = np.float64(a)
+    l2 += x * x
+    l1 += x
+    if a > mx or a != a:
+        mx = a
+    if d > 0:
+        pos += 1.0
+    x = x * x
+    y[0] = x * x  # |Δ|**4 in float64: its binary exponent is floor(4*log2|Δ|) (see sketch.py)
+    code = np.int64((yu[0] >> np.uint64(52)) & np.uint64(0x7FF))
+    if code == 0:
+        hist[0] += 1  # zero (|Δ|**4 of a nonzero float32 is never subnormal in float64)
+    elif code == 0x7FF:
+        hist[_LAST] += 1  # inf / NaN
+    else:
+        hist[min(max(code - 1023 + _OFFSET, 1), _LAST)] += 1
+    return l2, l1, mx, pos
 
 
 @numba.njit(cache=True, nogil=True)
 def _stats_f32(e: np.ndarray, b: np.ndarray, hist: np.ndarray, acc: np.ndarray) -> None:
-    y = np.empty(_CHUNK, np.float64)
+    y = np.empty(1, np.float64)
     yu = y.view(np.uint64)
-    n = e.shape[0]
-    for s in range(0, n, _CHUNK):
-        m = min(_CHUNK, n - s)
-        _accumulate(e[s:s + m], b[s:s + m], m, y, yu, hist, acc)
+    l2, l1, mx, pos = acc[0], acc[1], np.float32(acc[2]), acc[3]
+    for i in range(e.shape[0]):
+        l2, l1, mx, pos = _step(np.float32(e[i] - b[i]), l2, l1, mx, pos, hist, y, yu)
+    acc[0], acc[1], acc[2], acc[3] = l2, l1, mx, pos
 
 
 @numba.njit(cache=True, nogil=True)
 def _stats_bf16(e: np.ndarray, b: np.ndarray, hist: np.ndarray, acc: np.ndarray) -> None:
     """BF16 blocks: equal raw values (common in fine-tunes) are an exact zero delta and skip the math."""
-    n = e.shape[0]
     one = np.empty(2, np.uint32)
     pair = one.view(np.float32)
     y = np.empty(1, np.float64)
     yu = y.view(np.uint64)
-    l2 = acc[0]
-    l1 = acc[1]
-    mx = np.float32(acc[2])
-    pos = acc[3]
+    l2, l1, mx, pos = acc[0], acc[1], np.float32(acc[2]), acc[3]
     zeros = 0
-    for i in range(n):
+    for i in range(e.shape[0]):
         if e[i] == b[i] and (e[i] & 0x7F80) != 0x7F80:  # equal finite values (inf - inf is NaN)
             zeros += 1
             continue
         one[0] = np.uint32(e[i]) << np.uint32(16)
         one[1] = np.uint32(b[i]) << np.uint32(16)
-        d = np.float32(pair[0] - pair[1])
-        a = abs(d)
-        x = np.float64(a)
-        l2 += x * x
-        l1 += x
-        if a > mx or a != a:
-            mx = a
-        if d > 0:
-            pos += 1.0
-        x = x * x
-        y[0] = x * x
-        code = np.int64((yu[0] >> np.uint64(52)) & np.uint64(0x7FF))
-        if code == 0:
-            hist[0] += 1
-        elif code == 0x7FF:
-            hist[_LAST] += 1
-        else:
-            hist[min(max(code - 1023 + _OFFSET, 1), _LAST)] += 1
+        l2, l1, mx, pos = _step(np.float32(pair[0] - pair[1]), l2, l1, mx, pos, hist, y, yu)
     hist[0] += zeros
-    acc[0] = l2
-    acc[1] = l1
-    acc[2] = mx
-    acc[3] = pos
+    acc[0], acc[1], acc[2], acc[3] = l2, l1, mx, pos
 
 
 def _writable(buf: bytes | bytearray | memoryview, dtype: type) -> np.ndarray:

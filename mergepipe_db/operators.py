@@ -595,11 +595,27 @@ class _DeltaFold(MergeOperator):
     The sign of a zero D never matters: it only meets +0.0-started accumulators.
     """
 
+    #: How T_k is formed from Δ_k when density < 1: None (T_k = Δ_k), "magnitude" (TIES trim),
+    #: "magnitude_outliers" (breadcrumbs) or "random" (DARE). At density 1, T_k = Δ_k for all of them.
+    sparsification: ClassVar[str | None] = None
+
     def _add(self, x: ExpertInput) -> None:
         assert self._ctx is not None
         ranges = x._element_ranges(self._ctx)
-        if ranges:
+        if not ranges:
+            return
+        if self.sparsification is None or self.densities[x.index] >= 1:
             self._fold(x, ranges)
+        elif self.sparsification == "magnitude":
+            self._fold_ties_trim(x, ranges)
+        elif self.sparsification == "magnitude_outliers":
+            self._fold_breadcrumbs_trim(x, ranges)
+        else:
+            self._fold_dare(x)
+
+    def _validate(self) -> None:
+        if self.sparsification == "random":
+            _check_keys(self)
 
     def _fold(self, x: ExpertInput, ranges: list[tuple[int, int]]) -> None:
         """T_k = Δ_k."""
@@ -881,15 +897,7 @@ class DareLinear(_AdditiveFold):
     """dare_linear: task_arithmetic on DARE-dropped, 1/d-rescaled task vectors."""
 
     name = "dare_linear"
-
-    def _fold(self, x: ExpertInput, ranges: list[tuple[int, int]]) -> None:
-        if self.densities[x.index] >= 1:
-            super()._fold(x, ranges)
-        else:
-            self._fold_dare(x)
-
-    def _validate(self) -> None:
-        _check_keys(self)
+    sparsification = "random"
 
 
 class Breadcrumbs(_AdditiveFold):
@@ -897,12 +905,7 @@ class Breadcrumbs(_AdditiveFold):
 
     name = "breadcrumbs"
     needs_full_tensor_stats = True
-
-    def _fold(self, x: ExpertInput, ranges: list[tuple[int, int]]) -> None:
-        if self.densities[x.index] >= 1:
-            super()._fold(x, ranges)
-        else:
-            self._fold_breadcrumbs_trim(x, ranges)
+    sparsification = "magnitude_outliers"
 
 
 class Ties(_TiesFold):
@@ -910,12 +913,7 @@ class Ties(_TiesFold):
 
     name = "ties"
     needs_full_tensor_stats = True
-
-    def _fold(self, x: ExpertInput, ranges: list[tuple[int, int]]) -> None:
-        if self.densities[x.index] >= 1:
-            super()._fold(x, ranges)
-        else:
-            self._fold_ties_trim(x, ranges)
+    sparsification = "magnitude"
 
 
 class DareTies(_TiesFold):
@@ -923,15 +921,7 @@ class DareTies(_TiesFold):
 
     name = "dare_ties"
     normalize_default = False
-
-    def _fold(self, x: ExpertInput, ranges: list[tuple[int, int]]) -> None:
-        if self.densities[x.index] >= 1:
-            super()._fold(x, ranges)
-        else:
-            self._fold_dare(x)
-
-    def _validate(self) -> None:
-        _check_keys(self)
+    sparsification = "random"
 
 
 class Slerp(MergeOperator):

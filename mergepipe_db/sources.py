@@ -474,19 +474,11 @@ class ExpertSource:
                     verify: bool) -> Any:
         import torch
 
-        from mergepipe_db.executor import _selected, _verify, coalesce
+        from mergepipe_db.executor import _selected, read_selected
         from mergepipe_db.formats.dtypes import torch_dtype
 
         e = self.expert
-        buf = torch.empty(et.nbytes, dtype=torch.uint8)
-        view = memoryview(buf.numpy())
-        n_read = 0
-        for off, n, members in coalesce(reads):
-            rel = off - et.offset
-            reader.read_into(et.path, off, view[rel:rel + n])
-            n_read += n
-            if verify:
-                _verify(view, et, members, e.checkpoint.name)
+        buf, n_read = read_selected(reader, et, reads, e.checkpoint.name, verify)
         blocks, rows = _selected(et, reads)
         raw = buf.view(torch_dtype(et.dtype)).reshape(t.shape)
         if self.kind == "lora":  # a modules_to_save weight: θ bytes like a full checkpoint
