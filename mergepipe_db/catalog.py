@@ -112,16 +112,9 @@ class Catalog:
     def _resolve_model(self, ref: str, *, base: str | None, progress: bool) -> tuple[str, str]:
         """(id, name) of a spec model reference: a catalog name/ref, or a path (ingested if new)."""
         with self.db.connect() as conn:
-            found = _lookup(conn, ref)
-            if found is None and Path(ref).exists():
-                root = str(Path(ref).resolve() if Path(ref).is_dir() else Path(ref).resolve().parent)
-                c = schema.checkpoint
-                found = conn.execute(sa.select(c.c.id).where(c.c.root == root, c.c.kind == "full")
-                                     .order_by(c.c.created_at)).scalar()
-            if found is not None:
-                name = conn.execute(sa.select(schema.checkpoint.c.name).where(schema.checkpoint.c.id == found)
-                                    ).scalar_one()
-                return found, name
+            found = _find_model(conn, ref)
+        if found is not None:
+            return found
         if not Path(ref).exists():
             raise UnknownCheckpointError(
                 f"unknown model {ref!r}: not a catalogued checkpoint or ref, and no such path")
@@ -148,19 +141,39 @@ class Catalog:
     def plan(self, spec: str | Path | dict[str, Any] | MergeSpec, *, budget: Any = None, seed: int | None = None,
              progress: bool = False) -> Plan:
         """Dry run: the access set chosen for `spec` within the budget (bytes or a fraction of full read)."""
+        return self._plan(spec, budget=budget, seed=seed, progress=progress)[0]
+
+    def _plan(self, spec: str | Path | dict[str, Any] | MergeSpec, *, budget: Any, seed: int | None,
+              progress: bool, ref: str | None = None) -> tuple[Plan, int | None]:
+        """The plan, and the current version of `ref` if given. One catalog connection when every model is
+        already catalogued (names resolved, family checked, planned and the ref read together); a model
+        given by a new path is ingested first, with no connection held."""
         from mergepipe_db.planner import build_plan
         from mergepipe_db.storage import check_fresh
 
         s, b = self._spec(spec, budget, seed)
-        base_id, base_name = self._resolve_model(s.base, base=None, progress=progress)
-        expert_ids = [self._resolve_model(m.ref, base=base_name, progress=progress)[0] for m in s.models]
+        refs = [s.base, *(m.ref for m in s.models)]
+        plan: Plan | None = None
+        version: int | None = None
         with self.db.connect() as conn:
-            _check_family(conn, base_id, expert_ids, s)
-            plan = build_plan(conn, s, base_id=base_id, expert_ids=expert_ids, budget_spec=b)
+            found = [_find_model(conn, r) for r in refs]
+            if all(f is not None for f in found):
+                ids = [f[0] for f in found if f is not None]
+                _check_family(conn, ids[0], ids[1:], s)
+                plan = build_plan(conn, s, base_id=ids[0], expert_ids=ids[1:], budget_spec=b)
+                if ref is not None:
+                    version = int(conn.execute(sa.select(schema.ref.c.version)
+                                               .where(schema.ref.c.name == ref)).scalar() or 0)
+        if plan is None:
+            base_id, base_name = self._resolve_model(s.base, base=None, progress=progress)
+            expert_ids = [self._resolve_model(m.ref, base=base_name, progress=progress)[0] for m in s.models]
+            with self.db.connect() as conn:
+                _check_family(conn, base_id, expert_ids, s)
+                plan = build_plan(conn, s, base_id=base_id, expert_ids=expert_ids, budget_spec=b)
         check_fresh(plan.base.files)
         for e in plan.experts:
             check_fresh(e.checkpoint.files)
-        return plan
+        return plan, version
 
     def merge(self, spec: str | Path | dict[str, Any] | MergeSpec, *, out: str | Path, budget: Any = None,
               seed: int | None = None, ref: str | None = None, shard_bytes: int | None = None,
@@ -169,9 +182,10 @@ class Catalog:
         t_start = time.perf_counter()
         out_path, ref_name = self._check_outputs(out, ref, shard_bytes)
         t0 = time.perf_counter()
-        plan = self.plan(spec, budget=budget, seed=seed, progress=progress)
+        plan, expected = self._plan(spec, budget=budget, seed=seed, progress=progress, ref=ref_name)
         return self._run_plan(plan, out_path, ref_name, t_start=t_start, t_plan=time.perf_counter() - t0,
-                              shard_bytes=shard_bytes, progress=progress, verify_reads=verify_reads)
+                              shard_bytes=shard_bytes, progress=progress, verify_reads=verify_reads,
+                              expected=expected)
 
     def replay(self, source: str | Path, *, out: str | Path, ref: str | None = None,
                shard_bytes: int | None = None, verify: bool = False, progress: bool = False) -> MergeResult:
@@ -205,7 +219,8 @@ class Catalog:
         return out_path, ref_name
 
     def _run_plan(self, plan: Plan, out_path: Path, ref_name: str, *, t_start: float, t_plan: float,
-                  shard_bytes: int | None, progress: bool, verify_reads: bool) -> MergeResult:
+                  shard_bytes: int | None, progress: bool, verify_reads: bool,
+                  expected: int | None = None) -> MergeResult:
         """Execute `plan` into a staging directory, commit it to the catalog, then publish it at `out_path`."""
         from mergepipe_db import commit as cm
         from mergepipe_db import faults
@@ -215,7 +230,8 @@ class Catalog:
         check_fresh(plan.base.files)
         for e in plan.experts:
             check_fresh(e.checkpoint.files)
-        expected = cm.read_ref_version(self.db, ref_name)
+        if expected is None:  # read with the plan when planned here (the commit's compare-and-set checks it)
+            expected = cm.read_ref_version(self.db, ref_name)
         faults.point("planned")
 
         intent, staging = cm.begin_staging(self.db, out_path)
@@ -320,6 +336,21 @@ class Catalog:
 def _default_name(path: str | Path) -> str:
     p = Path(path).resolve()
     return p.stem if p.is_file() else p.name
+
+
+def _find_model(conn: sa.Connection, ref: str) -> tuple[str, str] | None:
+    """(id, name) of a catalogued model reference: a checkpoint name, a ref, or the root path of a catalogued
+    full checkpoint; None if it is none of these."""
+    found = _lookup(conn, ref)
+    if found is None and Path(ref).exists():
+        root = str(Path(ref).resolve() if Path(ref).is_dir() else Path(ref).resolve().parent)
+        c = schema.checkpoint
+        found = conn.execute(sa.select(c.c.id).where(c.c.root == root, c.c.kind == "full")
+                             .order_by(c.c.created_at)).scalar()
+    if found is None:
+        return None
+    name = conn.execute(sa.select(schema.checkpoint.c.name).where(schema.checkpoint.c.id == found)).scalar_one()
+    return found, name
 
 
 def _lookup(conn: sa.Connection, ref: str) -> str | None:

@@ -1,9 +1,14 @@
 """Planner: choose the access set — which expert delta blocks to read — under an expert-read budget.
 
-The ranking is SQL (`sql/plan_rank.sql`): score each candidate (expert, block) by c_k·‖Δ_k,b‖₂, rank with
-deterministic tie-breaks (score, tensor order, block index, expert order) and keep the prefix whose running
-cost fits the budget. Planner and executor use the same cost (stored bytes of the block), so budget
-soundness holds by construction: planned bytes ≤ budget, and the executor checks realized == planned.
+The ranking is SQL (`sql/plan_rank.sql`, one statement): score each candidate (expert, block) by c_k·‖Δ_k,b‖₂,
+rank with deterministic tie-breaks (score, tensor order, block index, expert order) and keep the prefix whose
+running cost fits the budget; the same statement returns the per-(tensor, expert) summary. Planner and executor
+use the same cost (stored bytes of the block), so budget soundness holds by construction: planned bytes ≤
+budget, and the executor checks realized == planned.
+
+TIES (density d < 1) never reads a block that provably trims to zero: from the summed block sketches of a
+tensor the bin b_τ holding the trim threshold τ is known exactly, and a block whose max |Δ| lies in a lower bin
+(``delta_max < bin_edges()[b_τ] <= τ``) is not a candidate (`ties_prune_bounds`; docs/SEMANTICS.md).
 """
 
 from __future__ import annotations
@@ -15,9 +20,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import sqlalchemy as sa
 
-from mergepipe_db import __version__
+from mergepipe_db import __version__, sketch
 from mergepipe_db.db import schema
 from mergepipe_db.errors import UnsupportedDtypeError
 from mergepipe_db.resources import sql_text
@@ -25,6 +31,7 @@ from mergepipe_db.spec import MergeSpec
 from mergepipe_db.storage import FileStamp
 
 ARITHMETIC = ("F32", "F16", "BF16")
+_EDGES = sketch.bin_edges()  # the smallest float32 of each sketch bin
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,7 @@ class CheckpointInfo:
     files: tuple[FileStamp, ...]
     file_hashes: tuple[tuple[str, str], ...]  # (relpath, sha256)
     config: dict[str, Any] | None
+    base_id: str | None = None  # the base its delta statistics are against (None for an original base)
 
 
 @dataclass(frozen=True)
@@ -75,6 +83,8 @@ class ExpertPlan:
     tensors: dict[str, TensorInfo]  # by name
     planned_bytes: int = 0
     blocks_selected: int = 0
+    pruned_bytes: int = 0  # TIES: bytes of nonzero-delta blocks trimmed to zero entirely (not candidates)
+    blocks_pruned: int = 0
 
 
 @dataclass
@@ -95,6 +105,8 @@ class Plan:
     plan_hash: str = ""
     sketches: dict[tuple[int, int], Any] = field(default_factory=dict)
     sources: dict[int, Any] = field(default_factory=dict)  # position -> sources.ExpertSource (delta/LoRA/packed)
+    pruned_bytes: int = 0  # TIES: read cost of nonzero-delta blocks that trim to zero (never candidates)
+    pruned_blocks: int = 0
 
     def access_mask(self) -> list[list[Any]]:
         """Compact access set: [position, tensor name, [[first_block, stop_block], ...]] sorted."""
@@ -114,7 +126,10 @@ class Plan:
         return out
 
     def canonical(self) -> dict[str, Any]:
-        """Deterministic content the plan hash is computed from."""
+        """Deterministic content the plan hash is computed from (`plan_hash`: its canonical JSON, hashed)."""
+        return {**self._canonical_head(), "access": self.access_mask()}
+
+    def _canonical_head(self) -> dict[str, Any]:
         s = self.spec
         return {
             "method": s.method,
@@ -126,7 +141,6 @@ class Plan:
             "base": self.base.id,
             "experts": [[e.checkpoint.id, e.weight, e.density, e.gamma] for e in self.experts],
             "budget_bytes": self.budget_bytes,
-            "access": self.access_mask(),
         }
 
     def summary(self) -> dict[str, Any]:
@@ -138,13 +152,60 @@ class Plan:
             "full_bytes": self.full_bytes,
             "candidate_bytes": self.candidate_bytes,
             "planned_bytes": self.planned_bytes,
+            "pruned_bytes": self.pruned_bytes,
+            "pruned_blocks": self.pruned_blocks,
             "bound": self.bound_total,
             "experts": [
                 {"name": e.checkpoint.name, "position": e.position, "planned_bytes": e.planned_bytes,
-                 "blocks_selected": e.blocks_selected, "coef": e.coef}
+                 "blocks_selected": e.blocks_selected, "pruned_bytes": e.pruned_bytes,
+                 "blocks_pruned": e.blocks_pruned, "coef": e.coef}
                 for e in self.experts
             ],
         }
+
+
+def _access_mask_json(plan: Plan) -> str:
+    """``json.dumps(plan.access_mask())`` in canonical form (compact separators, ASCII), built directly as
+    text: the same bytes, without a list per range (10^5 selected blocks in a few tens of ms)."""
+    tensors = {t.idx: t for t in plan.base_tensors}
+    out: list[str] = []
+    for key in sorted(plan.access):
+        pos, tidx = key
+        t = tensors[tidx]
+        ranges: list[str] = []
+        lo = hi = None  # the open range: the list's last one in access_mask
+        for r in plan.access[key]:
+            b = r.block_idx
+            if b == -1:
+                if lo is not None:
+                    ranges.append(f"[{lo},{hi}]")
+                lo, hi = 0, t.n_blocks
+            elif lo is not None and hi == b:
+                hi = b + 1
+            else:
+                if lo is not None:
+                    ranges.append(f"[{lo},{hi}]")
+                lo, hi = b, b + 1
+        if lo is not None:
+            ranges.append(f"[{lo},{hi}]")
+        out.append(f"[{int(pos)},{json.dumps(t.name)},[{','.join(ranges)}]]")
+    return "[" + ",".join(out) + "]"
+
+
+def plan_hash(plan: Plan) -> str:
+    """sha256 of the canonical JSON of ``{"tool": major version, **plan.canonical()}`` (sorted keys, compact).
+
+    "access" is the first key in sorted order, so the text is ``{"access":<mask>,`` followed by the canonical
+    JSON of the other keys; the mask's text comes from `_access_mask_json`. Equal, byte for byte, to
+    ``sha256_hex({"tool": ..., **plan.canonical()})`` (tests/test_planner_speed.py checks both).
+    """
+    head = canonical_json({"tool": __version__.split(".")[0], **plan._canonical_head()})
+    assert head[:1] == b"{"  # every other key sorts after "access"
+    h = hashlib.sha256(b'{"access":')
+    h.update(_access_mask_json(plan).encode("ascii"))
+    h.update(b"," if len(head) > 2 else b"")
+    h.update(head[1:])
+    return h.hexdigest()
 
 
 def canonical_json(obj: Any) -> bytes:
@@ -168,7 +229,7 @@ def load_checkpoint_info(conn: sa.Connection, checkpoint_id: str) -> CheckpointI
         block_bytes=int(row["block_bytes"]),
         files=tuple(FileStamp(r["path"], r["size"], r["mtime_ns"]) for r in files),
         file_hashes=tuple((r["relpath"], r["sha256"]) for r in files),
-        config=json.loads(row["config"]) if row["config"] else None,
+        config=json.loads(row["config"]) if row["config"] else None, base_id=row["base_id"],
     )
 
 
@@ -185,21 +246,90 @@ def load_tensors(conn: sa.Connection, checkpoint_id: str) -> list[TensorInfo]:
     ]
 
 
-def _load_sketches(conn: sa.Connection, expert_id: str, base_idx_by_name: dict[str, int]) -> dict[int, Any]:
-    """Tensor-level |Δ| histograms of one expert (sum of its block sketches), by base tensor_idx."""
-    from mergepipe_db import sketch
-
-    b, t = schema.block, schema.tensor
-    out: dict[int, Any] = {}
-    rows = conn.execute(
-        sa.select(t.c.name, b.c.sketch).join(t, (t.c.checkpoint_id == b.c.checkpoint_id)
-                                             & (t.c.tensor_idx == b.c.tensor_idx))
-        .where(b.c.checkpoint_id == expert_id, b.c.sketch.is_not(None))
-    )
-    for name, blob in rows:
+def _tensor_sketches(conn: sa.Connection, expert_id: str) -> dict[int, tuple[np.ndarray, bool]]:
+    """Per tensor of one checkpoint (its own tensor_idx): the sum of its block sketches (the tensor's exact
+    |Δ| histogram) and whether every row block (block_idx >= 0) has one."""
+    b = schema.block
+    sums: dict[int, np.ndarray] = {}
+    complete: dict[int, bool] = {}
+    rows = conn.execute(sa.select(b.c.tensor_idx, b.c.block_idx, b.c.sketch).where(b.c.checkpoint_id == expert_id))
+    for tidx, bidx, blob in rows:
+        if blob is None:
+            if bidx >= 0:
+                complete[tidx] = False
+            continue
         h = sketch.decode(blob)
-        idx = base_idx_by_name[name]
-        out[idx] = h if idx not in out else out[idx] + h
+        if tidx in sums:
+            sums[tidx] += h
+        else:
+            sums[tidx] = h
+            complete.setdefault(tidx, True)
+    return {tidx: (h, complete[tidx]) for tidx, h in sums.items()}
+
+
+def _trim_bound(hist: np.ndarray, complete: bool, density: float, numel: int) -> float | None:
+    """TIES: a value every block with ``delta_max`` below it provably trims to zero, or None (no pruning).
+
+    k = int(d·numel) (the operator's k); τ = the k-th largest |Δ| lies in bin b_τ of the exact tensor
+    histogram, so τ >= edges[b_τ], and for float32 x, ``x < edges[b_τ]`` iff bin(x) < b_τ (sketch.py): a block
+    whose max |Δ| is below edges[b_τ] holds only |Δ| < τ. k == 0 means τ = +inf (everything trims). A tensor
+    with values in the last bin (huge, inf or NaN) or an incomplete or inconsistent sketch is never pruned.
+    """
+    if not complete or int(hist.sum()) != numel or int(hist[sketch.LAST_BIN]) > 0:
+        return None
+    k = int(density * numel)
+    if k <= 0:
+        return math.inf
+    b, _ = sketch.locate_kth_largest(hist, k)
+    if b == sketch.ZERO_BIN:
+        return None  # τ = 0 keeps everything
+    return float(_EDGES[b])
+
+
+def _prunable(e: ExpertPlan, op: Any, base_id: str) -> bool:
+    """TIES trim (magnitude sparsification) at density < 1, for an expert whose block statistics are of the
+    same Δ the executor forms: a full (or packed) checkpoint, a delta checkpoint or a snapshot, catalogued
+    against this base. LoRA adapters are skipped (their factor unit and ΔW rounding make no such promise)."""
+    return (getattr(op, "sparsification", None) == "magnitude" and not op.tensor_granular and e.density < 1
+            and e.checkpoint.has_stats and e.checkpoint.kind in ("full", "delta", "snapshot")
+            and e.checkpoint.base_id == base_id)
+
+
+def ties_prune_bounds(conn: sa.Connection, experts: list[ExpertPlan], op: Any, base_id: str,
+                      base_tensors: list[TensorInfo]) -> tuple[dict[tuple[int, int], float],
+                                                                dict[int, dict[int, np.ndarray]]]:
+    """TIES pruning bounds ``{(position, expert tensor_idx): bound}`` (a block with delta_max < bound is never
+    a candidate, see `_trim_bound`), and the tensor sketches loaded for them, ``{position: {base tensor_idx:
+    histogram}}`` (finalize reuses them for partially selected tensors)."""
+    bounds: dict[tuple[int, int], float] = {}
+    loaded: dict[int, dict[int, np.ndarray]] = {}
+    by_name = {t.name: t for t in base_tensors}
+    for e in experts:
+        if not _prunable(e, op, base_id):
+            continue
+        sketches = _tensor_sketches(conn, e.checkpoint.id)
+        mine: dict[int, np.ndarray] = {}
+        for et in e.tensors.values():
+            bt = by_name.get(et.name)
+            if bt is None or et.dtype not in ARITHMETIC or et.idx not in sketches:
+                continue
+            hist, complete = sketches[et.idx]
+            mine[bt.idx] = hist
+            bound = _trim_bound(hist, complete, e.density, math.prod(bt.shape))
+            if bound is not None:
+                bounds[(e.position, et.idx)] = bound
+        loaded[e.position] = mine
+    return bounds, loaded
+
+
+def _load_sketches(conn: sa.Connection, expert: ExpertPlan, base_idx_by_name: dict[str, int]) -> dict[int, Any]:
+    """Tensor-level |Δ| histograms of one expert (sum of its block sketches), by base tensor_idx."""
+    by_idx = {t.idx: t.name for t in expert.tensors.values()}
+    out: dict[int, Any] = {}
+    for tidx, (h, _complete) in _tensor_sketches(conn, expert.checkpoint.id).items():
+        name = by_idx.get(tidx)
+        if name in base_idx_by_name:
+            out[base_idx_by_name[name]] = h
     return out
 
 
@@ -224,8 +354,11 @@ def load_experts(conn: sa.Connection, spec: MergeSpec, expert_ids: list[str]) ->
     return experts, op
 
 
-def finalize(conn: sa.Connection, plan: Plan, op: Any) -> None:
-    """Attach the sketches partial reads need, check dtypes, and compute the plan hash."""
+def finalize(conn: sa.Connection, plan: Plan, op: Any,
+             sketch_cache: dict[int, dict[int, np.ndarray]] | None = None) -> None:
+    """Attach the sketches partial reads need, check dtypes, and compute the plan hash.
+
+    `sketch_cache`: tensor sketches already loaded (`ties_prune_bounds`), by position and base tensor_idx."""
     from mergepipe_db.sources import attach_sources
 
     attach_sources(conn, plan)  # delta / LoRA / packed experts: read hooks and packed read costs
@@ -234,14 +367,37 @@ def finalize(conn: sa.Connection, plan: Plan, op: Any) -> None:
         for e in plan.experts:
             partial = [tidx for (pos, tidx), full in plan.full_selection.items() if pos == e.position and not full]
             if partial and e.checkpoint.has_stats:
-                sk = _load_sketches(conn, e.checkpoint.id, base_idx_by_name)
+                sk = (sketch_cache or {}).get(e.position)
+                if sk is None:
+                    sk = _load_sketches(conn, e, base_idx_by_name)
                 for tidx in partial:
                     if tidx in sk:
                         plan.sketches[(e.position, tidx)] = sk[tidx]
     for t in plan.base_tensors:
         if t.dtype not in ARITHMETIC and any((e.position, t.idx) in plan.access for e in plan.experts):
             raise UnsupportedDtypeError(f"tensor {t.name!r} has dtype {t.dtype}, which cannot be merged")
-    plan.plan_hash = sha256_hex({"tool": __version__.split(".")[0], **plan.canonical()})
+    plan.plan_hash = plan_hash(plan)
+
+
+#: dialects whose DB-API cursor hands over a result as numpy arrays (`fetchnumpy`)
+_NUMPY_FETCH_DIALECTS: tuple[str, ...] = ("duckdb",)
+
+
+def _fetch_columns(conn: sa.Connection, result: sa.CursorResult) -> dict[str, Any]:
+    """The rows of `result` as one array per column. DuckDB hands them over as numpy arrays straight from its
+    result (no Python row objects; NULLs masked, read only where the row kind has a value); any other
+    database goes through the portable DB-API fetch."""
+    if conn.dialect.name in _NUMPY_FETCH_DIALECTS:
+        try:
+            cols = result.cursor.fetchnumpy()  # duckdb_engine's cursor delegates to the DuckDB connection
+        finally:
+            result.close()
+        return {k: np.ma.getdata(v) for k, v in cols.items()}
+    keys = list(result.keys())
+    rows = result.fetchall()
+    if not rows:
+        return {k: np.empty(0, dtype=object) for k in keys}
+    return {k: np.array(col, dtype=object) for k, col in zip(keys, zip(*rows))}
 
 
 def build_plan(
@@ -262,40 +418,58 @@ def build_plan(
     full_bytes = sum(e.tensors[t.name].nbytes for e in experts for t in base_tensors
                      if t.dtype in ARITHMETIC and t.name in e.tensors)  # delta/LoRA experts cover a subset
     budget_bytes = budget_spec.resolve(full_bytes)
+    bounds: dict[tuple[int, int], float] = {}
+    sketch_cache = None
 
-    conn.execute(sa.text("DROP TABLE IF EXISTS mp_plan_ranked"))
-    conn.execute(sa.text("DROP TABLE IF EXISTS mp_plan_expert"))
+    # The (expert, tensor) pairs to rank, with the base's tensor_idx matched by name here (never in SQL text).
+    base_idx = {t.name: t.idx for t in base_tensors}
+    pt: tuple[list[Any], list[Any], list[Any], list[Any]] = ([], [], [], [])
+    for e in experts:
+        for et in sorted(e.tensors.values(), key=lambda x: x.idx):
+            if et.dtype in ARITHMETIC and et.name in base_idx:
+                for col, v in zip(pt, (e.position, et.idx, base_idx[et.name], bounds.get((e.position, et.idx)))):
+                    col.append(v)
+    for name in ("mp_plan_expert", "mp_plan_tensor"):
+        conn.execute(sa.text(f"DROP TABLE IF EXISTS {name}"))
     conn.execute(sa.text(sql_text("plan_expert_table")))
-    conn.execute(sa.text(sql_text("plan_expert_insert")), [
-        {"position": e.position, "checkpoint_id": e.checkpoint.id, "coef": abs(e.coef),
-         "tensor_level": bool(op.tensor_granular or not e.checkpoint.has_stats)}
-        for e in experts
-    ])
-    conn.execute(sa.text(sql_text("plan_rank")), {"base_id": base.id})
-    params = {"budget": budget_bytes}
-    access_lists: dict[tuple[int, int], list[Read]] = defaultdict(list)
-    # One fetchall (not a row-at-a-time cursor walk): at 10^5 selected blocks the fetch dominates planning.
-    selected = conn.execute(sa.text(sql_text("plan_select")), params).fetchall()
-    for pos, tidx, bidx, nbytes, offset, xxh3 in selected:
-        access_lists[(pos, tidx)].append(Read(bidx, offset, nbytes, xxh3))
-    summary = conn.execute(sa.text(sql_text("plan_summary")), params).all()
-    conn.execute(sa.text("DROP TABLE IF EXISTS mp_plan_ranked"))
-    conn.execute(sa.text("DROP TABLE IF EXISTS mp_plan_expert"))
+    conn.execute(sa.text(sql_text("plan_tensor_table")))
+    conn.execute(sa.text(sql_text("plan_expert_insert")), {
+        "position": [e.position for e in experts], "checkpoint_id": [e.checkpoint.id for e in experts],
+        "coef": [abs(e.coef) for e in experts],
+        "tensor_level": [bool(op.tensor_granular or not e.checkpoint.has_stats) for e in experts]})
+    conn.execute(sa.text(sql_text("plan_tensor_insert")), {
+        "position": pt[0], "tensor_idx": pt[1], "base_idx": pt[2], "prune_below": pt[3]})
+    cols = _fetch_columns(conn, conn.execute(sa.text(sql_text("plan_rank")), {"budget": budget_bytes}))
+    for name in ("mp_plan_expert", "mp_plan_tensor"):
+        conn.execute(sa.text(f"DROP TABLE IF EXISTS {name}"))
 
+    kind = np.asarray(cols["kind"], dtype=np.int64)
+    n_reads, n_summary = int(np.searchsorted(kind, 1)), int(np.searchsorted(kind, 2))
+    access = _reads_by_key(cols, n_reads)
+
+    # Per (tensor, expert), in tensor then expert order (the bound sums in that order).
     candidate_bytes = 0
     planned_bytes = 0
     full_selection: dict[tuple[int, int], bool] = {}
     bound_per_tensor: dict[int, float] = defaultdict(float)
+    summary = zip(*(cols[c][n_reads:n_summary].tolist() for c in (
+        "tensor_idx", "position", "n_blocks", "nbytes", "n_selected", "selected_bytes", "omitted_score",
+        "omitted_unscored")))
     for tidx, pos, candidates, cbytes, selected, pbytes, omitted_score, omitted_unscored in summary:
+        tidx, pos = int(tidx), int(pos)
         candidate_bytes += int(cbytes)
         planned_bytes += int(pbytes)
-        experts[int(pos)].planned_bytes += int(pbytes)
-        experts[int(pos)].blocks_selected += int(selected)
-        full_selection[(int(pos), int(tidx))] = int(selected) == int(candidates)
+        experts[pos].planned_bytes += int(pbytes)
+        experts[pos].blocks_selected += int(selected)
+        full_selection[(pos, tidx)] = int(selected) == int(candidates)
         if int(omitted_unscored):
-            bound_per_tensor[int(tidx)] = math.inf
+            bound_per_tensor[tidx] = math.inf
         else:
-            bound_per_tensor[int(tidx)] += float(omitted_score or 0.0)
+            bound_per_tensor[tidx] += float(omitted_score or 0.0)
+    pruned = zip(*(cols[c][n_summary:].tolist() for c in ("position", "n_blocks", "nbytes")))
+    for pos, n_blocks, nbytes in pruned:
+        experts[int(pos)].blocks_pruned += int(n_blocks)
+        experts[int(pos)].pruned_bytes += int(nbytes)
     bound_total: float | None = math.fsum(bound_per_tensor.values()) if bound_per_tensor else 0.0
     per_tensor: dict[int, float] | None = dict(bound_per_tensor)
     if not op.additive:
@@ -304,9 +478,25 @@ def build_plan(
     plan = Plan(
         spec=spec, base=base, base_tensors=base_tensors, experts=experts, out_dtype=out_dtype,
         budget_bytes=budget_bytes, full_bytes=full_bytes, candidate_bytes=candidate_bytes,
-        planned_bytes=planned_bytes,
-        access={k: tuple(v) for k, v in access_lists.items()},
+        planned_bytes=planned_bytes, access=access,
         full_selection=full_selection, bound_per_tensor=per_tensor, bound_total=bound_total,
+        pruned_bytes=sum(e.pruned_bytes for e in experts), pruned_blocks=sum(e.blocks_pruned for e in experts),
     )
-    finalize(conn, plan, op)
+    finalize(conn, plan, op, sketch_cache)
     return plan
+
+
+def _reads_by_key(cols: dict[str, Any], n: int) -> dict[tuple[int, int], tuple[Read, ...]]:
+    """The first `n` rows (selected reads, sorted by tensor, expert, block) grouped into the access dict."""
+    if n == 0:
+        return {}
+    pos = np.asarray(cols["position"][:n], dtype=np.int64)
+    tidx = np.asarray(cols["tensor_idx"][:n], dtype=np.int64)
+    cuts = (np.flatnonzero((pos[1:] != pos[:-1]) | (tidx[1:] != tidx[:-1])) + 1).tolist()
+    pl, tl = pos.tolist(), tidx.tolist()
+    bl = np.asarray(cols["block_idx"][:n], dtype=np.int64).tolist()
+    ol = np.asarray(cols["block_offset"][:n], dtype=np.int64).tolist()
+    nl = np.asarray(cols["nbytes"][:n], dtype=np.int64).tolist()
+    xl = list(cols["xxh3"][:n])
+    return {(pl[s], tl[s]): tuple(map(Read, bl[s:e], ol[s:e], nl[s:e], xl[s:e]))
+            for s, e in zip([0, *cuts], [*cuts, n])}

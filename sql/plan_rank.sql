@@ -1,36 +1,73 @@
--- Every candidate (expert, block) — or (expert, whole tensor) for experts planned at tensor level — scored
--- |c_k| * ||delta||_2, ranked with deterministic tie-breaks; running_cost is the cumulative read cost in
--- rank order, so the access set for a budget B is the prefix running_cost <= B.
--- Blocks whose delta is exactly zero (delta_l2 = 0, e.g. bytes equal to the base's) are never candidates.
--- tensor_idx is the base's (checkpoint order); experts are matched to it by tensor name.
--- Candidates without statistics (score NULL) rank last, in tensor order.
+-- The whole ranking in one statement (window functions in subqueries only, portable DuckDB/PostgreSQL).
+--
+-- candidates: every (expert, block) — or (expert, whole tensor) for experts planned at tensor level — of the
+-- tensors in mp_plan_tensor, scored |c_k| * ||delta||_2, with tensor_idx the base's. Blocks whose delta is
+-- exactly zero (delta_l2 = 0, e.g. bytes equal to the base's) are never candidates; a block with
+-- delta_max < prune_below (TIES: every element is below the trim threshold) is `pruned`, and not ranked either.
 -- A block held in the packed store (mp_packed_block) costs its compressed length. A LoRA adapter's shared
 -- factor is block_idx -2 with the max delta_l2 of its tensor's blocks, so it ranks just before them.
-CREATE TEMPORARY TABLE mp_plan_ranked AS
-SELECT position, tensor_idx, block_idx, nbytes, block_offset, xxh3, score,
-       SUM(nbytes) OVER (
-           ORDER BY score DESC NULLS LAST, tensor_idx, block_idx, position
-           ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW
-       ) AS running_cost
-FROM (
-    SELECT e.position, bt.tensor_idx, b.block_idx, COALESCE(pk.clen, b.nbytes) AS nbytes,
-           b."offset" AS block_offset, b.xxh3, e.coef * b.delta_l2 AS score
+-- ranked: deterministic order (score DESC NULLS LAST, tensor_idx, block_idx, position; candidates without
+-- statistics rank last, in tensor order); running_cost is the cumulative read cost in that order, so the
+-- access set for a budget B is the prefix running_cost <= B.
+--
+-- The result has three kinds of rows, sorted by kind, tensor_idx, position, block_idx:
+--   kind 0, one per selected read: block_idx, nbytes (read cost), block_offset, xxh3;
+--   kind 1, one per (tensor, expert) with candidates: nbytes = candidate bytes, n_blocks = candidates,
+--           n_selected / selected_bytes of them in the access set, and the omitted-update bound terms
+--           (block_idx -2, a LoRA factor, is a read unit, not an update: it adds nothing to the bound);
+--   kind 2, one per (tensor, expert) with pruned blocks: n_blocks and nbytes of those.
+WITH candidates AS NOT MATERIALIZED (
+    SELECT e.position, pt.base_idx AS tensor_idx, b.block_idx, COALESCE(pk.clen, b.nbytes) AS nbytes,
+           b."offset" AS block_offset, b.xxh3, e.coef * b.delta_l2 AS score,
+           CASE WHEN b.delta_max < pt.prune_below THEN 1 ELSE 0 END AS pruned
     FROM mp_plan_expert e
-    JOIN mp_block b ON b.checkpoint_id = e.checkpoint_id
+    JOIN mp_plan_tensor pt ON pt.position = e.position
+    JOIN mp_block b ON b.checkpoint_id = e.checkpoint_id AND b.tensor_idx = pt.tensor_idx
     LEFT JOIN mp_packed_block pk ON pk.checkpoint_id = b.checkpoint_id AND pk.tensor_idx = b.tensor_idx
                                 AND pk.block_idx = b.block_idx
-    JOIN mp_tensor t ON t.checkpoint_id = b.checkpoint_id AND t.tensor_idx = b.tensor_idx
-    JOIN mp_tensor bt ON bt.checkpoint_id = :base_id AND bt.name = t.name
     WHERE NOT e.tensor_level
-      AND t.dtype IN ('F32', 'F16', 'BF16')
       AND (b.delta_l2 IS NULL OR b.delta_l2 <> 0)
     UNION ALL
-    SELECT e.position, bt.tensor_idx, -1 AS block_idx, t.nbytes, t."offset" AS block_offset, t.xxh3,
-           e.coef * t.delta_l2 AS score
+    SELECT e.position, pt.base_idx AS tensor_idx, -1 AS block_idx, t.nbytes, t."offset" AS block_offset, t.xxh3,
+           e.coef * t.delta_l2 AS score, 0 AS pruned
     FROM mp_plan_expert e
-    JOIN mp_tensor t ON t.checkpoint_id = e.checkpoint_id
-    JOIN mp_tensor bt ON bt.checkpoint_id = :base_id AND bt.name = t.name
+    JOIN mp_plan_tensor pt ON pt.position = e.position
+    JOIN mp_tensor t ON t.checkpoint_id = e.checkpoint_id AND t.tensor_idx = pt.tensor_idx
     WHERE e.tensor_level
-      AND t.dtype IN ('F32', 'F16', 'BF16')
       AND (t.delta_l2 IS NULL OR t.delta_l2 <> 0)
-) candidates
+),
+ranked AS MATERIALIZED (
+    SELECT position, tensor_idx, block_idx, nbytes, block_offset, xxh3, score,
+           SUM(nbytes) OVER (
+               ORDER BY score DESC NULLS LAST, tensor_idx, block_idx, position
+               ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW
+           ) AS running_cost
+    FROM candidates
+    WHERE pruned = 0
+)
+SELECT 0 AS kind, position, tensor_idx, block_idx, CAST(nbytes AS BIGINT) AS nbytes,
+       CAST(block_offset AS BIGINT) AS block_offset, xxh3,
+       CAST(NULL AS BIGINT) AS n_blocks, CAST(NULL AS BIGINT) AS n_selected, CAST(NULL AS BIGINT) AS selected_bytes,
+       CAST(NULL AS DOUBLE PRECISION) AS omitted_score, CAST(NULL AS BIGINT) AS omitted_unscored
+FROM ranked
+WHERE running_cost <= :budget
+UNION ALL
+SELECT 1 AS kind, position, tensor_idx, CAST(NULL AS INTEGER) AS block_idx, CAST(SUM(nbytes) AS BIGINT) AS nbytes,
+       CAST(NULL AS BIGINT) AS block_offset, CAST(NULL AS VARCHAR) AS xxh3,
+       CAST(COUNT(*) AS BIGINT) AS n_blocks,
+       CAST(SUM(CASE WHEN running_cost <= :budget THEN 1 ELSE 0 END) AS BIGINT) AS n_selected,
+       CAST(SUM(CASE WHEN running_cost <= :budget THEN nbytes ELSE 0 END) AS BIGINT) AS selected_bytes,
+       CAST(SUM(CASE WHEN running_cost > :budget AND block_idx <> -2 THEN score ELSE 0 END) AS DOUBLE PRECISION)
+           AS omitted_score,
+       CAST(SUM(CASE WHEN running_cost > :budget AND score IS NULL THEN 1 ELSE 0 END) AS BIGINT) AS omitted_unscored
+FROM ranked
+GROUP BY tensor_idx, position
+UNION ALL
+SELECT 2 AS kind, position, tensor_idx, CAST(NULL AS INTEGER) AS block_idx, CAST(SUM(nbytes) AS BIGINT) AS nbytes,
+       CAST(NULL AS BIGINT) AS block_offset, CAST(NULL AS VARCHAR) AS xxh3,
+       CAST(COUNT(*) AS BIGINT) AS n_blocks, CAST(0 AS BIGINT) AS n_selected, CAST(0 AS BIGINT) AS selected_bytes,
+       CAST(0 AS DOUBLE PRECISION) AS omitted_score, CAST(0 AS BIGINT) AS omitted_unscored
+FROM candidates
+WHERE pruned = 1
+GROUP BY tensor_idx, position
+ORDER BY kind, tensor_idx, position, block_idx
