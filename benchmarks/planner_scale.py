@@ -5,10 +5,15 @@ Catalog rows are synthesized directly (fake checkpoints, files, tensors and bloc
 check, SQL ranking, freshness check of the (tiny, real) fake files) are timed in-process, warm, median of 3.
 PostgreSQL uses its own database `mergepipe_bench` on the test server (dropped and recreated per size) so it
 never touches `mergepipe_test`, which the test suite uses concurrently.
+
+Standalone (prints the table, writes nothing under benchmarks/results unless --write):
+
+    python -m benchmarks.planner_scale --sizes 10000,100000,1000000 --backends duckdb
 """
 
 from __future__ import annotations
 
+import argparse
 import io
 import os
 import random
@@ -149,10 +154,18 @@ def _pg_reset() -> None:
 
 def planner(cfg: Config) -> str:
     sizes = [10_000, 100_000] if cfg.quick else [10_000, 100_000, 1_000_000]
-    pg_ok, why = _pg_available()
+    res, rows = _run(sizes, ("duckdb", "postgresql"))
+    save_raw("planner", res)
+    text = _section(rows)
+    write_section("planner", text)
+    return text
+
+
+def _run(sizes: list[int], backends: tuple[str, ...], reps: int = 3) -> tuple[dict[str, Any], list[list[Any]]]:
+    pg_ok, why = _pg_available() if "postgresql" in backends else (False, "not requested")
     res: dict[str, Any] = {}
     rows = []
-    for backend in ("duckdb", "postgresql"):
+    for backend in backends:
         for n in sizes:
             if backend == "postgresql":
                 if not pg_ok:
@@ -167,7 +180,7 @@ def planner(cfg: Config) -> str:
             t0 = time.perf_counter()
             _populate(url, n)
             pop = time.perf_counter() - t0
-            r = _time(url)
+            r = _time(url, reps)
             r["populate_s"] = pop
             res[f"{backend}-{n}"] = r
             bpt = max(1, n // (K * T))
@@ -175,8 +188,11 @@ def planner(cfg: Config) -> str:
                          f"[{min(r['build_plan']):.3f}–{max(r['build_plan']):.3f}]",
                          f"{med(r['catalog_plan']):.3f} s [{min(r['catalog_plan']):.3f}–{max(r['catalog_plan']):.3f}]",
                          f"{r['selected']:,}", "met" if med(r["catalog_plan"]) < 1 else "**missed**"])
-    save_raw("planner", res)
-    text = f"""## 7. Planner scale
+    return res, rows
+
+
+def _section(rows: list[list[Any]]) -> str:
+    return f"""## 7. Planner scale
 
 Synthesized catalog rows ({K} experts × {T} tensors × n blocks per tensor, random delta_l2, 1 MiB blocks);
 linear spec, budget 0.1. `build_plan` = the planner inside one open catalog connection (temp tables, ranking
@@ -186,5 +202,24 @@ the schema, resolves names, checks the family, plans, checks source freshness). 
 Target: < 1 s for 10^6 blocks.
 
 {md_table(["catalog", "candidate blocks", "build_plan", "Catalog.plan", "blocks selected", "< 1 s"], rows)}"""
-    write_section("planner", text)
-    return text
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.planner_scale", description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="10000,100000,1000000", help="candidate blocks, comma-separated")
+    ap.add_argument("--backends", default="duckdb", help="duckdb and/or postgresql, comma-separated")
+    ap.add_argument("--reps", type=int, default=3, help="timed repetitions per size (median reported)")
+    ap.add_argument("--write", action="store_true", help="also write benchmarks/results/planner.md and raw JSON")
+    args = ap.parse_args(argv)
+    sizes = [int(x) for x in args.sizes.split(",") if x]
+    backends = tuple(b.strip() for b in args.backends.split(",") if b.strip())
+    res, rows = _run(sizes, backends, args.reps)
+    text = _section(rows)
+    if args.write:
+        save_raw("planner", res)
+        write_section("planner", text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
