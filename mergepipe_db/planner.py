@@ -418,8 +418,7 @@ def build_plan(
     full_bytes = sum(e.tensors[t.name].nbytes for e in experts for t in base_tensors
                      if t.dtype in ARITHMETIC and t.name in e.tensors)  # delta/LoRA experts cover a subset
     budget_bytes = budget_spec.resolve(full_bytes)
-    bounds: dict[tuple[int, int], float] = {}
-    sketch_cache = None
+    bounds, sketch_cache = ties_prune_bounds(conn, experts, op, base.id, base_tensors)
 
     # The (expert, tensor) pairs to rank, with the base's tensor_idx matched by name here (never in SQL text).
     base_idx = {t.name: t.idx for t in base_tensors}

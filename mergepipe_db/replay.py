@@ -27,6 +27,7 @@ from mergepipe_db.planner import (
     load_checkpoint_info,
     load_experts,
     load_tensors,
+    ties_prune_bounds,
 )
 from mergepipe_db.spec import MergeSpec, ModelEntry
 
@@ -100,6 +101,8 @@ def plan_from_manifest(conn: sa.Connection, manifest: dict[str, Any]) -> Plan:
         for lo, hi in ranges:
             selected[(pos, tname)].update(range(lo, hi))
 
+    # TIES blocks that trim to zero are no candidates, as when planning (so full_selection is the same)
+    prune, sketch_cache = ties_prune_bounds(conn, experts, op, base.id, base_tensors)
     b, t = schema.block, schema.tensor
     access: dict[tuple[int, int], tuple[Read, ...]] = {}
     full_selection: dict[tuple[int, int], bool] = {}
@@ -107,7 +110,8 @@ def plan_from_manifest(conn: sa.Connection, manifest: dict[str, Any]) -> Plan:
     candidate_bytes = 0
     for e in experts:
         rows = conn.execute(
-            sa.select(t.c.name, t.c.dtype, b.c.block_idx, b.c.offset, b.c.nbytes, b.c.xxh3, b.c.delta_l2)
+            sa.select(t.c.name, t.c.dtype, b.c.block_idx, b.c.offset, b.c.nbytes, b.c.xxh3, b.c.delta_l2,
+                      b.c.delta_max)
             .join(t, (t.c.checkpoint_id == b.c.checkpoint_id) & (t.c.tensor_idx == b.c.tensor_idx))
             .where(b.c.checkpoint_id == e.checkpoint.id).order_by(t.c.tensor_idx, b.c.block_idx)
         ).all()
@@ -118,9 +122,14 @@ def plan_from_manifest(conn: sa.Connection, manifest: dict[str, Any]) -> Plan:
         for tname, blocks in per_tensor.items():
             tidx = by_name[tname].idx
             chosen = selected.get((e.position, tname), set())
+            bound = prune.get((e.position, e.tensors[tname].idx))
             reads, all_candidates_read = [], True
             for row in blocks:
                 candidate = row.delta_l2 is None or row.delta_l2 != 0
+                if candidate and bound is not None and row.delta_max is not None and row.delta_max < bound:
+                    candidate = False
+                    e.pruned_bytes += row.nbytes
+                    e.blocks_pruned += 1
                 candidate_bytes += row.nbytes if candidate else 0
                 if row.block_idx in chosen:
                     reads.append(Read(row.block_idx, row.offset, row.nbytes, row.xxh3))
@@ -146,8 +155,9 @@ def plan_from_manifest(conn: sa.Connection, manifest: dict[str, Any]) -> Plan:
         planned_bytes=planned, access=access, full_selection=full_selection,
         bound_per_tensor=dict(bound_per_tensor) if additive else None,
         bound_total=math.fsum(bound_per_tensor.values()) if additive else None,
+        pruned_bytes=sum(e.pruned_bytes for e in experts), pruned_blocks=sum(e.blocks_pruned for e in experts),
     )
-    finalize(conn, plan, op)
+    finalize(conn, plan, op, sketch_cache)
     if plan.plan_hash != manifest["plan_hash"]:
         raise ReplayError(f"rebuilt plan hash {plan.plan_hash[:16]} != recorded {manifest['plan_hash'][:16]}: "
                           f"the catalog no longer describes the recorded inputs")
