@@ -38,6 +38,14 @@ __all__ = [
 ]
 
 _CHUNK = 1 << 16  # elements per arithmetic step: scratch stays in L2
+_NO_F32 = np.empty(0, np.float32)
+_NO_RANGES = np.empty((0, 2), np.int64)
+
+
+def _mk():  # noqa: ANN202 - the fused kernels (numba), imported on first use
+    from mergepipe_db import merge_kernels
+
+    return merge_kernels
 _EDGES = _sketch.bin_edges()
 _LAST = _sketch.LAST_BIN
 
@@ -125,7 +133,8 @@ class ExpertInput:
     the selection is not full.
     """
 
-    __slots__ = ("index", "params", "selected_blocks", "full", "sketch", "_base", "_theta", "_delta", "_ctx")
+    __slots__ = ("index", "params", "selected_blocks", "full", "sketch", "_base", "_theta", "_delta", "_raw",
+                 "_ctx")
 
     def __init__(
         self,
@@ -138,6 +147,7 @@ class ExpertInput:
         base: torch.Tensor | None = None,
         theta: torch.Tensor | None = None,
         delta: torch.Tensor | None = None,
+        raw: torch.Tensor | None = None,
         ctx: TensorContext | None = None,
     ) -> None:
         self.index = int(index)
@@ -147,13 +157,27 @@ class ExpertInput:
         self.sketch = None if sketch is None else np.asarray(sketch, dtype=np.int64)
         self._base = _as_f32(base, "base")
         self._ctx = ctx
+        self._raw = None
         if self.selected_blocks:
-            if theta is None and delta is None:
-                raise ValueError(f"expert {self.index}: blocks selected but neither theta nor delta given")
+            if theta is None and delta is None and raw is None:
+                raise ValueError(f"expert {self.index}: blocks selected but neither theta, delta nor raw given")
             self._theta = _as_f32(theta, f"expert {self.index} tensor")
             self._delta = _as_f32(delta, f"expert {self.index} delta")
+            if raw is not None and theta is None and delta is None:
+                if not raw.is_floating_point():
+                    raise UnsupportedDtypeError(f"expert {self.index} tensor has dtype {raw.dtype}, which merge "
+                                                f"arithmetic cannot use")
+                self._raw = raw.contiguous()
         else:
             self._theta = self._delta = None
+
+    @classmethod
+    def from_raw(cls, index: int, params: ExpertParams, selected_blocks: Sequence[int], full: bool,
+                 sketch: np.ndarray | None = None, *, base: torch.Tensor | None = None, raw: torch.Tensor | None,
+                 ctx: TensorContext | None = None) -> ExpertInput:
+        """An input holding θ_k as stored (BF16/F16/F32, the tensor's shape), valid on the selected rows only:
+        the rows of omitted blocks were never read and may hold anything. Operators read it in place."""
+        return cls(index, params, selected_blocks, full, sketch, base=base, raw=raw, ctx=ctx)
 
     @classmethod
     def from_theta(cls, index: int, params: ExpertParams, selected_blocks: Sequence[int], full: bool,
@@ -181,6 +205,8 @@ class ExpertInput:
         """θ_k (float32): θ₀ + Δ_k on selected rows, θ₀ on omitted rows."""
         if not self.selected_blocks:
             return None
+        if self._theta is None and self._raw is not None:
+            self._theta = self._theta_from_raw()
         if self._theta is None:
             base, delta = self._need_base(), self._delta
             assert delta is not None
@@ -194,11 +220,44 @@ class ExpertInput:
                 self._theta = theta
         return self._theta
 
+    def _theta_from_raw(self) -> torch.Tensor:
+        """θ_k in float32: the stored values on the selected rows, θ₀ on the others."""
+        raw = self._raw
+        assert raw is not None
+        if self._ctx is None:
+            return raw.to(torch.float32)
+        theta = self._need_base().clone()
+        tf, rf = theta.view(-1), raw.view(-1)
+        for s, e in self._element_ranges(self._ctx):
+            tf[s:e].copy_(rf[s:e])
+        return theta
+
+    def fast_source(self) -> np.ndarray | None:
+        """θ_k for the fused kernels (mergepipe_db/merge_kernels.py), flat and valid on the selected rows: the
+        stored BF16 bit patterns (uint16) or float32 values; None when θ_k is only known through Δ_k."""
+        raw = self._raw
+        if self._theta is None and raw is not None and raw.dtype == torch.bfloat16:
+            return raw.view(-1).view(torch.int16).numpy().view(np.uint16)
+        if self._theta is None and raw is not None and raw.dtype == torch.float32:
+            return raw.view(-1).numpy()
+        if self._theta is None and raw is not None:
+            self._theta = self._theta_from_raw()
+        if self._theta is not None:
+            return self._theta.view(-1).numpy()
+        return None
+
+    def element_ranges_array(self, ctx: TensorContext) -> np.ndarray:
+        """Selected element ranges as an int64 array of [start, stop) rows (the kernels' ``ranges``)."""
+        r = self._element_ranges(ctx)
+        return np.array(r, dtype=np.int64).reshape(len(r), 2)
+
     @property
     def delta(self) -> torch.Tensor | None:
         """Δ_k = θ_k − θ₀ (float32) on selected rows, exactly 0 on omitted rows."""
         if not self.selected_blocks:
             return None
+        if self._delta is None and self._theta is None and self._raw is not None:
+            self._theta = self._theta_from_raw()
         if self._delta is None:
             base, theta = self._need_base(), self._theta
             assert theta is not None
@@ -236,11 +295,13 @@ class ExpertInput:
             self._base = base
         if self._ctx is None:
             self._ctx = ctx
-        for t, what in ((self._theta, "theta"), (self._delta, "delta")):
+        for t, what in ((self._theta, "theta"), (self._delta, "delta"), (self._raw, "raw")):
             if t is not None and tuple(t.shape) != tuple(ctx.shape):
                 raise ValueError(f"expert {self.index}: {what} shape {tuple(t.shape)} != {tuple(ctx.shape)}")
 
     def _theta_flat(self) -> torch.Tensor | None:
+        if self._theta is None and self._raw is not None:
+            self._theta = self._theta_from_raw()
         return None if self._theta is None else self._theta.view(-1)
 
     def _delta_flat(self) -> torch.Tensor | None:
@@ -432,7 +493,7 @@ class MergeOperator(abc.ABC):
     """Streaming fold of one tensor over the experts: ``begin``, ``add`` for k = 0..K-1, ``finish``.
 
     One operator serves every tensor of a merge; it keeps grow-only scratch buffers between tensors.
-    ``finish`` returns a new float32 tensor owned by the caller.
+    ``finish`` returns a float32 tensor valid until the next ``begin``.
     """
 
     name: ClassVar[str]
@@ -519,7 +580,8 @@ class MergeOperator(abc.ABC):
         self._next += 1
 
     def finish(self) -> torch.Tensor:
-        """The merged tensor (float32, new memory owned by the caller)."""
+        """The merged tensor (float32). It may be one of the operator's reused buffers: valid until the next
+        ``begin()``, which overwrites it (fresh pages per tensor cost more than the arithmetic)."""
         if self._base is None:
             raise RuntimeError("finish() before begin()")
         if self._next != self.n_experts:
@@ -620,6 +682,8 @@ class _DeltaFold(MergeOperator):
     def _fold(self, x: ExpertInput, ranges: list[tuple[int, int]]) -> None:
         """T_k = Δ_k."""
         w = self.weights[x.index]
+        if self._fold_fast(x, None):
+            return
         self._set_expert(w)
         for s, e in _chunks(ranges):
             d = self._delta_chunk(x, s, e)
@@ -633,16 +697,25 @@ class _DeltaFold(MergeOperator):
     def _combine(self, s: int, e: int, D: torch.Tensor, finite: bool | None) -> None:
         """Fold D_k[s:e] (may be modified); ``finite``: known all-finite (True) or unknown (None)."""
 
+    def _fold_fast(self, x: ExpertInput, tau: float | None) -> bool:
+        """Fold T_k (T_k = Δ_k, or where(|Δ_k| >= τ, Δ_k, 0.0) when ``tau`` is given) with a fused kernel, if
+        this operator has one and θ_k is at hand; False: the caller takes the chunked torch path."""
+        return False
+
     # -- trims ---------------------------------------------------------------------------------------
 
     def _magnitudes(self, x: ExpertInput, ranges: list[tuple[int, int]]) -> _Magnitudes:
         n_read = sum(e - s for s, e in ranges)
         a = self._scratch("abs", n_read)
-        off = 0
-        for s, e in _chunks(ranges):
-            torch.abs(self._delta_chunk(x, s, e), out=a[off : off + e - s])
-            off += e - s
-        assert self._ctx is not None
+        assert self._ctx is not None and self._bflat is not None
+        src = x.fast_source()
+        if src is not None:
+            _mk().absdelta(a.numpy(), self._bflat.numpy(), src, x.element_ranges_array(self._ctx))
+        else:
+            off = 0
+            for s, e in _chunks(ranges):
+                torch.abs(self._delta_chunk(x, s, e), out=a[off : off + e - s])
+                off += e - s
         hist = None if (x.full or x.sketch is None) else x.sketch
         return _Magnitudes(a, self._ctx.numel, hist, self)
 
@@ -679,15 +752,30 @@ class _DeltaFold(MergeOperator):
                     keep = ac < hi if lo is None else (ac > lo) & (ac < hi)
                 self._combine(s, e, torch.where(keep, d, 0.0).mul_(w), None)
 
+    #: the operator has fused kernels for T_k = Δ_k and the TIES trim (`_fold_fast`)
+    _fused: ClassVar[bool] = False
+
     def _fold_ties_trim(self, x: ExpertInput, ranges: list[tuple[int, int]]) -> None:
         """TIES step 1 (density < 1): keep |Δ| >= τ, τ the k-th largest |Δ| of the whole tensor."""
         assert self._ctx is not None
         k = int(self.densities[x.index] * self._ctx.numel)
+        exact = x.full or x.sketch is None
+        if exact and k > 0 and self._fused:
+            src = x.fast_source()
+            if src is not None:
+                assert self._bflat is not None
+                n_read = sum(e - s for s, e in ranges)
+                tau_fast = _mk().kth_largest_abs_delta(self._bflat.numpy(), src, x.element_ranges_array(self._ctx),
+                                                       n_read, self._ctx.numel, k)
+                if tau_fast is not None and self._fold_fast(x, tau_fast):
+                    return
         mags = self._magnitudes(x, ranges)
         tau = mags.topk_min(k)
         if math.isnan(tau):
             return  # |Δ| >= NaN is false everywhere: T_k = 0
         if tau == math.inf and not bool(torch.isinf(mags.a).any()):
+            return
+        if self._fold_fast(x, tau):
             return
         self._fold_masked(x, ranges, mags, tau, None)
 
@@ -747,11 +835,19 @@ class _AdditiveFold(_DeltaFold):
 
     def _begin(self) -> None:
         assert self._base is not None
-        self._mixed = torch.zeros(self._base.numel(), dtype=torch.float32)
+        self._mixed = self._zeroed("out", self._base.numel())
 
     def _combine(self, s: int, e: int, D: torch.Tensor, finite: bool | None) -> None:
         assert self._mixed is not None
         self._mixed[s:e].add_(D)
+
+    def _fold_fast(self, x: ExpertInput, tau: float | None) -> bool:
+        src = x.fast_source() if tau is None else None
+        if src is None or self._mixed is None or self._ctx is None or self._bflat is None:
+            return False
+        w = np.float32(self.weights[x.index])
+        _mk().delta_add(self._mixed.numpy(), self._bflat.numpy(), src, x.element_ranges_array(self._ctx), w)
+        return True
 
     def _finish(self) -> torch.Tensor:
         mixed, base = self._mixed, self._base
@@ -773,15 +869,29 @@ class _TiesFold(_DeltaFold):
     normalize_default = True
     _P: torch.Tensor | None = None
 
+    _fused = True
+
     def _begin(self) -> None:
         assert self._base is not None
         n = self._base.numel()
-        self._P = torch.zeros(n, dtype=torch.float32)  # becomes the output
+        self._P = self._zeroed("out", n)  # becomes the output
         self._S = self._zeroed("S", n)
         self._N = self._zeroed("N", n)
         if self.normalize:
             self._WP = self._zeroed("WP", n)
             self._WN = self._zeroed("WN", n)
+
+    def _fold_fast(self, x: ExpertInput, tau: float | None) -> bool:
+        src = x.fast_source()
+        if src is None or self._P is None or self._ctx is None or self._bflat is None:
+            return False
+        wp = self._WP.numpy() if self.normalize else _NO_F32
+        wn = self._WN.numpy() if self.normalize else _NO_F32
+        _mk().ties_add(self._S.numpy(), self._P.numpy(), self._N.numpy(), wp, wn, self._bflat.numpy(), src,
+                       x.element_ranges_array(self._ctx), tau is not None,
+                       np.float32(math.inf if tau is None else tau), np.float32(self.weights[x.index]),
+                       self.normalize)
+        return True
 
     def _combine(self, s: int, e: int, D: torch.Tensor, finite: bool | None) -> None:
         assert self._P is not None
@@ -807,24 +917,10 @@ class _TiesFold(_DeltaFold):
     def _finish(self) -> torch.Tensor:
         P, base = self._P, self._base
         assert P is not None and base is not None
-        bflat = base.view(-1)
-        for s, e in _chunks([(0, P.numel())]):
-            n = e - s
-            p, q = P[s:e], self._N[s:e]
-            m = torch.ge(self._S[s:e], 0.0, out=self._scratch("m", n))  # s = +1 (NaN S: -1)
-            notm = torch.neg(m, out=self._scratch("notm", n)).add_(1.0)
-            t = self._scratch("t2", n)
-            if _all_finite(torch.sub(p, q, out=t)):
-                # where(S >= 0, P, N) as P·m + N·(1-m): exact for finite P, N (never -0.0)
-                p.mul_(m).add_(torch.mul(q, notm, out=t))
-            else:  # the literal formula
-                p.copy_(torch.where(m.bool(), p, q))
-            if self.normalize:
-                div = torch.mul(self._WP[s:e], m, out=m).add_(torch.mul(self._WN[s:e], notm, out=t))
-                div.add_(torch.eq(div, 0.0, out=t))  # where(div == 0, 1.0, div): div is finite
-                p.div_(div)
-            p.mul_(self.lam)
-            p.add_(bflat[s:e])
+        wp = self._WP.numpy() if self.normalize else _NO_F32
+        wn = self._WN.numpy() if self.normalize else _NO_F32
+        _mk().ties_finish(P.numpy(), self._S.numpy(), self._N.numpy(), wp, wn, base.view(-1).numpy(),
+                          self.normalize, np.float32(self.lam))
         return P.view(base.shape)
 
     def _end(self) -> None:
@@ -853,12 +949,20 @@ class Linear(MergeOperator):
 
     def _begin(self) -> None:
         assert self._base is not None
-        self._acc = torch.zeros(self._base.numel(), dtype=torch.float32)
+        self._acc = self._scratch("out", self._base.numel())  # the first expert overwrites it (+0.0 + θ·w)
 
     def _add(self, x: ExpertInput) -> None:
         acc, base, ctx = self._acc, self._bflat, self._ctx
         assert acc is not None and base is not None and ctx is not None
         w = self.weights[x.index]
+        first = x.index == 0
+        src = x.fast_source() if x.selected_blocks else _NO_F32
+        if src is not None:
+            ranges = x.element_ranges_array(ctx) if x.selected_blocks else _NO_RANGES
+            _mk().linear_add(acc.numpy(), base.numpy(), src, ranges, np.float32(w), first)
+            return
+        if first:
+            acc.zero_()
         n = base.numel()
         selected = x._element_ranges(ctx)
         segments: list[tuple[int, int, bool]] = []

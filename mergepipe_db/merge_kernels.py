@@ -1,0 +1,170 @@
+"""Fused merge kernels (numba): one pass over an expert's stored values per operator step, no temporaries.
+
+Each kernel does, per element, exactly the float32 operations of docs/SEMANTICS.md in the same order as the
+torch formulas (``x * w`` with ``w`` the float32 of the Python float, sums into +0.0-started accumulators),
+so results are identical bit for bit; numba compiles without fast-math, so nothing is reassociated or
+contracted into FMAs. Expert values come straight from the stored bytes — ``raw`` is the tensor's BF16 bit
+patterns (uint16) or its float32 values, flat — and only the selected element ranges are touched
+(``ranges``: sorted, disjoint ``[start, stop)`` rows of an int64 array); elsewhere the expert equals the base
+(Δ = 0) and its bytes were never read. Loops run over zero-based slices so LLVM vectorizes them. All
+kernels release the GIL.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from mergepipe_db.numba_bits import f32_to_bits, widen
+
+HIST_BINS = 1 << 15  # top 16 bits of a non-negative float32 (NaN included: 0x7FFF.... >> 16 < 2**15)
+_INF_PREFIX = 0x7F80  # top 16 bits of +inf; every NaN is at or above it
+
+
+@numba.njit(cache=True, nogil=True)
+def _linear_span(acc: np.ndarray, src: np.ndarray, w: np.float32, first: bool) -> None:
+    zero = np.float32(0.0)
+    if first:
+        for i in range(acc.shape[0]):
+            acc[i] = zero + widen(src[i]) * w
+    else:
+        for i in range(acc.shape[0]):
+            acc[i] = acc[i] + widen(src[i]) * w
+
+
+@numba.njit(cache=True, nogil=True)
+def linear_add(acc: np.ndarray, base: np.ndarray, raw: np.ndarray, ranges: np.ndarray, w: np.float32,
+               first: bool) -> None:
+    """acc = acc + θ_k * w, θ_k from `raw` on `ranges` and θ₀ (`base`, float32) elsewhere; ``first``: acc
+    is fresh (acc = +0.0 + θ_k * w)."""
+    n = acc.shape[0]
+    pos = 0
+    for r in range(ranges.shape[0] + 1):
+        s0 = ranges[r, 0] if r < ranges.shape[0] else n
+        e0 = ranges[r, 1] if r < ranges.shape[0] else n
+        if s0 > pos:
+            _linear_span(acc[pos:s0], base[pos:s0], w, first)
+        if e0 > s0:
+            _linear_span(acc[s0:e0], raw[s0:e0], w, first)
+        pos = e0
+
+
+@numba.njit(cache=True, nogil=True)
+def delta_add(mixed: np.ndarray, base: np.ndarray, raw: np.ndarray, ranges: np.ndarray, w: np.float32) -> None:
+    """mixed = mixed + (θ_k − θ₀) * w on `ranges` (task arithmetic; elsewhere Δ_k = 0 adds nothing)."""
+    for r in range(ranges.shape[0]):
+        s0, e0 = ranges[r, 0], ranges[r, 1]
+        m, b, x = mixed[s0:e0], base[s0:e0], raw[s0:e0]
+        for i in range(m.shape[0]):
+            m[i] = m[i] + (widen(x[i]) - b[i]) * w
+
+
+@numba.njit(cache=True, nogil=True)
+def absdelta(out: np.ndarray, base: np.ndarray, raw: np.ndarray, ranges: np.ndarray) -> None:
+    """out[:n_read] = |θ_k − θ₀| of the elements on `ranges`, packed in order."""
+    o = 0
+    for r in range(ranges.shape[0]):
+        s0, e0 = ranges[r, 0], ranges[r, 1]
+        y, b, x = out[o:o + e0 - s0], base[s0:e0], raw[s0:e0]
+        for i in range(y.shape[0]):
+            y[i] = abs(widen(x[i]) - b[i])
+        o += e0 - s0
+
+
+@numba.njit(cache=True, nogil=True)
+def absdelta_hist(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray, hist: np.ndarray) -> None:
+    """hist[bits(|Δ|) >> 16] += 1 over the elements on `ranges` (non-negative float32 order = bit order)."""
+    for r in range(ranges.shape[0]):
+        s0, e0 = ranges[r, 0], ranges[r, 1]
+        b, x = base[s0:e0], raw[s0:e0]
+        for i in range(b.shape[0]):
+            hist[f32_to_bits(abs(widen(x[i]) - b[i])) >> np.uint32(16)] += 1
+
+
+@numba.njit(cache=True, nogil=True)
+def absdelta_collect(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray, prefix: np.uint32,
+                     out: np.ndarray) -> int:
+    """Bit patterns of the |Δ| on `ranges` whose top 16 bits equal `prefix`, into `out`; returns how many."""
+    o = 0
+    for r in range(ranges.shape[0]):
+        s0, e0 = ranges[r, 0], ranges[r, 1]
+        b, x = base[s0:e0], raw[s0:e0]
+        for i in range(b.shape[0]):
+            bits = f32_to_bits(abs(widen(x[i]) - b[i]))
+            if (bits >> np.uint32(16)) == prefix:
+                out[o] = bits
+                o += 1
+    return o
+
+
+@numba.njit(cache=True, nogil=True)
+def _ties_span(S: np.ndarray, P: np.ndarray, N: np.ndarray, WP: np.ndarray, WN: np.ndarray, b: np.ndarray,
+               x: np.ndarray, trim: bool, tau: np.float32, w: np.float32, weights: bool) -> None:
+    zero = np.float32(0.0)
+    for i in range(S.shape[0]):
+        d = widen(x[i]) - b[i]
+        if trim:
+            d = d if abs(d) >= tau else zero
+        dw = d * w
+        S[i] = S[i] + dw
+        P[i] = P[i] + (dw if dw > zero else zero)
+        N[i] = N[i] + (dw if dw < zero else zero)
+        if weights:
+            WP[i] = WP[i] + (w if dw > zero else zero)
+            WN[i] = WN[i] + (w if dw < zero else zero)
+
+
+@numba.njit(cache=True, nogil=True)
+def ties_add(S: np.ndarray, P: np.ndarray, N: np.ndarray, WP: np.ndarray, WN: np.ndarray, base: np.ndarray,
+             raw: np.ndarray, ranges: np.ndarray, trim: bool, tau: np.float32, w: np.float32,
+             weights: bool) -> None:
+    """TIES steps 1-2 and the streaming sums of steps 3-5 for one expert on `ranges` (elsewhere D_k = 0):
+    T = where(|Δ| >= τ, Δ, 0.0) (``trim``; else T = Δ), D = T * w, S += D, P += where(D > 0, D, 0),
+    N += where(D < 0, D, 0) and, with ``weights`` (normalize), WP += where(D > 0, w, 0), WN likewise."""
+    for r in range(ranges.shape[0]):
+        s0, e0 = ranges[r, 0], ranges[r, 1]
+        # WP / WN are empty without ``weights``: their slices stay empty and are never indexed
+        _ties_span(S[s0:e0], P[s0:e0], N[s0:e0], WP[s0:e0], WN[s0:e0], base[s0:e0], raw[s0:e0], trim, tau, w,
+                   weights)
+
+
+@numba.njit(cache=True, nogil=True)
+def ties_finish(P: np.ndarray, S: np.ndarray, N: np.ndarray, WP: np.ndarray, WN: np.ndarray, base: np.ndarray,
+                normalize: bool, lam: np.float32) -> None:
+    """TIES steps 3-6 into P: mixed = where(S >= 0, P, N); div = where(S >= 0, WP, WN), 1 where 0;
+    P = θ₀ + (mixed / div if normalize else mixed) * λ."""
+    zero = np.float32(0.0)
+    one = np.float32(1.0)
+    if normalize:
+        for i in range(P.shape[0]):
+            pos = S[i] >= zero
+            div = WP[i] if pos else WN[i]
+            P[i] = base[i] + (P[i] if pos else N[i]) / (one if div == zero else div) * lam
+    else:
+        for i in range(P.shape[0]):
+            P[i] = base[i] + (P[i] if S[i] >= zero else N[i]) * lam
+
+
+def kth_largest_abs_delta(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray, n_read: int, n_total: int,
+                          k: int) -> float | None:
+    """The k-th largest |Δ| (1 <= k <= n_total) of a tensor whose unread elements are 0: equal to
+    ``torch.topk(|Δ|.flatten(), k).values.min()`` when every |Δ| read is finite; None when some is inf or NaN
+    (the caller then takes its literal path). Radix select: a histogram of the top 16 bits finds the k-th
+    largest's bucket, then only the elements in that bucket are collected and partitioned."""
+    hist = np.zeros(HIST_BINS, np.int64)
+    absdelta_hist(base, raw, ranges, hist)
+    if hist[_INF_PREFIX:].any():
+        return None
+    hist[0] += n_total - n_read  # unread elements are zeros
+    from_top = np.cumsum(hist[::-1])
+    i = int(np.searchsorted(from_top, k, side="left"))
+    prefix = HIST_BINS - 1 - i
+    above = int(from_top[i]) - int(hist[prefix])
+    r = k - above  # rank inside the prefix bucket, 1-based from the top
+    out = np.empty(max(int(hist[prefix]), 1), np.uint32)
+    got = absdelta_collect(base, raw, ranges, np.uint32(prefix), out)
+    if r > got:  # only in bucket 0: the k-th largest is one of the unread zeros (the smallest values)
+        return 0.0
+    j = got - r  # the r-th largest of the collected == the (got - r)-th smallest
+    bits = np.partition(out[:got], j)[j]
+    return float(np.array([bits], np.uint32).view(np.float32)[0])
