@@ -14,14 +14,12 @@ so the kernel does not zero-fill fresh pages for every tensor (DESIGN §6).
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import os
 import queue
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +30,7 @@ from mergepipe_db.blocks import block_ranges, rows_per_block
 from mergepipe_db.errors import IntegrityError, OutOfSpaceError, PlanExecutionMismatchError
 from mergepipe_db.formats.dtypes import DTYPE_BITS
 from mergepipe_db.planner import ARITHMETIC, Plan, Read, TensorInfo
-from mergepipe_db.storage import RangeReader, xxh3_hex
+from mergepipe_db.storage import ALIGN, RangeReader, aligned_empty, xxh3_hex
 
 DEFAULT_SHARD_BYTES = 4 << 30
 _QUEUE_DEPTH = 3
@@ -114,10 +112,39 @@ class _Item:
     rows: list[tuple[int, int]]  # selected row ranges (experts)
     blocks: tuple[int, ...]
     nbytes_read: int
+    arr: Any = None  # the BufferPool buffer behind `data`, given back once the item is used
+
+
+class BufferPool:
+    """Reusable page-aligned byte buffers: taken for a read or an output tensor, given back when done, so
+    a merge does not fault in fresh, kernel-zeroed pages for every tensor (DESIGN §6). Thread-safe. The
+    number of buffers is bounded by what is in flight (queues of fixed depth), not by the number of experts.
+    """
+
+    def __init__(self) -> None:
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self, file_offset: int, nbytes: int) -> tuple[np.ndarray, int]:
+        """(buffer, pos): bytes [file_offset, file_offset + nbytes) of a file go to buffer[pos:pos + nbytes],
+        with a page of room on each side for O_DIRECT's whole-page reads (`RangeReader.read_aligned`)."""
+        pos = ALIGN + file_offset % ALIGN
+        need = pos + nbytes + ALIGN
+        with self._lock:
+            fits = [i for i, a in enumerate(self._free) if need <= a.shape[0] <= 2 * need + (1 << 20)]
+            if fits:
+                best = min(fits, key=lambda i: self._free[i].shape[0])
+                return self._free.pop(best), pos
+        return aligned_empty(need), pos
+
+    def give(self, arr: np.ndarray | None) -> None:
+        if arr is not None:
+            with self._lock:
+                self._free.append(arr)
 
 
 def _reader_thread(plan: Plan, q: queue.Queue, stop: threading.Event, counters: dict[str, int],
-                   verify: bool) -> None:
+                   verify: bool, pool: BufferPool) -> None:
     import torch
 
     try:
@@ -126,10 +153,11 @@ def _reader_thread(plan: Plan, q: queue.Queue, stop: threading.Event, counters: 
         for t in plan.base_tensors:
             if stop.is_set():
                 return
-            base = torch.empty(t.nbytes, dtype=torch.uint8)
+            arr, pos = pool.take(t.offset, t.nbytes)
             if t.nbytes:
-                base_reader.read_into(t.path, t.offset, memoryview(base.numpy()))
-            q.put(_Item("base", t.idx, -1, base, [], (), t.nbytes))
+                base_reader.read_aligned(t.path, t.offset, arr, pos, t.nbytes)
+            base = torch.from_numpy(arr[pos:pos + t.nbytes])
+            q.put(_Item("base", t.idx, -1, base, [], (), t.nbytes, arr))
             if t.dtype not in ARITHMETIC:
                 continue
             for e in plan.experts:
@@ -140,9 +168,9 @@ def _reader_thread(plan: Plan, q: queue.Queue, stop: threading.Event, counters: 
                     q.put(plan.sources[e.position].read(_Item, t, reads, base, expert_reader, verify))
                     continue
                 et = e.tensors[t.name]
-                buf, n_read = read_selected(expert_reader, et, reads, e.checkpoint.name, verify)
+                buf, n_read, earr = _read_selected(expert_reader, et, reads, e.checkpoint.name, verify, pool)
                 blocks, rows = _selected(et, reads)
-                q.put(_Item("expert", t.idx, e.position, buf, rows, blocks, n_read))
+                q.put(_Item("expert", t.idx, e.position, buf, rows, blocks, n_read, earr))
         counters["base"] = base_reader.bytes_read
         counters["expert"] = expert_reader.bytes_read
         base_reader.close()
@@ -154,19 +182,30 @@ def _reader_thread(plan: Plan, q: queue.Queue, stop: threading.Event, counters: 
 
 def read_selected(reader: RangeReader, et: TensorInfo, reads: tuple[Read, ...], expert: str, verify: bool
                   ) -> tuple[Any, int]:
-    """The tensor's bytes with only the selected ranges read (adjacent ones coalesced), and the bytes read."""
+    """The tensor's bytes (a uint8 torch tensor) with only the selected ranges read (adjacent ones
+    coalesced; the other bytes are undefined), and the bytes read."""
+    buf, n_read, _arr = _read_selected(reader, et, reads, expert, verify, None)
+    return buf, n_read
+
+
+def _read_selected(reader: RangeReader, et: TensorInfo, reads: tuple[Read, ...], expert: str, verify: bool,
+                   pool: BufferPool | None) -> tuple[Any, int, np.ndarray | None]:
     import torch
 
-    buf = torch.empty(et.nbytes, dtype=torch.uint8)
-    view = memoryview(buf.numpy())
+    if pool is not None:
+        arr, pos = pool.take(et.offset, et.nbytes)
+    else:
+        pos = ALIGN + et.offset % ALIGN
+        arr = aligned_empty(pos + et.nbytes + ALIGN)
+    view = memoryview(arr[pos:pos + et.nbytes])
     n_read = 0
     for off, n, members in coalesce(reads):
         rel = off - et.offset
-        reader.read_into(et.path, off, view[rel:rel + n])
+        reader.read_aligned(et.path, off, arr, pos + rel, n)
         n_read += n
         if verify:
             _verify(view, et, members, expert)
-    return buf, n_read
+    return torch.from_numpy(arr[pos:pos + et.nbytes]), n_read, (arr if pool is not None else None)
 
 
 def _verify(view: memoryview, et: TensorInfo, members: list[Read], expert: str) -> None:
@@ -240,6 +279,97 @@ class _F32Pool:
         return out
 
 
+@dataclass
+class _OutputJob:
+    ot: OutTensor
+    data: np.ndarray  # the output tensor's bytes (uint8)
+    base: np.ndarray | None  # the base tensor's bytes when dtypes agree (delta statistics of the output)
+    give_back: tuple[np.ndarray | None, ...]  # BufferPool buffers to return once written
+    tensor: TensorInfo
+
+
+class _OutputWriter(threading.Thread):
+    """Writes output tensors into their shards in order (sha256 while writing, fsync at each shard's end),
+    hashes them and computes their block rows — beside the compute thread, which only hands tensors over.
+    The first error stops it; `put` and `finish` re-raise it in the caller."""
+
+    def __init__(self, staging: Path, shard_names: list[str], by_shard: dict[int, list[OutTensor]],
+                 block_bytes: int, pool: BufferPool, on_tensor: Any) -> None:
+        super().__init__(name="mergepipe-output", daemon=True)
+        self._q: queue.Queue = queue.Queue(maxsize=2)
+        self._staging, self._names, self._by_shard = staging, shard_names, by_shard
+        self._bb, self._pool, self._on_tensor = block_bytes, pool, on_tensor
+        self.error: BaseException | None = None
+        self.tensor_xxh3: list[str] = []
+        self.block_rows: list[dict[str, Any]] = []
+        self.shard_sha: list[str] = []
+        self.busy = 0.0
+        self._writer: Any = None
+
+    def put(self, job: _OutputJob | None) -> None:
+        while True:
+            if self.error is not None:
+                raise self.error
+            try:
+                self._q.put(job, timeout=0.05)
+                return
+            except queue.Full:
+                if not self.is_alive():
+                    raise RuntimeError("output writer stopped") from self.error
+
+    def finish(self) -> None:
+        self.put(None)
+        self.join()
+        if self.error is not None:
+            raise self.error
+
+    def run(self) -> None:
+        from mergepipe_db import faults
+        from mergepipe_db.formats.safetensors import SafetensorsWriter
+
+        current = -1
+        try:
+            while True:
+                job = self._q.get()
+                if job is None:
+                    break
+                t0 = time.perf_counter()
+                ot = job.ot
+                if ot.shard != current:
+                    if self._writer is not None:
+                        self.shard_sha.append(self._writer.close(fsync=True))
+                        self._writer = None
+                    current = ot.shard
+                    entries = [(o.name, o.dtype, o.shape) for o in self._by_shard[ot.shard]]
+                    self._writer = SafetensorsWriter(self._staging / self._names[ot.shard], entries,
+                                                     {"format": "pt"}, exclusive=True)
+                data = memoryview(job.data)
+                self._writer.write(ot.name, data)
+                self.tensor_xxh3.append(xxh3_hex(data))
+                base_view = None if job.base is None else memoryview(job.base)
+                self.block_rows.extend(_out_blocks(ot, data, self._bb, base_view))
+                for arr in job.give_back:
+                    self._pool.give(arr)
+                self.busy += time.perf_counter() - t0
+                faults.point("tensor_written")
+                if self._on_tensor is not None:
+                    self._on_tensor(job.tensor)
+            if self._writer is not None:
+                t0 = time.perf_counter()
+                self.shard_sha.append(self._writer.close(fsync=True))
+                self._writer = None
+                self.busy += time.perf_counter() - t0
+        except BaseException as e:  # noqa: BLE001 - re-raised by put/finish in the compute thread
+            self.error = e
+            if self._writer is not None:
+                with contextlib.suppress(Exception):  # already failing: the first error is the one to report
+                    self._writer.close(fsync=False)
+                self._writer = None
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    self._q.get_nowait()
+
+
 def _execute(
     plan: Plan,
     staging: Path,
@@ -252,9 +382,7 @@ def _execute(
     import torch
     from tqdm import tqdm
 
-    from mergepipe_db import faults
     from mergepipe_db.formats.dtypes import torch_dtype
-    from mergepipe_db.formats.safetensors import SafetensorsWriter
     from mergepipe_db.operators import ExpertInput, ExpertParams, TensorContext, make_operator
 
     out_tensors, shard_names = output_layout(plan, shard_bytes)
@@ -265,28 +393,25 @@ def _execute(
     params = [ExpertParams(key=e.checkpoint.id, weight=e.weight, density=e.density, gamma=e.gamma)
               for e in plan.experts]
     op = make_operator(spec.method, params, normalize=spec.normalize, lam=spec.lam, t=spec.t)
-    pool = _F32Pool()
+    pool32 = _F32Pool()
+    buffers = BufferPool()
     # an operator that keeps θ_k past add() (slerp keeps its one expert until finish) gets fresh memory
     reuse_theta = not op.tensor_granular
 
     q: queue.Queue = queue.Queue(maxsize=_QUEUE_DEPTH)
     stop = threading.Event()
     counters: dict[str, int] = {}
-    reader = threading.Thread(target=_reader_thread, args=(plan, q, stop, counters, verify_reads), daemon=True)
-    timings = {"read_wait": 0.0, "compute": 0.0, "write": 0.0}
+    reader = threading.Thread(target=_reader_thread, args=(plan, q, stop, counters, verify_reads, buffers),
+                              daemon=True)
+    output = _OutputWriter(staging, shard_names, by_shard, plan.base.block_bytes, buffers, on_tensor)
+    timings = {"read_wait": 0.0, "compute": 0.0, "write_wait": 0.0}
     reads: dict[tuple[int, int], int] = {}
     realized = [0] * len(plan.experts)
-    tensor_xxh3: list[str] = []
-    block_rows: list[dict[str, Any]] = []
-    stats_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mergepipe-out-stats")
-    block_jobs: collections.deque[Future] = collections.deque()
-    shard_sha: list[str] = []
     shard_sizes: list[int] = []
-    writer = None
-    current_shard = -1
     total = sum(t.nbytes for t in plan.base_tensors)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="merge", disable=not progress, leave=False)
     reader.start()
+    output.start()
 
     def next_item() -> _Item:
         t0 = time.perf_counter()
@@ -297,82 +422,71 @@ def _execute(
         return item
 
     try:
-        bb = plan.base.block_bytes
         for t, ot in zip(plan.base_tensors, out_tensors):
             base_item = next_item()
             assert base_item.kind == "base" and base_item.tensor_idx == t.idx
             t0 = time.perf_counter()
+            out_arr = None
             if t.dtype in ARITHMETIC:
                 tdt = torch_dtype(t.dtype)
-                base32 = pool.convert("base", base_item.data.view(tdt).reshape(t.shape))
+                base32 = pool32.convert("base", base_item.data.view(tdt).reshape(t.shape))
                 ctx = TensorContext(name=t.name, shape=t.shape, rows_per_block=t.rows_per_block,
                                     n_blocks=t.n_blocks, seed=spec.seed)
                 op.begin(base32, ctx)
                 for e in plan.experts:
                     key = (e.position, t.idx)
-                    if key in plan.access:
-                        timings["compute"] += time.perf_counter() - t0
-                        item = next_item()
-                        t0 = time.perf_counter()
-                        assert item.kind == "expert" and item.position == e.position and item.tensor_idx == t.idx
-                        reads[key] = item.nbytes_read
-                        realized[e.position] += item.nbytes_read
-                        et = e.tensors[t.name]
-                        if item.data.dtype == torch.float32:  # Δ given directly (sources.py: delta, LoRA)
-                            op.add(ExpertInput(index=e.position, params=params[e.position],
-                                               selected_blocks=item.blocks, full=plan.full_selection.get(key, True),
-                                               sketch=plan.sketches.get(key), base=base32, delta=item.data))
-                            continue
+                    full = plan.full_selection.get(key, True)
+                    sketch = plan.sketches.get(key)
+                    if key not in plan.access:
+                        op.add(ExpertInput(index=e.position, params=params[e.position], selected_blocks=(),
+                                           full=full, sketch=sketch, base=base32, theta=None))
+                        continue
+                    timings["compute"] += time.perf_counter() - t0
+                    item = next_item()
+                    t0 = time.perf_counter()
+                    assert item.kind == "expert" and item.position == e.position and item.tensor_idx == t.idx
+                    reads[key] = item.nbytes_read
+                    realized[e.position] += item.nbytes_read
+                    et = e.tensors[t.name]
+                    if item.data.dtype == torch.float32:  # Δ given directly (sources.py: delta, LoRA)
+                        x = ExpertInput(index=e.position, params=params[e.position], selected_blocks=item.blocks,
+                                        full=full, sketch=sketch, base=base32, delta=item.data)
+                    elif reuse_theta and et.dtype in ("BF16", "F32"):  # read in place by the fused kernels
+                        raw = item.data.view(torch_dtype(et.dtype)).reshape(t.shape)
+                        x = ExpertInput.from_raw(e.position, params[e.position], item.blocks, full, sketch,
+                                                 base=base32, raw=raw)
+                    else:
                         raw = item.data.view(torch_dtype(et.dtype)).reshape(t.shape)
                         if len(item.blocks) == t.n_blocks:
-                            theta = pool.convert("theta", raw) if reuse_theta else raw.to(torch.float32)
+                            theta = pool32.convert("theta", raw) if reuse_theta else raw.to(torch.float32)
                         else:
-                            theta = pool.convert("theta", base32) if reuse_theta else base32.clone()
+                            theta = pool32.convert("theta", base32) if reuse_theta else base32.clone()
                             for start, stop_ in item.rows:
                                 theta[start:stop_].copy_(raw[start:stop_])
                         x = ExpertInput(index=e.position, params=params[e.position], selected_blocks=item.blocks,
-                                        full=plan.full_selection.get(key, True),
-                                        sketch=plan.sketches.get(key), base=base32, theta=theta)
-                    else:
-                        x = ExpertInput(index=e.position, params=params[e.position], selected_blocks=(),
-                                        full=plan.full_selection.get(key, True), sketch=plan.sketches.get(key),
-                                        base=base32, theta=None)
+                                        full=full, sketch=sketch, base=base32, theta=theta)
                     op.add(x)
+                    del x
+                    buffers.give(item.arr)  # the operator is done with θ_k's bytes
                 merged = op.finish()
-                out_bytes = merged.to(torch_dtype(ot.dtype)).contiguous().view(torch.uint8).reshape(-1)
+                out_arr, pos = buffers.take(0, ot.nbytes)
+                out_bytes = out_arr[pos:pos + ot.nbytes]
+                torch.from_numpy(out_bytes).view(torch_dtype(ot.dtype)).view(t.shape).copy_(merged.view(t.shape))
                 del merged, base32
             else:
-                out_bytes = base_item.data
+                out_bytes = base_item.data.numpy()
             timings["compute"] += time.perf_counter() - t0
 
             t0 = time.perf_counter()
-            data = memoryview(out_bytes.numpy())
-            if ot.shard != current_shard:
-                if writer is not None:
-                    shard_sha.append(writer.close(fsync=True))
-                current_shard = ot.shard
-                entries = [(o.name, o.dtype, o.shape) for o in by_shard[ot.shard]]
-                writer = SafetensorsWriter(staging / shard_names[ot.shard], entries, {"format": "pt"},
-                                           exclusive=True)
-            writer.write(ot.name, data)
-            tensor_xxh3.append(xxh3_hex(data))
             same_coords = t.dtype in ARITHMETIC and ot.dtype == t.dtype
-            base_view = memoryview(base_item.data.numpy()) if same_coords else None
-            # Output block hashes and statistics run beside the compute (the kernel releases the GIL); both
-            # buffers are this tensor's own (fresh per tensor), and at most two tensors wait.
-            block_jobs.append(stats_pool.submit(lambda *a: list(_out_blocks(*a)), ot, data, bb, base_view))
-            while len(block_jobs) > 2:
-                block_rows.extend(block_jobs.popleft().result())
-            timings["write"] += time.perf_counter() - t0
+            output.put(_OutputJob(ot, out_bytes, base_item.data.numpy() if same_coords else None,
+                                  (out_arr, base_item.arr), t))
+            del base_item
+            timings["write_wait"] += time.perf_counter() - t0
             bar.update(t.nbytes)
-            faults.point("tensor_written")
-            if on_tensor is not None:
-                on_tensor(t)
-        if writer is not None:
-            shard_sha.append(writer.close(fsync=True))
-            writer = None
-        while block_jobs:
-            block_rows.extend(block_jobs.popleft().result())
+        t0 = time.perf_counter()
+        output.finish()
+        timings["write_wait"] += time.perf_counter() - t0
         tail = q.get()
         if isinstance(tail, BaseException):
             raise tail
@@ -388,11 +502,11 @@ def _execute(
         while reader.is_alive():
             with contextlib.suppress(queue.Empty):
                 q.get(timeout=0.05)
+        if output.is_alive():
+            with contextlib.suppress(BaseException):
+                output.finish()
         bar.close()
-        stats_pool.shutdown(wait=True, cancel_futures=True)
-        if writer is not None:
-            with contextlib.suppress(Exception):  # already failing: the first error is the one to report
-                writer.close(fsync=False)
+    timings["output"] = output.busy
 
     for name in shard_names:
         shard_sizes.append((staging / name).stat().st_size)
@@ -402,8 +516,8 @@ def _execute(
             f"realized expert bytes {counters.get('expert')} != planned {plan.planned_bytes}: "
             f"budget-soundness invariant violated")
     return ExecutionResult(
-        shard_names=shard_names, shard_sha256=shard_sha, shard_sizes=shard_sizes, out_tensors=out_tensors,
-        tensor_xxh3=tensor_xxh3, block_rows=block_rows, realized_per_expert=realized, reads=reads,
+        shard_names=shard_names, shard_sha256=output.shard_sha, shard_sizes=shard_sizes, out_tensors=out_tensors,
+        tensor_xxh3=output.tensor_xxh3, block_rows=output.block_rows, realized_per_expert=realized, reads=reads,
         base_bytes=counters.get("base", 0), output_bytes=sum(shard_sizes), timings=timings,
         tensor_offsets=offsets, header_lens=header_lens,
     )

@@ -132,16 +132,27 @@ def test_omitted_blocks_are_never_read(catalog, tiny_family, tmp_path, monkeypat
                 allowed.setdefault(e.tensors[t.name].path, []).append((r.offset, r.offset + r.nbytes))
     expert_paths = {e.tensors[t.name].path for e in plan.experts for t in plan.base_tensors}
     seen = []
-    real = storage.RangeReader.read_into
+    physical = []
+    real_count = storage.RangeReader._count
+    real_pread = storage.RangeReader._pread_all
 
-    def spy(self, path, offset, buf):
+    def spy_count(self, path, offset, n):
         if path in expert_paths:
-            seen.append((path, offset, offset + len(buf)))
-        return real(self, path, offset, buf)
+            seen.append((path, offset, offset + n))
+        return real_count(self, path, offset, n)
 
-    monkeypatch.setattr(storage.RangeReader, "read_into", spy)
+    def spy_pread(self, fd, path, offset, buf, need):
+        if path in expert_paths:
+            physical.append((path, offset, offset + len(buf)))
+        return real_pread(self, fd, path, offset, buf, need)
+
+    monkeypatch.setattr(storage.RangeReader, "_count", spy_count)
+    monkeypatch.setattr(storage.RangeReader, "_pread_all", spy_pread)
     res = catalog.merge(make_spec("task_arithmetic", names), out=tmp_path / "o", budget=0.15)
     assert sum(hi - lo for _p, lo, hi in seen) == res.realized_bytes
+    page = storage.ALIGN
+    for path, lo, hi in physical:  # what reaches the kernel: a requested range, at most widened to whole pages
+        assert any(a - a % page <= lo and hi <= -(-b // page) * page for _p, a, b in seen if _p == path)
     for path, lo, hi in seen:  # every byte read lies inside a selected block
         covered = sorted(r for r in allowed[path] if r[0] < hi and r[1] > lo)
         pos = lo
