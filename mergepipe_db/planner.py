@@ -220,30 +220,52 @@ def sha256_hex(obj: Any) -> str:
 
 
 def load_checkpoint_info(conn: sa.Connection, checkpoint_id: str) -> CheckpointInfo:
+    return load_checkpoint_infos(conn, [checkpoint_id])[0]
+
+
+def load_checkpoint_infos(conn: sa.Connection, checkpoint_ids: list[str]) -> list[CheckpointInfo]:
+    """The checkpoints `checkpoint_ids` (in that order; NoResultFound for an unknown id), two queries in all."""
     c, f = schema.checkpoint, schema.source_file
-    row = conn.execute(sa.select(c).where(c.c.id == checkpoint_id)).mappings().one()
-    files = conn.execute(sa.select(f).where(f.c.checkpoint_id == checkpoint_id).order_by(f.c.file_idx)).mappings()
-    files = list(files)
-    return CheckpointInfo(
-        id=row["id"], name=row["name"], kind=row["kind"], root=row["root"], has_stats=bool(row["has_stats"]),
-        block_bytes=int(row["block_bytes"]),
-        files=tuple(FileStamp(r["path"], r["size"], r["mtime_ns"]) for r in files),
-        file_hashes=tuple((r["relpath"], r["sha256"]) for r in files),
-        config=json.loads(row["config"]) if row["config"] else None, base_id=row["base_id"],
-    )
+    wanted = sorted(set(checkpoint_ids))
+    rows = {r["id"]: r for r in conn.execute(sa.select(c).where(c.c.id.in_(wanted))).mappings()}
+    files: dict[str, list[Any]] = defaultdict(list)
+    for r in conn.execute(sa.select(f).where(f.c.checkpoint_id.in_(wanted))
+                          .order_by(f.c.checkpoint_id, f.c.file_idx)).mappings():
+        files[r["checkpoint_id"]].append(r)
+    out = []
+    for cid in checkpoint_ids:
+        row = rows.get(cid)
+        if row is None:
+            raise sa.exc.NoResultFound(f"no checkpoint {cid}")
+        fs = files[cid]
+        out.append(CheckpointInfo(
+            id=row["id"], name=row["name"], kind=row["kind"], root=row["root"], has_stats=bool(row["has_stats"]),
+            block_bytes=int(row["block_bytes"]),
+            files=tuple(FileStamp(r["path"], r["size"], r["mtime_ns"]) for r in fs),
+            file_hashes=tuple((r["relpath"], r["sha256"]) for r in fs),
+            config=json.loads(row["config"]) if row["config"] else None, base_id=row["base_id"],
+        ))
+    return out
 
 
 def load_tensors(conn: sa.Connection, checkpoint_id: str) -> list[TensorInfo]:
+    return load_tensors_many(conn, [checkpoint_id])[checkpoint_id]
+
+
+def load_tensors_many(conn: sa.Connection, checkpoint_ids: list[str]) -> dict[str, list[TensorInfo]]:
+    """Tensors of each checkpoint in checkpoint order, one query for all of them."""
     t, f = schema.tensor, schema.source_file
     rows = conn.execute(
-        sa.select(t, f.c.path).join(f, f.c.id == t.c.file_id)
-        .where(t.c.checkpoint_id == checkpoint_id).order_by(t.c.tensor_idx)
-    ).mappings()
-    return [
-        TensorInfo(r["tensor_idx"], r["name"], r["dtype"], tuple(json.loads(r["shape"])), r["path"], r["offset"],
-                   r["nbytes"], r["rows_per_block"], r["n_blocks"], r["xxh3"])
-        for r in rows
-    ]
+        sa.select(t.c.checkpoint_id, t.c.tensor_idx, t.c.name, t.c.dtype, t.c.shape, f.c.path, t.c.offset,
+                  t.c.nbytes, t.c.rows_per_block, t.c.n_blocks, t.c.xxh3)
+        .join(f, f.c.id == t.c.file_id)
+        .where(t.c.checkpoint_id.in_(sorted(set(checkpoint_ids)))).order_by(t.c.checkpoint_id, t.c.tensor_idx)
+    )
+    out: dict[str, list[TensorInfo]] = {cid: [] for cid in checkpoint_ids}
+    for cid, idx, name, dtype, shape, path, offset, nbytes, rpb, n_blocks, xxh3 in rows:
+        out[cid].append(TensorInfo(idx, name, dtype, tuple(json.loads(shape)), path, offset, nbytes, rpb, n_blocks,
+                                   xxh3))
+    return out
 
 
 def _tensor_sketches(conn: sa.Connection, expert_id: str) -> dict[int, tuple[np.ndarray, bool]]:
@@ -340,7 +362,8 @@ def load_experts(conn: sa.Connection, spec: MergeSpec, expert_ids: list[str]) ->
     """The experts of `spec` (in spec order) with their tensors, and the operator (for coefficients)."""
     from mergepipe_db.operators import ExpertParams, make_operator
 
-    infos = [load_checkpoint_info(conn, eid) for eid in expert_ids]
+    infos = load_checkpoint_infos(conn, expert_ids)
+    tensors_of = load_tensors_many(conn, expert_ids)
     op = make_operator(
         spec.method,
         [ExpertParams(key=info.id, weight=m.weight, density=m.density, gamma=m.gamma)
@@ -349,7 +372,7 @@ def load_experts(conn: sa.Connection, spec: MergeSpec, expert_ids: list[str]) ->
     )
     experts = []
     for pos, (info, m) in enumerate(zip(infos, spec.models)):
-        tensors = {t.name: t for t in load_tensors(conn, info.id)}
+        tensors = {t.name: t for t in tensors_of[info.id]}
         experts.append(ExpertPlan(pos, info, m.weight, m.density, m.gamma, float(op.coefficient(pos)), tensors))
     return experts, op
 
@@ -364,8 +387,12 @@ def finalize(conn: sa.Connection, plan: Plan, op: Any,
     attach_sources(conn, plan)  # delta / LoRA / packed experts: read hooks and packed read costs
     base_idx_by_name = {t.name: t.idx for t in plan.base_tensors}
     if op.needs_full_tensor_stats:
+        # partial reads take their thresholds from the sketch; TIES also uses it on full reads, to find τ's bin
+        # without a histogram pass (operators._exact_tau_fast)
+        every = op.sparsification == "magnitude"
         for e in plan.experts:
-            partial = [tidx for (pos, tidx), full in plan.full_selection.items() if pos == e.position and not full]
+            partial = [tidx for (pos, tidx), full in plan.full_selection.items()
+                       if pos == e.position and (every or not full)]
             if partial and e.checkpoint.has_stats:
                 sk = (sketch_cache or {}).get(e.position)
                 if sk is None:
@@ -384,9 +411,10 @@ _NUMPY_FETCH_DIALECTS: tuple[str, ...] = ("duckdb",)
 
 
 def _fetch_columns(conn: sa.Connection, result: sa.CursorResult) -> dict[str, Any]:
-    """The rows of `result` as one array per column. DuckDB hands them over as numpy arrays straight from its
-    result (no Python row objects; NULLs masked, read only where the row kind has a value); any other
-    database goes through the portable DB-API fetch."""
+    """The rows of `result` as one sequence per column (sliceable; `_pylist` turns a slice into Python values).
+
+    DuckDB hands them over as numpy arrays straight from its result (no Python row objects; NULLs masked,
+    read only where the row kind has a value); any other database goes through the portable DB-API fetch."""
     if conn.dialect.name in _NUMPY_FETCH_DIALECTS:
         try:
             cols = result.cursor.fetchnumpy()  # duckdb_engine's cursor delegates to the DuckDB connection
@@ -396,8 +424,13 @@ def _fetch_columns(conn: sa.Connection, result: sa.CursorResult) -> dict[str, An
     keys = list(result.keys())
     rows = result.fetchall()
     if not rows:
-        return {k: np.empty(0, dtype=object) for k in keys}
-    return {k: np.array(col, dtype=object) for k, col in zip(keys, zip(*rows))}
+        return {k: [] for k in keys}
+    return dict(zip(keys, map(list, zip(*rows))))
+
+
+def _pylist(values: Any) -> list[Any]:
+    """Python values (int, float, str) of a column slice from `_fetch_columns`."""
+    return values.tolist() if isinstance(values, np.ndarray) else list(values)
 
 
 def build_plan(
@@ -439,11 +472,12 @@ def build_plan(
     conn.execute(sa.text(sql_text("plan_tensor_insert")), {
         "position": pt[0], "tensor_idx": pt[1], "base_idx": pt[2], "prune_below": pt[3]})
     cols = _fetch_columns(conn, conn.execute(sa.text(sql_text("plan_rank")), {"budget": budget_bytes}))
+    pruned = conn.execute(sa.text(sql_text("plan_pruned"))).all() if bounds else []
     for name in ("mp_plan_expert", "mp_plan_tensor"):
         conn.execute(sa.text(f"DROP TABLE IF EXISTS {name}"))
 
     kind = np.asarray(cols["kind"], dtype=np.int64)
-    n_reads, n_summary = int(np.searchsorted(kind, 1)), int(np.searchsorted(kind, 2))
+    n_reads = int(np.searchsorted(kind, 1))
     access = _reads_by_key(cols, n_reads)
 
     # Per (tensor, expert), in tensor then expert order (the bound sums in that order).
@@ -451,7 +485,7 @@ def build_plan(
     planned_bytes = 0
     full_selection: dict[tuple[int, int], bool] = {}
     bound_per_tensor: dict[int, float] = defaultdict(float)
-    summary = zip(*(cols[c][n_reads:n_summary].tolist() for c in (
+    summary = zip(*(_pylist(cols[c][n_reads:]) for c in (
         "tensor_idx", "position", "n_blocks", "nbytes", "n_selected", "selected_bytes", "omitted_score",
         "omitted_unscored")))
     for tidx, pos, candidates, cbytes, selected, pbytes, omitted_score, omitted_unscored in summary:
@@ -465,8 +499,7 @@ def build_plan(
             bound_per_tensor[tidx] = math.inf
         else:
             bound_per_tensor[tidx] += float(omitted_score or 0.0)
-    pruned = zip(*(cols[c][n_summary:].tolist() for c in ("position", "n_blocks", "nbytes")))
-    for pos, n_blocks, nbytes in pruned:
+    for _tidx, pos, n_blocks, nbytes in pruned:
         experts[int(pos)].blocks_pruned += int(n_blocks)
         experts[int(pos)].pruned_bytes += int(nbytes)
     bound_total: float | None = math.fsum(bound_per_tensor.values()) if bound_per_tensor else 0.0
@@ -493,9 +526,6 @@ def _reads_by_key(cols: dict[str, Any], n: int) -> dict[tuple[int, int], tuple[R
     tidx = np.asarray(cols["tensor_idx"][:n], dtype=np.int64)
     cuts = (np.flatnonzero((pos[1:] != pos[:-1]) | (tidx[1:] != tidx[:-1])) + 1).tolist()
     pl, tl = pos.tolist(), tidx.tolist()
-    bl = np.asarray(cols["block_idx"][:n], dtype=np.int64).tolist()
-    ol = np.asarray(cols["block_offset"][:n], dtype=np.int64).tolist()
-    nl = np.asarray(cols["nbytes"][:n], dtype=np.int64).tolist()
-    xl = list(cols["xxh3"][:n])
+    bl, ol, nl, xl = (_pylist(cols[c][:n]) for c in ("block_idx", "block_offset", "nbytes", "xxh3"))
     return {(pl[s], tl[s]): tuple(map(Read, bl[s:e], ol[s:e], nl[s:e], xl[s:e]))
             for s, e in zip([0, *cuts], [*cuts, n])}

@@ -10,13 +10,13 @@
 -- statistics rank last, in tensor order); running_cost is the cumulative read cost in that order, so the
 -- access set for a budget B is the prefix running_cost <= B.
 --
--- The result has three kinds of rows, sorted by kind, tensor_idx, position, block_idx:
+-- The result has two kinds of rows, sorted by kind, tensor_idx, position, block_idx:
 --   kind 0, one per selected read: block_idx, nbytes (read cost), block_offset, xxh3;
 --   kind 1, one per (tensor, expert) with candidates: nbytes = candidate bytes, n_blocks = candidates,
 --           n_selected / selected_bytes of them in the access set, and the omitted-update bound terms
---           (block_idx -2, a LoRA factor, is a read unit, not an update: it adds nothing to the bound);
---   kind 2, one per (tensor, expert) with pruned blocks: n_blocks and nbytes of those.
-WITH candidates AS NOT MATERIALIZED (
+--           (block_idx -2, a LoRA factor, is a read unit, not an update: it adds nothing to the bound).
+-- Pruned blocks are counted by plan_pruned.sql (run only when some prune_below is set).
+WITH candidates AS (
     SELECT e.position, pt.base_idx AS tensor_idx, b.block_idx, COALESCE(pk.clen, b.nbytes) AS nbytes,
            b."offset" AS block_offset, b.xxh3, e.coef * b.delta_l2 AS score,
            CASE WHEN b.delta_max < pt.prune_below THEN 1 ELSE 0 END AS pruned
@@ -38,10 +38,10 @@ WITH candidates AS NOT MATERIALIZED (
 ),
 ranked AS MATERIALIZED (
     SELECT position, tensor_idx, block_idx, nbytes, block_offset, xxh3, score,
-           SUM(nbytes) OVER (
+           CAST(SUM(nbytes) OVER (
                ORDER BY score DESC NULLS LAST, tensor_idx, block_idx, position
                ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW
-           ) AS running_cost
+           ) AS BIGINT) AS running_cost
     FROM candidates
     WHERE pruned = 0
 )
@@ -61,13 +61,5 @@ SELECT 1 AS kind, position, tensor_idx, CAST(NULL AS INTEGER) AS block_idx, CAST
            AS omitted_score,
        CAST(SUM(CASE WHEN running_cost > :budget AND score IS NULL THEN 1 ELSE 0 END) AS BIGINT) AS omitted_unscored
 FROM ranked
-GROUP BY tensor_idx, position
-UNION ALL
-SELECT 2 AS kind, position, tensor_idx, CAST(NULL AS INTEGER) AS block_idx, CAST(SUM(nbytes) AS BIGINT) AS nbytes,
-       CAST(NULL AS BIGINT) AS block_offset, CAST(NULL AS VARCHAR) AS xxh3,
-       CAST(COUNT(*) AS BIGINT) AS n_blocks, CAST(0 AS BIGINT) AS n_selected, CAST(0 AS BIGINT) AS selected_bytes,
-       CAST(0 AS DOUBLE PRECISION) AS omitted_score, CAST(0 AS BIGINT) AS omitted_unscored
-FROM candidates
-WHERE pruned = 1
 GROUP BY tensor_idx, position
 ORDER BY kind, tensor_idx, position, block_idx
