@@ -458,7 +458,8 @@ def _execute(
                     else:
                         raw = item.data.view(torch_dtype(et.dtype)).reshape(t.shape)
                         if len(item.blocks) == t.n_blocks:
-                            theta = pool32.convert("theta", raw) if reuse_theta else raw.to(torch.float32)
+                            # copy=True: the item's buffer goes back to the pool once add() returns
+                            theta = pool32.convert("theta", raw) if reuse_theta else raw.to(torch.float32, copy=True)
                         else:
                             theta = pool32.convert("theta", base32) if reuse_theta else base32.clone()
                             for start, stop_ in item.rows:

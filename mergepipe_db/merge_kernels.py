@@ -98,6 +98,44 @@ def absdelta_collect(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray, pref
 
 
 @numba.njit(cache=True, nogil=True)
+def absdelta_range_collect(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray, lo: np.float32, hi: np.float32,
+                           out: np.ndarray) -> tuple[int, int]:
+    """Bit patterns of the |Δ| on `ranges` with lo <= |Δ| < hi into `out` (stops storing once `out` is
+    full); returns (how many are in [lo, hi), how many are >= hi)."""
+    got = 0
+    above = 0
+    cap = out.shape[0]
+    for r in range(ranges.shape[0]):
+        s0, e0 = ranges[r, 0], ranges[r, 1]
+        b, x = base[s0:e0], raw[s0:e0]
+        for i in range(b.shape[0]):
+            a = abs(widen(x[i]) - b[i])
+            if a >= hi:
+                above += 1
+            elif a >= lo:
+                if got < cap:
+                    out[got] = f32_to_bits(a)
+                got += 1
+    return got, above
+
+
+@numba.njit(cache=True, nogil=True)
+def absdelta_count(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray) -> tuple[int, int]:
+    """(how many |Δ| on `ranges` are finite and nonzero, how many are inf or NaN)."""
+    nonzero = 0
+    special = 0
+    inf = np.float32(np.inf)
+    for r in range(ranges.shape[0]):
+        s0, e0 = ranges[r, 0], ranges[r, 1]
+        b, x = base[s0:e0], raw[s0:e0]
+        for i in range(b.shape[0]):
+            a = abs(widen(x[i]) - b[i])
+            nonzero += a != np.float32(0.0) and a < inf
+            special += not a < inf
+    return nonzero, special
+
+
+@numba.njit(cache=True, nogil=True)
 def _ties_span(S: np.ndarray, P: np.ndarray, N: np.ndarray, WP: np.ndarray, WN: np.ndarray, b: np.ndarray,
                x: np.ndarray, trim: bool, tau: np.float32, w: np.float32, weights: bool) -> None:
     zero = np.float32(0.0)
@@ -168,3 +206,24 @@ def kth_largest_abs_delta(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray,
     j = got - r  # the r-th largest of the collected == the (got - r)-th smallest
     bits = np.partition(out[:got], j)[j]
     return float(np.array([bits], np.uint32).view(np.float32)[0])
+
+
+def kth_largest_in_bin(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray, k: int, lo: float, hi: float,
+                       in_bin: int, above: int) -> float | None:
+    """The k-th largest |Δ| when the catalog's sketch says it lies in [lo, hi), a bin holding `in_bin` values
+    with `above` values at or above `hi` (the unread elements all below `lo`): one pass collects that bin
+    only. None when the rows read disagree with the sketch (the caller then takes the radix select)."""
+    out = np.empty(max(in_bin, 1), np.uint32)
+    got, n_above = absdelta_range_collect(base, raw, ranges, np.float32(lo), np.float32(hi), out)
+    if got != in_bin or n_above != above or not 0 < k - above <= got:
+        return None
+    j = got - (k - above)  # the (k - above)-th largest of the bin == its j-th smallest
+    bits = np.partition(out[:got], j)[j]
+    return float(np.array([bits], np.uint32).view(np.float32)[0])
+
+
+def kth_largest_is_zero(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray, k: int) -> bool | None:
+    """Whether the k-th largest |Δ| of a tensor whose unread elements are 0 is 0 (fewer than k nonzero
+    values); None when some |Δ| read is inf or NaN."""
+    nonzero, special = absdelta_count(base, raw, ranges)
+    return None if special else nonzero < k

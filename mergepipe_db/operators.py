@@ -761,14 +761,9 @@ class _DeltaFold(MergeOperator):
         k = int(self.densities[x.index] * self._ctx.numel)
         exact = x.full or x.sketch is None
         if exact and k > 0 and self._fused:
-            src = x.fast_source()
-            if src is not None:
-                assert self._bflat is not None
-                n_read = sum(e - s for s, e in ranges)
-                tau_fast = _mk().kth_largest_abs_delta(self._bflat.numpy(), src, x.element_ranges_array(self._ctx),
-                                                       n_read, self._ctx.numel, k)
-                if tau_fast is not None and self._fold_fast(x, tau_fast):
-                    return
+            tau_fast = self._exact_tau_fast(x, ranges, k)
+            if tau_fast is not None and self._fold_fast(x, tau_fast):
+                return
         mags = self._magnitudes(x, ranges)
         tau = mags.topk_min(k)
         if math.isnan(tau):
@@ -778,6 +773,27 @@ class _DeltaFold(MergeOperator):
         if self._fold_fast(x, tau):
             return
         self._fold_masked(x, ranges, mags, tau, None)
+
+    def _exact_tau_fast(self, x: ExpertInput, ranges: list[tuple[int, int]], k: int) -> float | None:
+        """τ (the k-th largest |Δ| of a fully selected tensor) by the fused kernels, or None when they cannot
+        tell (no θ_k bytes, inf/NaN, or a sketch the rows read contradict). With the catalog's tensor sketch
+        the bin of τ is known, so one pass collects that bin only; otherwise a two-pass radix select."""
+        src = x.fast_source()
+        if src is None or self._bflat is None or self._ctx is None:
+            return None
+        base, ranges_arr = self._bflat.numpy(), x.element_ranges_array(self._ctx)
+        hist = x.sketch
+        if hist is not None and int(hist.sum()) == self._ctx.numel:
+            b, above = _sketch.locate_kth_largest(hist, k)
+            if b == _sketch.ZERO_BIN and _mk().kth_largest_is_zero(base, src, ranges_arr, k):
+                return 0.0  # most of the tensor is exactly unchanged (common in BF16 fine-tunes)
+            if b not in (_sketch.ZERO_BIN, _LAST):
+                tau = _mk().kth_largest_in_bin(base, src, ranges_arr, k, float(_EDGES[b]), float(_EDGES[b + 1]),
+                                               int(hist[b]), above)
+                if tau is not None:
+                    return tau
+        n_read = sum(e - s for s, e in ranges)
+        return _mk().kth_largest_abs_delta(base, src, ranges_arr, n_read, self._ctx.numel, k)
 
     def _fold_breadcrumbs_trim(self, x: ExpertInput, ranges: list[tuple[int, int]]) -> None:
         """Breadcrumbs (density < 1): keep lo < |Δ| < hi."""

@@ -703,3 +703,21 @@ def test_exact_selection_equals_sort(monkeypatch, chunk: int) -> None:
             got = ops._kth_largest_exact(a, k, op, {})
             want = float(desc[k - 1])
             assert (math.isnan(got) and math.isnan(want)) or got == want
+
+
+@pytest.mark.parametrize("case", ["in_bin", "mostly_unchanged", "wrong_sketch"])
+def test_full_selection_tau_from_the_sketch_is_exact(case: str) -> None:
+    """On a full read, TIES takes τ's bin from the catalog sketch (one pass over that bin, or a count when τ
+    is 0) — and a sketch the data contradicts is ignored: the result is the literal formula's, bit for bit."""
+    shape, rpb = (300, 64), 16
+    base, thetas = make_data(shape, 3, 77)
+    if case == "mostly_unchanged":  # most Δ exactly 0, as in BF16 fine-tunes: τ = 0 at density 0.5
+        for th in thetas:
+            th.view(-1)[: th.numel() * 3 // 4] = base.view(-1)[: th.numel() * 3 // 4]
+    params = [ExpertParams("a", 0.5, 0.5), ExpertParams("b", 0.3, 0.2), ExpertParams("c", -0.2, 0.7)]
+    ctx = context(shape, rpb)
+    sketches = [sketch.histogram(th - base) for th in thetas]
+    if case == "wrong_sketch":  # right total, wrong bins: moves counts one bin up
+        sketches = [np.roll(h, 1) for h in sketches]
+    got = stream("ties", base, thetas, params, ctx, sketches=sketches)
+    assert_bits_equal(got, literal_merge("ties", base, thetas, params))
