@@ -73,11 +73,12 @@ def test_full_budget_with_pruning_is_bit_identical_to_reference(catalog, request
     assert again.manifest_hash == res.manifest_hash and again.realized_bytes == res.realized_bytes
 
 
-def test_pruned_blocks_hold_only_values_below_the_topk_threshold(catalog, tiny_family_f32) -> None:
+@pytest.mark.parametrize("family_name", ["tiny_family", "tiny_family_f32"])
+def test_pruned_blocks_hold_only_values_below_the_topk_threshold(catalog, request, family_name) -> None:
     """Property: every block left out at full budget is pruned, and its catalog delta_max (and its true max
     |Δ|) is < τ, τ = torch.topk(|Δ|.flatten(), k).values.min() on the whole tensor (+inf for k = 0); the
     sketch bin of delta_max lies below the bin of τ."""
-    family = tiny_family_f32
+    family = request.getfixturevalue(family_name)
     names = ingest_family(catalog, family)
     plan = catalog.plan(_spec(names), budget="1.0")
     base = load_model(family.base)
