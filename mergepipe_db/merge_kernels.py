@@ -123,47 +123,76 @@ def absdelta_range_collect(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray
 def absdelta_count(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray) -> tuple[int, int]:
     """(how many |Δ| on `ranges` are finite and nonzero, how many are inf or NaN)."""
     nonzero = 0
-    special = 0
+    finite = 0
+    n = 0
+    zero = np.float32(0.0)
     inf = np.float32(np.inf)
     for r in range(ranges.shape[0]):
         s0, e0 = ranges[r, 0], ranges[r, 1]
         b, x = base[s0:e0], raw[s0:e0]
-        for i in range(b.shape[0]):
+        n += e0 - s0
+        for i in range(b.shape[0]):  # branch-free, so it vectorizes
             a = abs(widen(x[i]) - b[i])
-            nonzero += a != np.float32(0.0) and a < inf
-            special += not a < inf
-    return nonzero, special
+            finite += np.int64(a < inf)
+            nonzero += np.int64(a < inf) & np.int64(a > zero)
+    return nonzero, n - finite
 
 
 @numba.njit(cache=True, nogil=True)
 def _ties_span(S: np.ndarray, P: np.ndarray, N: np.ndarray, WP: np.ndarray, WN: np.ndarray, b: np.ndarray,
-               x: np.ndarray, trim: bool, tau: np.float32, w: np.float32, weights: bool) -> None:
+               x: np.ndarray, trim: bool, tau: np.float32, w: np.float32, weights: bool, init: bool) -> None:
     zero = np.float32(0.0)
     for i in range(S.shape[0]):
         d = widen(x[i]) - b[i]
         if trim:
             d = d if abs(d) >= tau else zero
         dw = d * w
-        S[i] = S[i] + dw
-        P[i] = P[i] + (dw if dw > zero else zero)
-        N[i] = N[i] + (dw if dw < zero else zero)
-        if weights:
-            WP[i] = WP[i] + (w if dw > zero else zero)
-            WN[i] = WN[i] + (w if dw < zero else zero)
+        if init:  # fresh accumulators: +0.0 + term
+            S[i] = zero + dw
+            P[i] = zero + (dw if dw > zero else zero)
+            N[i] = zero + (dw if dw < zero else zero)
+            if weights:
+                WP[i] = zero + (w if dw > zero else zero)
+                WN[i] = zero + (w if dw < zero else zero)
+        else:
+            S[i] = S[i] + dw
+            P[i] = P[i] + (dw if dw > zero else zero)
+            N[i] = N[i] + (dw if dw < zero else zero)
+            if weights:
+                WP[i] = WP[i] + (w if dw > zero else zero)
+                WN[i] = WN[i] + (w if dw < zero else zero)
+
+
+@numba.njit(cache=True, nogil=True)
+def _zero(a: np.ndarray, s0: int, e0: int) -> None:
+    a[s0:e0] = np.float32(0.0)
 
 
 @numba.njit(cache=True, nogil=True)
 def ties_add(S: np.ndarray, P: np.ndarray, N: np.ndarray, WP: np.ndarray, WN: np.ndarray, base: np.ndarray,
              raw: np.ndarray, ranges: np.ndarray, trim: bool, tau: np.float32, w: np.float32,
-             weights: bool) -> None:
+             weights: bool, init: bool) -> None:
     """TIES steps 1-2 and the streaming sums of steps 3-5 for one expert on `ranges` (elsewhere D_k = 0):
     T = where(|Δ| >= τ, Δ, 0.0) (``trim``; else T = Δ), D = T * w, S += D, P += where(D > 0, D, 0),
-    N += where(D < 0, D, 0) and, with ``weights`` (normalize), WP += where(D > 0, w, 0), WN likewise."""
-    for r in range(ranges.shape[0]):
-        s0, e0 = ranges[r, 0], ranges[r, 1]
-        # WP / WN are empty without ``weights``: their slices stay empty and are never indexed
-        _ties_span(S[s0:e0], P[s0:e0], N[s0:e0], WP[s0:e0], WN[s0:e0], base[s0:e0], raw[s0:e0], trim, tau, w,
-                   weights)
+    N += where(D < 0, D, 0) and, with ``weights`` (normalize), WP += where(D > 0, w, 0), WN likewise.
+    ``init``: the accumulators hold garbage and this is the first expert folded: they start at +0.0
+    (written, not cleared and added to)."""
+    n = S.shape[0]
+    pos = 0
+    for r in range(ranges.shape[0] + 1):
+        s0 = ranges[r, 0] if r < ranges.shape[0] else n
+        e0 = ranges[r, 1] if r < ranges.shape[0] else n
+        if init and s0 > pos:
+            for a in (S, P, N):
+                _zero(a, pos, s0)
+            if weights:
+                _zero(WP, pos, s0)
+                _zero(WN, pos, s0)
+        if e0 > s0:
+            # WP / WN are empty without ``weights``: their slices stay empty and are never indexed
+            _ties_span(S[s0:e0], P[s0:e0], N[s0:e0], WP[s0:e0], WN[s0:e0], base[s0:e0], raw[s0:e0], trim, tau,
+                       w, weights, init)
+        pos = e0
 
 
 @numba.njit(cache=True, nogil=True)

@@ -890,12 +890,21 @@ class _TiesFold(_DeltaFold):
     def _begin(self) -> None:
         assert self._base is not None
         n = self._base.numel()
-        self._P = self._zeroed("out", n)  # becomes the output
-        self._S = self._zeroed("S", n)
-        self._N = self._zeroed("N", n)
+        # reused buffers, not cleared: the first expert folded writes them (`_init_sums`)
+        self._P = self._scratch("out", n)  # becomes the output
+        self._S = self._scratch("S", n)
+        self._N = self._scratch("N", n)
         if self.normalize:
-            self._WP = self._zeroed("WP", n)
-            self._WN = self._zeroed("WN", n)
+            self._WP = self._scratch("WP", n)
+            self._WN = self._scratch("WN", n)
+        self._fresh = True
+
+    def _init_sums(self) -> None:
+        """Clear the sums before a torch-path fold (the kernels start them themselves)."""
+        if self._fresh:
+            for t in (self._P, self._S, self._N) + ((self._WP, self._WN) if self.normalize else ()):
+                t.zero_()
+            self._fresh = False
 
     def _fold_fast(self, x: ExpertInput, tau: float | None) -> bool:
         src = x.fast_source()
@@ -906,11 +915,13 @@ class _TiesFold(_DeltaFold):
         _mk().ties_add(self._S.numpy(), self._P.numpy(), self._N.numpy(), wp, wn, self._bflat.numpy(), src,
                        x.element_ranges_array(self._ctx), tau is not None,
                        np.float32(math.inf if tau is None else tau), np.float32(self.weights[x.index]),
-                       self.normalize)
+                       self.normalize, self._fresh)
+        self._fresh = False
         return True
 
     def _combine(self, s: int, e: int, D: torch.Tensor, finite: bool | None) -> None:
         assert self._P is not None
+        self._init_sums()
         n = e - s
         w = self._w
         self._S[s:e].add_(D)
@@ -933,6 +944,7 @@ class _TiesFold(_DeltaFold):
     def _finish(self) -> torch.Tensor:
         P, base = self._P, self._base
         assert P is not None and base is not None
+        self._init_sums()  # no expert contributed to this tensor
         wp = self._WP.numpy() if self.normalize else _NO_F32
         wn = self._WN.numpy() if self.normalize else _NO_F32
         _mk().ties_finish(P.numpy(), self._S.numpy(), self._N.numpy(), wp, wn, base.view(-1).numpy(),
