@@ -32,21 +32,58 @@ def _linear_span(acc: np.ndarray, src: np.ndarray, w: np.float32, first: bool) -
             acc[i] = acc[i] + widen(src[i]) * w
 
 
+_TILE = 2048  # elements per tile of `_catch_up`: the accumulator tile stays in L1 across the experts
+
+
 @numba.njit(cache=True, nogil=True)
-def linear_add(acc: np.ndarray, base: np.ndarray, raw: np.ndarray, ranges: np.ndarray, w: np.float32,
-               first: bool) -> None:
-    """acc = acc + θ_k * w, θ_k from `raw` on `ranges` and θ₀ (`base`, float32) elsewhere; ``first``: acc
-    is fresh (acc = +0.0 + θ_k * w)."""
+def _catch_up(acc: np.ndarray, base: np.ndarray, weights: np.ndarray, first: bool) -> None:
+    """acc = acc + θ₀ * w for each w of `weights` in order (``first``: acc starts at +0.0), tile by tile, so
+    the accumulator is read and written once however many experts are folded."""
+    zero = np.float32(0.0)
     n = acc.shape[0]
-    pos = 0
-    for r in range(ranges.shape[0] + 1):
-        s0 = ranges[r, 0] if r < ranges.shape[0] else n
-        e0 = ranges[r, 1] if r < ranges.shape[0] else n
-        if s0 > pos:
-            _linear_span(acc[pos:s0], base[pos:s0], w, first)
-        if e0 > s0:
-            _linear_span(acc[s0:e0], raw[s0:e0], w, first)
-        pos = e0
+    for t0 in range(0, n, _TILE):
+        a = acc[t0:min(n, t0 + _TILE)]
+        b = base[t0:min(n, t0 + _TILE)]
+        for j in range(weights.shape[0]):
+            w = weights[j]
+            if first and j == 0:
+                for i in range(a.shape[0]):
+                    a[i] = zero + b[i] * w
+            else:
+                for i in range(a.shape[0]):
+                    a[i] = a[i] + b[i] * w
+
+
+@numba.njit(cache=True, nogil=True)
+def linear_fold(acc: np.ndarray, base: np.ndarray, raw: np.ndarray, bounds: np.ndarray, selected: np.ndarray,
+                pending: np.ndarray, weights: np.ndarray, k: int) -> None:
+    """Linear step for expert k on its selected blocks: acc = acc + θ_k * w_k in spec order.
+
+    Block b spans elements [bounds[b], bounds[b+1]); pending[b] is the first expert not yet folded into it.
+    Experts that skipped a block contribute θ₀ * w_j there; they are folded in only when the block is next
+    touched (or by `linear_finish`), in order, so each element costs one pass however many experts omit it.
+    """
+    for b in range(selected.shape[0]):
+        if not selected[b]:
+            continue
+        s0, e0 = bounds[b], bounds[b + 1]
+        j = pending[b]
+        if j < k:
+            _catch_up(acc[s0:e0], base[s0:e0], weights[j:k], j == 0)
+        _linear_span(acc[s0:e0], raw[s0:e0], weights[k], j == 0 and k == 0)
+        pending[b] = k + 1
+
+
+@numba.njit(cache=True, nogil=True)
+def linear_finish(acc: np.ndarray, base: np.ndarray, bounds: np.ndarray, pending: np.ndarray,
+                  weights: np.ndarray) -> None:
+    """Fold every expert a block has not seen yet (θ₀ * w_j, in order)."""
+    n_experts = weights.shape[0]
+    for b in range(pending.shape[0]):
+        j = pending[b]
+        if j < n_experts:
+            _catch_up(acc[bounds[b]:bounds[b + 1]], base[bounds[b]:bounds[b + 1]], weights[j:], j == 0)
+            pending[b] = n_experts
 
 
 @numba.njit(cache=True, nogil=True)

@@ -976,26 +976,37 @@ class Linear(MergeOperator):
         return abs(w / self.weight_sum) if self.normalize else abs(w)
 
     def _begin(self) -> None:
-        assert self._base is not None
-        self._acc = self._scratch("out", self._base.numel())  # the first expert overwrites it (+0.0 + θ·w)
+        assert self._base is not None and self._ctx is not None
+        ctx = self._ctx
+        self._acc = self._scratch("out", self._base.numel())  # garbage until each block's first fold
+        self._pending = np.zeros(ctx.n_blocks, np.int64)  # per block: the first expert not folded into it
+        self._bounds = np.array([ctx.block_rows(b)[0] * ctx.row_numel for b in range(ctx.n_blocks)]
+                                + [ctx.numel], np.int64)
+        self._w32 = np.array(self.weights, np.float32)
 
     def _add(self, x: ExpertInput) -> None:
         acc, base, ctx = self._acc, self._bflat, self._ctx
         assert acc is not None and base is not None and ctx is not None
-        w = self.weights[x.index]
-        first = x.index == 0
-        src = x.fast_source() if x.selected_blocks else _NO_F32
+        if not x.selected_blocks:
+            return  # θ_k = θ₀ everywhere: folded lazily (`merge_kernels.linear_fold`)
+        src = x.fast_source()
         if src is not None:
-            ranges = x.element_ranges_array(ctx) if x.selected_blocks else _NO_RANGES
-            _mk().linear_add(acc.numpy(), base.numpy(), src, ranges, np.float32(w), first)
+            selected = np.zeros(ctx.n_blocks, np.bool_)
+            selected[list(x.selected_blocks)] = True
+            _mk().linear_fold(acc.numpy(), base.numpy(), src, self._bounds, selected, self._pending, self._w32,
+                              x.index)
             return
+        # θ_k known only through Δ_k: bring every block up to expert k, then one torch pass over the tensor
+        _mk().linear_finish(acc.numpy(), base.numpy(), self._bounds, self._pending, self._w32[:x.index])
+        first = x.index == 0
         if first:
             acc.zero_()
+        w = self.weights[x.index]
         n = base.numel()
-        selected = x._element_ranges(ctx)
+        selected_r = x._element_ranges(ctx)
         segments: list[tuple[int, int, bool]] = []
         pos = 0
-        for s, e in selected:
+        for s, e in selected_r:
             if s > pos:
                 segments.append((pos, s, False))
             segments.append((s, e, True))
@@ -1006,10 +1017,12 @@ class Linear(MergeOperator):
             for s, e in _chunks([(s0, e0)]):
                 theta = self._theta_chunk(x, s, e) if sel else base[s:e]
                 acc[s:e].add_(torch.mul(theta, w, out=self._scratch("D", e - s)))
+        self._pending[:] = x.index + 1
 
     def _finish(self) -> torch.Tensor:
         acc, base = self._acc, self._base
-        assert acc is not None and base is not None
+        assert acc is not None and base is not None and self._bflat is not None
+        _mk().linear_finish(acc.numpy(), self._bflat.numpy(), self._bounds, self._pending, self._w32)
         if self.normalize:
             acc.div_(self.weight_sum)
         return acc.view(base.shape)
