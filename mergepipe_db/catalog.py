@@ -148,6 +148,7 @@ class Catalog:
         """The plan, and the current version of `ref` if given. One catalog connection when every model is
         already catalogued (names resolved, family checked, planned and the ref read together); a model
         given by a new path is ingested first, with no connection held."""
+        from mergepipe_db import commit as cm
         from mergepipe_db.planner import build_plan
         from mergepipe_db.storage import check_fresh
 
@@ -162,8 +163,7 @@ class Catalog:
                 _check_family(conn, ids[0], ids[1:], s)
                 plan = build_plan(conn, s, base_id=ids[0], expert_ids=ids[1:], budget_spec=b)
                 if ref is not None:
-                    version = int(conn.execute(sa.select(schema.ref.c.version)
-                                               .where(schema.ref.c.name == ref)).scalar() or 0)
+                    version = cm.ref_version(conn, ref)
         if plan is None:
             base_id, base_name = self._resolve_model(s.base, base=None, progress=progress)
             expert_ids = [self._resolve_model(m.ref, base=base_name, progress=progress)[0] for m in s.models]

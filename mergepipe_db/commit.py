@@ -218,11 +218,16 @@ class CommitResult:
     manifest_hash: str
 
 
-def read_ref_version(db: Database, ref: str) -> int:
-    """Current version of `ref` (0 when it does not exist yet)."""
-    with db.connect() as conn:
-        v = conn.execute(sa.select(schema.ref.c.version).where(schema.ref.c.name == ref)).scalar()
+def ref_version(conn: sa.Connection, ref: str) -> int:
+    """Current version of `ref` (0 when it does not exist yet): what a merge's commit expects to replace."""
+    v = conn.execute(sa.select(schema.ref.c.version).where(schema.ref.c.name == ref)).scalar()
     return int(v or 0)
+
+
+def read_ref_version(db: Database, ref: str) -> int:
+    """`ref_version` on a connection of its own."""
+    with db.connect() as conn:
+        return ref_version(conn, ref)
 
 
 def commit(

@@ -269,10 +269,13 @@ class _F32Pool:
         """`src.to(float32)` into the reused buffer `name` (same values, bit for bit)."""
         import torch
 
+        from mergepipe_db.operators import empty_buffer
+
         n = src.numel()
         buf = self._bufs.get(name)
         if buf is None or buf.numel() < n:
-            buf = torch.empty(max(n, 1), dtype=torch.float32)
+            self._bufs.pop(name, None)
+            buf = empty_buffer(max(n, 1), torch.float32)
             self._bufs[name] = buf
         out = buf[:n].view(src.shape)
         out.copy_(src)
@@ -342,7 +345,7 @@ class _OutputWriter(threading.Thread):
                     current = ot.shard
                     entries = [(o.name, o.dtype, o.shape) for o in self._by_shard[ot.shard]]
                     self._writer = SafetensorsWriter(self._staging / self._names[ot.shard], entries,
-                                                     {"format": "pt"}, exclusive=True)
+                                                     {"format": "pt"}, exclusive=True, direct=True)
                 data = memoryview(job.data)
                 self._writer.write(ot.name, data)
                 self.tensor_xxh3.append(xxh3_hex(data))

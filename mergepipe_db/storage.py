@@ -10,6 +10,7 @@ reading the range widened to whole 4 KiB pages — the same pages a buffered rea
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Iterable
@@ -47,11 +48,25 @@ def check_fresh(stamps: Iterable[FileStamp]) -> None:
 ALIGN = 4096  # O_DIRECT granularity: offsets, lengths and buffer addresses in whole pages
 
 
+#: bytes per read request: on these virtio disks 8 MiB O_DIRECT requests stream ~1.3x faster than 64 MiB ones
+_REQUEST = 8 << 20
+_HUGE = 2 << 20  # buffers this big are backed by transparent huge pages where the kernel allows it
+
+
 def aligned_empty(nbytes: int) -> np.ndarray:
-    """An uninitialised uint8 array of `nbytes` whose first byte is page-aligned."""
-    raw = np.empty(nbytes + ALIGN, np.uint8)
-    shift = (-raw.ctypes.data) % ALIGN
-    return raw[shift:shift + nbytes]
+    """A zero-initialised-on-touch uint8 array of `nbytes`, page-aligned (an anonymous mapping).
+
+    Large ones are advised MADV_HUGEPAGE: a merge's read and scratch buffers are hundreds of MB, and 2 MiB
+    pages cut page faults and O_DIRECT page pinning by 512x (DESIGN §6: fresh pages cost more than
+    arithmetic). Freed when the last array viewing it goes.
+    """
+    import mmap
+
+    m = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if nbytes >= _HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):
+            m.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(m, dtype=np.uint8, count=nbytes)
 
 
 class RangeReader:
@@ -109,10 +124,11 @@ class RangeReader:
         self._count(path, offset, len(buf))
 
     def _pread_all(self, fd: int, path: str, offset: int, buf: memoryview, need: int) -> None:
-        """Read into `buf` from `offset` until at least `need` bytes arrived (a short read past EOF ends it)."""
+        """Read into `buf` from `offset` until at least `need` bytes arrived (a short read past EOF ends it),
+        in requests of at most `_REQUEST` bytes."""
         done = 0
         while done < need:
-            n = os.preadv(fd, [buf[done:]], offset + done)
+            n = os.preadv(fd, [buf[done:done + _REQUEST]], offset + done)
             if n == 0:
                 raise StaleSourceError(f"source file {path} is shorter than the catalog says (truncated?)")
             done += n

@@ -136,10 +136,10 @@ def test_racing_first_commits_to_a_new_ref_one_wins(catalog, tiny_family, tmp_pa
     names = ingest_family(catalog, tiny_family)
     spec = write_spec(tmp_path / "spec.yml", names)
     b_planned, inside = threading.Event(), threading.Event()
-    real_insert, real_commit, real_version = cm._insert_output_checkpoint, cm.commit, cm.read_ref_version
+    real_insert, real_commit, real_version = cm._insert_output_checkpoint, cm.commit, cm.ref_version
 
-    def version_b_first(db, ref):
-        v = real_version(db, ref)
+    def version_b_first(conn, ref):
+        v = real_version(conn, ref)
         if threading.current_thread().name == "b":
             b_planned.set()  # b expects version 0 too
         return v
@@ -154,7 +154,7 @@ def test_racing_first_commits_to_a_new_ref_one_wins(catalog, tiny_family, tmp_pa
         assert (b_planned if kw["out"].name == "a" else inside).wait(120)
         return real_commit(db, plan, result, **kw)
 
-    monkeypatch.setattr(cm, "read_ref_version", version_b_first)
+    monkeypatch.setattr(cm, "ref_version", version_b_first)
     monkeypatch.setattr(cm, "_insert_output_checkpoint", slow_insert)
     monkeypatch.setattr(cm, "commit", gated_commit)
     outcome: dict[str, object] = {}
@@ -186,7 +186,7 @@ def test_stale_expected_version_is_a_conflict_and_publishes_nothing(catalog, tin
     catalog.merge(spec, out=tmp_path / "first", ref="r")
     catalog.merge(spec, out=tmp_path / "second", ref="r")
     for stale in (0, 1):  # as if planned before the other writer's commits
-        monkeypatch.setattr(cm, "read_ref_version", lambda db, ref, v=stale: v)
+        monkeypatch.setattr(cm, "ref_version", lambda conn, ref, v=stale: v)
         with pytest.raises(CommitConflictError):
             catalog.merge(spec, out=tmp_path / f"stale{stale}", ref="r")
         assert not (tmp_path / f"stale{stale}").exists()
