@@ -519,6 +519,8 @@ class MergeOperator(abc.ABC):
     uses_theta: ClassVar[bool] = False
     #: needs tensor-global thresholds (ties, breadcrumbs): a partial read takes them from the sketch
     needs_full_tensor_stats: ClassVar[bool] = False
+    #: plan block rows of all experts together (ties, dare_ties; sql/plan_rank.sql :grouped)
+    joint_election: ClassVar[bool] = False
     normalize_default: ClassVar[bool] = False
 
     def __init__(self, experts: Sequence[ExpertParams], *, normalize: bool | None = None, lam: float = 1.0,
@@ -898,6 +900,9 @@ class _TiesFold(_DeltaFold):
     WP/WN = Σ w_k over positive/negative D_k; mixed = where(S >= 0, P, N), div = where(S >= 0, WP, WN)."""
 
     normalize_default = True
+    #: every expert's Δ of an element meets in one sign election and divisor: the planner reads block rows
+    #: of all experts together (omitting one expert's block there would change the others' weight)
+    joint_election: ClassVar[bool] = True
     _P: torch.Tensor | None = None
 
     _fused = True

@@ -471,7 +471,9 @@ def build_plan(
         "tensor_level": [bool(op.tensor_granular or not e.checkpoint.has_stats) for e in experts]})
     conn.execute(sa.text(sql_text("plan_tensor_insert")), {
         "position": pt[0], "tensor_idx": pt[1], "base_idx": pt[2], "prune_below": pt[3]})
-    cols = _fetch_columns(conn, conn.execute(sa.text(sql_text("plan_rank")), {"budget": budget_bytes}))
+    grouped = 1 if getattr(op, "joint_election", False) else 0
+    cols = _fetch_columns(conn, conn.execute(sa.text(sql_text("plan_rank")),
+                                             {"budget": budget_bytes, "grouped": grouped}))
     pruned = conn.execute(sa.text(sql_text("plan_pruned"))).all() if bounds else []
     for name in ("mp_plan_expert", "mp_plan_tensor"):
         conn.execute(sa.text(f"DROP TABLE IF EXISTS {name}"))

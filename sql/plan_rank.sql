@@ -9,6 +9,10 @@
 -- ranked: deterministic order (score DESC NULLS LAST, tensor_idx, block_idx, position; candidates without
 -- statistics rank last, in tensor order); running_cost is the cumulative read cost in that order, so the
 -- access set for a budget B is the prefix running_cost <= B.
+-- :grouped = 1 (operators with a joint sign election, ties / dare_ties) ranks block rows instead: the
+-- candidates of every expert for one (tensor, block) form a group, scored by the sum of their scores, read
+-- all together or not at all (a group's running cost is the cost up to its last member); LoRA factors
+-- (block_idx -2) come first, so a selected block always has its factor.
 --
 -- The result has two kinds of rows, sorted by kind, tensor_idx, position, block_idx:
 --   kind 0, one per selected read: block_idx, nbytes (read cost), block_offset, xxh3;
@@ -36,14 +40,29 @@ WITH candidates AS (
     WHERE e.tensor_level
       AND (t.delta_l2 IS NULL OR t.delta_l2 <> 0)
 ),
-ranked AS MATERIALIZED (
+keyed AS (
     SELECT position, tensor_idx, block_idx, nbytes, block_offset, xxh3, score,
-           CAST(SUM(nbytes) OVER (
-               ORDER BY score DESC NULLS LAST, tensor_idx, block_idx, position
-               ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW
-           ) AS BIGINT) AS running_cost
+           CASE WHEN :grouped = 0 THEN score
+                WHEN block_idx = -2 THEN NULL
+                ELSE SUM(score) OVER (PARTITION BY tensor_idx, block_idx) END AS rank_key,
+           CASE WHEN :grouped = 1 AND block_idx = -2 THEN 0 ELSE 1 END AS rank_class
     FROM candidates
     WHERE pruned = 0
+),
+running AS (
+    SELECT position, tensor_idx, block_idx, nbytes, block_offset, xxh3, score,
+           SUM(nbytes) OVER (
+               ORDER BY rank_class, rank_key DESC NULLS LAST, tensor_idx, block_idx, position
+               ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW
+           ) AS running_cost
+    FROM keyed
+),
+ranked AS MATERIALIZED (
+    SELECT position, tensor_idx, block_idx, nbytes, block_offset, xxh3, score,
+           CAST(CASE WHEN :grouped = 1 AND block_idx <> -2
+                     THEN MAX(running_cost) OVER (PARTITION BY tensor_idx, block_idx)
+                     ELSE running_cost END AS BIGINT) AS running_cost
+    FROM running
 )
 SELECT 0 AS kind, position, tensor_idx, block_idx, CAST(nbytes AS BIGINT) AS nbytes,
        CAST(block_offset AS BIGINT) AS block_offset, xxh3,
