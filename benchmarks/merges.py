@@ -98,7 +98,7 @@ def _tensor_map(d: str | Path) -> dict[str, Path]:
     out: dict[str, Path] = {}
     for f in sorted(Path(d).glob("*.safetensors")):
         with safe_open(str(f), "pt") as h:
-            for n in h:
+            for n in h.keys():  # noqa: SIM118 - safe_open handles are not iterable
                 out[n] = f
     return out
 

@@ -30,13 +30,48 @@ EXPERIMENTS = {
     "io_floor": ex.floor,
     "peers": ex.peers,
 }
-ORDER = ["targets", "analysis", "ingest", "scaling", "budget_sweep", "operators", "io_floor", "peers", "planner",
-         "profile"]
+ORDER = ["targets", "analysis", "phases", "ingest", "scaling", "budget_sweep", "operators", "io_floor", "peers",
+         "planner"]
 
 
 def _load(name: str):
     p = RAW / f"{name}.json"
     return json.loads(p.read_text()) if p.exists() else None
+
+
+def phases() -> str:
+    """Where a merge's wall time goes (medians over the operator runs' own timers)."""
+    from statistics import median as med
+
+    from benchmarks.common import md_table
+
+    op = _load("operators")
+    if not op:
+        return ""
+    rows = []
+    for key, rec in op["recs"].items():
+        runs = rec["runs"]
+
+        def m(f, runs=runs):  # noqa: ANN001, ANN202
+            return f"{med([f(r) for r in runs]):.2f}"
+
+        rows.append([key.replace("-", " @"), m(lambda r: r["wall"]), m(lambda r: r["startup_s"]),
+                     m(lambda r: r["timings"]["plan"]), m(lambda r: r["timings"]["execute"]),
+                     m(lambda r: r["timings"]["read_wait"]), m(lambda r: r["timings"]["compute"]),
+                     m(lambda r: r["timings"].get("write_wait", 0.0)), m(lambda r: r["timings"].get("output", 0.0)),
+                     m(lambda r: r["timings"]["commit"] + r["timings"]["finalize"]),
+                     m(lambda r: r["wall"] - r["startup_s"] - r["work_s"])])
+    text = ("## Where the time goes (K = 8, from the runs of section 4)\n\n"
+            "Seconds, medians of the same cold runs. `startup` = interpreter and imports (torch, numba, duckdb) "
+            "before the library call; `execute` = the executor, split into what the compute thread waited for "
+            "reads (`read wait`), computed (`compute`) and waited to hand a tensor to the output thread "
+            "(`write wait`); `output busy` = the output thread's own time (write + sha256 + block statistics, "
+            "overlapped with compute); `commit` = manifest, header re-check and the catalog transaction; `exit` = "
+            "process wall not inside the library call or start-up (interpreter shutdown).\n\n"
+            + md_table(["merge", "wall", "startup", "plan", "execute", "read wait", "compute", "write wait",
+                        "output busy", "commit", "exit"], rows))
+    write_section("phases", text)
+    return text
 
 
 def targets() -> str:
@@ -89,9 +124,11 @@ def targets() -> str:
                 f"({p['realized_bytes'] / f['realized_bytes']:.1%} of the full-budget run's reads; whole-process "
                 f"read_bytes ratio {rb:.1%}, incl. base and libraries)", frac <= 0.1)
             speed = f["wall_med"] / p["wall_med"]
-            moved = (f["realized_bytes"] + f["base_bytes"]) / (p["realized_bytes"] + p["base_bytes"])
-            add(f"{name} @0.1 speed-up ≥ 0.8 × bytes-moved ratio", f"{speed:.2f}× vs 0.8 × {moved:.2f} = "
-                f"{0.8 * moved:.2f}×", speed >= 0.8 * moved)
+            moved = ex.bytes_moved(f) / ex.bytes_moved(p)
+            reads = (f["realized_bytes"] + f["base_bytes"]) / (p["realized_bytes"] + p["base_bytes"])
+            add(f"{name} @0.1 speed-up ≥ 0.8 × bytes-moved ratio (reads + output write)",
+                f"{speed:.2f}× vs 0.8 × {moved:.2f} = {0.8 * moved:.2f}× (reads only: 0.8 × {reads:.2f} = "
+                f"{0.8 * reads:.2f}×)", speed >= 0.8 * moved)
     sc = _load("scaling")
     if sc:
         xs = [sc[f"{k}-budget"]["realized_bytes"] for k in (2, 4, 8, 16) if f"{k}-budget" in sc]
@@ -99,8 +136,10 @@ def targets() -> str:
         bound = [sc[f"{k}-budget"]["realized_bytes"] for k in (2, 4, 8, 16)
                  if f"{k}-budget" in sc and sc[f"{k}-budget"]["full_bytes"] > sc[f"{k}-budget"]["budget_bytes"]]
         if xs:
+            binds = [k for k in (2, 4, 8, 16) if f"{k}-budget" in sc
+                     and sc[f"{k}-budget"]["full_bytes"] > sc[f"{k}-budget"]["budget_bytes"]]
             add("expert bytes flat as K grows (fixed budget)", ", ".join(f"{x / 1e9:.3f}" for x in xs)
-                + " GB (K = 2, 4, 8, 16; the budget binds from K = 8)",
+                + f" GB (K = 2, 4, 8, 16; the budget binds from K = {binds[0] if binds else '—'})",
                 bool(bound) and max(xs) <= sc["2-budget"]["budget_bytes"] and max(bound) / min(bound) < 1.1)
         rss = {k: med(sc[f"{k}-full"]["maxrss"]) for k in (2, 4, 8, 16) if f"{k}-full" in sc}
         if rss:
@@ -180,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                     f" GB per model, {fam['n_experts']} experts (smaller K = prefix), {fam['shard_bytes'] >> 20} MiB "
                     f"shards, shape {fam['shape']}.")
     targets()
+    phases()
     assemble(cfg_line + (" **Quick mode (tiny sizes; not representative).**" if a.quick else ""))
     print(f"[bench] wrote {REPO / 'benchmarks' / 'RESULTS.md'}")
     return 0

@@ -24,7 +24,7 @@ def tensor_files(d: Path) -> dict[str, Path]:
     out = {}
     for f in sorted(d.glob("*.safetensors")):
         with safe_open(str(f), "pt") as h:
-            out.update({n: f for n in h})
+            out.update({n: f for n in h.keys()})  # noqa: SIM118 - safe_open is not iterable
     return out
 
 
