@@ -1,17 +1,20 @@
 """Executor: stream the base in checkpoint order, read only the planned expert byte ranges, merge, write.
 
-A reader thread issues every read (base tensors sequentially, expert ranges with POSIX_FADV_RANDOM and
-adjacent blocks coalesced) one item ahead of the compute thread, so reads overlap with compute. Items are
-one tensor of one checkpoint, so memory is a few tensors whatever the number of experts. Realized expert
-bytes are counted where the reads are issued and must equal the plan's bytes (budget soundness).
-
-Compute runs with one torch intra-op thread by default (`MERGEPIPE_COMPUTE_THREADS` overrides): operators
-work in L2-sized chunks, where OpenMP fork/join costs more than it saves, and on a 2-core machine the second
-core belongs to the reader thread (measured: 20x less per-chunk overhead under load, benchmarks/RESULTS.md).
-The float32 copies of the base and of each expert tensor go into grow-only buffers reused across tensors,
-so the kernel does not zero-fill fresh pages for every tensor (DESIGN §6).
+Three threads, data flowing one way:
+- reader: issues every read (base tensors in order, expert ranges with adjacent blocks coalesced) up to
+  _QUEUE_DEPTH items ahead of the compute thread, with O_DIRECT where the file system allows it
+  (`storage.RangeReader.read_aligned`: no page-cache copy; on these machines buffered reads cost more kernel
+  time than the merge's arithmetic). Realized expert bytes are counted where the reads are issued and must
+  equal the plan's bytes (budget soundness).
+- compute (the caller's thread): per tensor, the base in float32 and each expert's stored bytes read in place
+  by the operator's fused kernels (`operators.py`, `merge_kernels.py`); the result cast to the output dtype.
+- output (`_OutputWriter`): writes each tensor into its shard (O_DIRECT, sha256 while writing, fsync per
+  shard), hashes it and computes its block rows for the catalog.
+Items are one tensor of one checkpoint, so memory is a few tensors whatever the number of experts; their
+buffers come from a `BufferPool` and go back once used, so no fresh, zero-filled pages are faulted in per
+tensor (DESIGN §6). Compute runs with one torch intra-op thread (`MERGEPIPE_COMPUTE_THREADS` overrides): on a
+2-core machine the other core serves the reader and the output thread.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -410,6 +413,7 @@ def _execute(
     timings = {"read_wait": 0.0, "compute": 0.0, "write_wait": 0.0}
     reads: dict[tuple[int, int], int] = {}
     realized = [0] * len(plan.experts)
+    held: list[np.ndarray | None] = []  # expert buffers the operator still reads (until finish)
     shard_sizes: list[int] = []
     total = sum(t.nbytes for t in plan.base_tensors)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="merge", disable=not progress, leave=False)
@@ -471,8 +475,14 @@ def _execute(
                                         full=full, sketch=sketch, base=base32, theta=theta)
                     op.add(x)
                     del x
-                    buffers.give(item.arr)  # the operator is done with θ_k's bytes
+                    if op.retains_inputs():  # kept for a fused pass at finish (TIES)
+                        held.append(item.arr)
+                    else:
+                        buffers.give(item.arr)  # the operator is done with θ_k's bytes
                 merged = op.finish()
+                for arr in held:
+                    buffers.give(arr)
+                held.clear()
                 out_arr, pos = buffers.take(0, ot.nbytes)
                 out_bytes = out_arr[pos:pos + ot.nbytes]
                 torch.from_numpy(out_bytes).view(torch_dtype(ot.dtype)).view(t.shape).copy_(merged.view(t.shape))

@@ -13,6 +13,7 @@ kernels release the GIL.
 from __future__ import annotations
 
 import numba
+import numba.typed
 import numpy as np
 
 from mergepipe_db.numba_bits import f32_to_bits, widen
@@ -177,7 +178,9 @@ def absdelta_count(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray) -> tup
 
 @numba.njit(cache=True, nogil=True)
 def _ties_span(S: np.ndarray, P: np.ndarray, N: np.ndarray, WP: np.ndarray, WN: np.ndarray, b: np.ndarray,
-               x: np.ndarray, trim: bool, tau: np.float32, w: np.float32, weights: bool, init: bool) -> None:
+               x: np.ndarray, trim: bool, tau: np.float32, w: np.float32, weights: bool, init: bool,
+               ) -> None:
+    """One expert's TIES sums on a span: T = Δ, or where(|Δ| >= τ, Δ, 0.0) with ``trim``."""
     zero = np.float32(0.0)
     for i in range(S.shape[0]):
         d = widen(x[i]) - b[i]
@@ -201,42 +204,72 @@ def _ties_span(S: np.ndarray, P: np.ndarray, N: np.ndarray, WP: np.ndarray, WN: 
 
 
 @numba.njit(cache=True, nogil=True)
-def _zero(a: np.ndarray, s0: int, e0: int) -> None:
-    a[s0:e0] = np.float32(0.0)
+def ties_dare_span(S: np.ndarray, P: np.ndarray, N: np.ndarray, WP: np.ndarray, WN: np.ndarray, b: np.ndarray,
+                   x: np.ndarray, u: np.ndarray, dens: np.float32, w: np.float32, weights: bool, init: bool) -> None:
+    """dare_ties: the TIES sums of one block's DARE task vector T = where(u < d, Δ / d, 0.0), tile by tile:
+    T into an L1 tile, then `_ties_span` on it against zeros (T − 0 = T, bit for bit)."""
+    zero = np.float32(0.0)
+    t = np.empty(_TILE, np.float32)
+    z = np.zeros(_TILE, np.float32)
+    n = S.shape[0]
+    for t0 in range(0, n, _TILE):
+        m = min(_TILE, n - t0)
+        xs, bs, us = x[t0:t0 + m], b[t0:t0 + m], u[t0:t0 + m]
+        for i in range(m):
+            q = (widen(xs[i]) - bs[i]) / dens
+            t[i] = q if us[i] < dens else zero
+        _ties_span(S[t0:t0 + m], P[t0:t0 + m], N[t0:t0 + m], WP[t0:t0 + m], WN[t0:t0 + m], z[:m], t[:m], False,
+                   np.float32(np.inf), w, weights, init)
+
+
+@numba.njit(cache=True, nogil=True)
+def dare_delta_span(mixed: np.ndarray, b: np.ndarray, x: np.ndarray, u: np.ndarray, dens: np.float32,
+                    w: np.float32) -> None:
+    """mixed = mixed + where(u < d, Δ / d, 0.0) * w on one block (dare_linear)."""
+    zero = np.float32(0.0)
+    for i in range(mixed.shape[0]):
+        t = (widen(x[i]) - b[i]) / dens
+        mixed[i] = mixed[i] + (t if u[i] < dens else zero) * w
 
 
 @numba.njit(cache=True, nogil=True)
 def ties_add(S: np.ndarray, P: np.ndarray, N: np.ndarray, WP: np.ndarray, WN: np.ndarray, base: np.ndarray,
-             raw: np.ndarray, ranges: np.ndarray, trim: bool, tau: np.float32, w: np.float32,
-             weights: bool, init: bool) -> None:
-    """TIES steps 1-2 and the streaming sums of steps 3-5 for one expert on `ranges` (elsewhere D_k = 0):
+             raw: np.ndarray, bounds: np.ndarray, blocks: np.ndarray, touched: np.ndarray, trim: bool,
+             tau: np.float32, w: np.float32, weights: bool) -> None:
+    """TIES steps 1-2 and the streaming sums of steps 3-5 for one expert on its selected `blocks` (block b
+    spans elements [bounds[b], bounds[b+1]); elsewhere D_k = 0 and nothing is touched):
     T = where(|Δ| >= τ, Δ, 0.0) (``trim``; else T = Δ), D = T * w, S += D, P += where(D > 0, D, 0),
     N += where(D < 0, D, 0) and, with ``weights`` (normalize), WP += where(D > 0, w, 0), WN likewise.
-    ``init``: the accumulators hold garbage and this is the first expert folded: they start at +0.0
-    (written, not cleared and added to)."""
-    n = S.shape[0]
-    pos = 0
-    for r in range(ranges.shape[0] + 1):
-        s0 = ranges[r, 0] if r < ranges.shape[0] else n
-        e0 = ranges[r, 1] if r < ranges.shape[0] else n
-        if init and s0 > pos:
-            for a in (S, P, N):
-                _zero(a, pos, s0)
-            if weights:
-                _zero(WP, pos, s0)
-                _zero(WN, pos, s0)
-        if e0 > s0:
-            # WP / WN are empty without ``weights``: their slices stay empty and are never indexed
-            _ties_span(S[s0:e0], P[s0:e0], N[s0:e0], WP[s0:e0], WN[s0:e0], base[s0:e0], raw[s0:e0], trim, tau,
-                       w, weights, init)
-        pos = e0
+    A block not yet `touched` holds garbage: its sums start at +0.0 here (written, not cleared and added to)."""
+    for j in range(blocks.shape[0]):
+        b = blocks[j]
+        s0, e0 = bounds[b], bounds[b + 1]
+        # WP / WN are empty without ``weights``: their slices stay empty and are never indexed
+        _ties_span(S[s0:e0], P[s0:e0], N[s0:e0], WP[s0:e0], WN[s0:e0], base[s0:e0], raw[s0:e0], trim, tau, w,
+                   weights, not touched[b])
+        touched[b] = True
 
 
 @numba.njit(cache=True, nogil=True)
-def ties_finish(P: np.ndarray, S: np.ndarray, N: np.ndarray, WP: np.ndarray, WN: np.ndarray, base: np.ndarray,
-                normalize: bool, lam: np.float32) -> None:
-    """TIES steps 3-6 into P: mixed = where(S >= 0, P, N); div = where(S >= 0, WP, WN), 1 where 0;
-    P = θ₀ + (mixed / div if normalize else mixed) * λ."""
+def ties_clear_untouched(S: np.ndarray, P: np.ndarray, N: np.ndarray, WP: np.ndarray, WN: np.ndarray,
+                         bounds: np.ndarray, touched: np.ndarray, weights: bool) -> None:
+    """Start every block not yet touched at +0.0 (before a torch-path fold, which adds), and mark it."""
+    zero = np.float32(0.0)
+    for b in range(touched.shape[0]):
+        if not touched[b]:
+            s0, e0 = bounds[b], bounds[b + 1]
+            S[s0:e0] = zero
+            P[s0:e0] = zero
+            N[s0:e0] = zero
+            if weights:
+                WP[s0:e0] = zero
+                WN[s0:e0] = zero
+            touched[b] = True
+
+
+@numba.njit(cache=True, nogil=True)
+def _ties_finish_span(P: np.ndarray, S: np.ndarray, N: np.ndarray, WP: np.ndarray, WN: np.ndarray,
+                      base: np.ndarray, normalize: bool, lam: np.float32) -> None:
     zero = np.float32(0.0)
     one = np.float32(1.0)
     if normalize:
@@ -247,6 +280,65 @@ def ties_finish(P: np.ndarray, S: np.ndarray, N: np.ndarray, WP: np.ndarray, WN:
     else:
         for i in range(P.shape[0]):
             P[i] = base[i] + (P[i] if S[i] >= zero else N[i]) * lam
+
+
+@numba.njit(cache=True, nogil=True)
+def ties_finish(P: np.ndarray, S: np.ndarray, N: np.ndarray, WP: np.ndarray, WN: np.ndarray, base: np.ndarray,
+                bounds: np.ndarray, touched: np.ndarray, normalize: bool, lam: np.float32) -> None:
+    """TIES steps 3-6 into P: mixed = where(S >= 0, P, N); div = where(S >= 0, WP, WN), 1 where 0;
+    P = θ₀ + (mixed / div if normalize else mixed) * λ. In a block no expert touched every sum is 0, so
+    that is θ₀ + (+0.0 * λ), computed without the sums."""
+    untouched = np.float32(0.0) * lam
+    for b in range(touched.shape[0]):
+        s0, e0 = bounds[b], bounds[b + 1]
+        if touched[b]:
+            _ties_finish_span(P[s0:e0], S[s0:e0], N[s0:e0], WP[s0:e0], WN[s0:e0], base[s0:e0], normalize, lam)
+        else:
+            p, bb = P[s0:e0], base[s0:e0]
+            for i in range(p.shape[0]):
+                p[i] = bb[i] + untouched
+
+
+@numba.njit(cache=True, nogil=True)
+def ties_fused(out: np.ndarray, base: np.ndarray, raws: numba.typed.List, selected: np.ndarray,
+               bounds: np.ndarray, trim: np.ndarray, tau: np.ndarray, w: np.ndarray, weights: bool,
+               lam: np.float32) -> None:
+    """The whole TIES fold of one tensor in one pass, when every expert's stored values are at hand:
+    tile by tile (`_TILE` elements), the sums of `ties_add` for experts k = 0..K-1 in order (those with
+    ``selected[k, b]`` on block b; elsewhere D_k = 0 adds nothing) stay in L1, then `ties_finish`'s formula
+    writes `out`. Same operations, same order as the streaming kernels: the same bits, without reading and
+    writing five tensor-sized sums once per expert."""
+    zero = np.float32(0.0)
+    one = np.float32(1.0)
+    S = np.empty(_TILE, np.float32)
+    P = np.empty(_TILE, np.float32)
+    N = np.empty(_TILE, np.float32)
+    WP = np.empty(_TILE if weights else 0, np.float32)
+    WN = np.empty(_TILE if weights else 0, np.float32)
+    for b in range(bounds.shape[0] - 1):
+        for t0 in range(bounds[b], bounds[b + 1], _TILE):
+            m = min(_TILE, bounds[b + 1] - t0)
+            bb = base[t0:t0 + m]
+            fresh = True
+            for k in range(len(raws)):
+                if not selected[k, b]:
+                    continue
+                _ties_span(S[:m], P[:m], N[:m], WP[:m], WN[:m], bb, raws[k][t0:t0 + m], trim[k], tau[k], w[k],
+                           weights, fresh)
+                fresh = False
+            o = out[t0:t0 + m]
+            if fresh:  # no expert here: every sum is 0
+                c = zero * lam
+                for i in range(m):
+                    o[i] = bb[i] + c
+            elif weights:
+                for i in range(m):
+                    pos = S[i] >= zero
+                    div = WP[i] if pos else WN[i]
+                    o[i] = bb[i] + (P[i] if pos else N[i]) / (one if div == zero else div) * lam
+            else:
+                for i in range(m):
+                    o[i] = bb[i] + (P[i] if S[i] >= zero else N[i]) * lam
 
 
 def kth_largest_abs_delta(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray, n_read: int, n_total: int,

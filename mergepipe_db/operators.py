@@ -56,6 +56,16 @@ def empty_buffer(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 _NUMPY_OF = {torch.float32: np.float32, torch.float64: np.float64, torch.int32: np.int32, torch.int64: np.int64}
 
 
+#: TIES keeps the experts' stored bytes of a tensor for one fused pass while they add up to at most this
+#: (beyond it, it folds them one by one): memory stays bounded whatever K
+_FUSE_BYTES = 1 << 30
+
+
+def _block_bounds(ctx: TensorContext) -> np.ndarray:
+    """Element offsets of the tensor's blocks: block b is [bounds[b], bounds[b+1]) of the flat tensor."""
+    return np.array([ctx.block_rows(b)[0] * ctx.row_numel for b in range(ctx.n_blocks)] + [ctx.numel], np.int64)
+
+
 def _mk():  # noqa: ANN202 - the fused kernels (numba), imported on first use
     from mergepipe_db import merge_kernels
 
@@ -608,6 +618,11 @@ class MergeOperator(abc.ABC):
         self._end()
         return out
 
+    def retains_inputs(self) -> bool:
+        """Whether the operator still holds the stored bytes of inputs already added (until `finish`): the
+        caller must not reuse their buffers before then."""
+        return False
+
     def release_buffers(self) -> None:
         """Drop the scratch buffers kept between tensors."""
         self._pool.clear()
@@ -717,6 +732,11 @@ class _DeltaFold(MergeOperator):
     def _fold_fast(self, x: ExpertInput, tau: float | None) -> bool:
         """Fold T_k (T_k = Δ_k, or where(|Δ_k| >= τ, Δ_k, 0.0) when ``tau`` is given) with a fused kernel, if
         this operator has one and θ_k is at hand; False: the caller takes the chunked torch path."""
+        return False
+
+    def _dare_block_fast(self, src: np.ndarray, b: int, s0: int, e0: int, u: np.ndarray, d: float,
+                         w: float) -> bool:
+        """Fold block b's DARE task vector (uniforms `u`) with a fused kernel, if this operator has one."""
         return False
 
     # -- trims ---------------------------------------------------------------------------------------
@@ -838,6 +858,7 @@ class _DeltaFold(MergeOperator):
         key = self.experts[k].key
         self._set_expert(w)
         rn = ctx.row_numel
+        src = x.fast_source()
         for b in x.selected_blocks:
             rs, re = ctx.block_rows(b)
             s0, e0 = rs * rn, re * rn
@@ -847,6 +868,8 @@ class _DeltaFold(MergeOperator):
             u = self._scratch("u", e0 - s0)
             torch.rand(shape, generator=_block_generator(ctx.seed, key, ctx.name, b), dtype=torch.float32,
                        out=u.view(shape))
+            if src is not None and self._dare_block_fast(src, b, s0, e0, u.numpy(), d, w):
+                continue
             for s, e in _chunks([(s0, e0)]):
                 n = e - s
                 uc = u[s - s0 : e - s0]
@@ -873,6 +896,14 @@ class _AdditiveFold(_DeltaFold):
     def _combine(self, s: int, e: int, D: torch.Tensor, finite: bool | None) -> None:
         assert self._mixed is not None
         self._mixed[s:e].add_(D)
+
+    def _dare_block_fast(self, src: np.ndarray, b: int, s0: int, e0: int, u: np.ndarray, d: float,
+                         w: float) -> bool:
+        if self._mixed is None or self._bflat is None:
+            return False
+        _mk().dare_delta_span(self._mixed.numpy()[s0:e0], self._bflat.numpy()[s0:e0], src[s0:e0], u,
+                              np.float32(d), np.float32(w))
+        return True
 
     def _fold_fast(self, x: ExpertInput, tau: float | None) -> bool:
         src = x.fast_source() if tau is None else None
@@ -908,35 +939,71 @@ class _TiesFold(_DeltaFold):
     _fused = True
 
     def _begin(self) -> None:
-        assert self._base is not None
+        assert self._base is not None and self._ctx is not None
         n = self._base.numel()
-        # reused buffers, not cleared: the first expert folded writes them (`_init_sums`)
+        # reused buffers, not cleared: a block's first fold writes its sums; `_touched` says which have one
         self._P = self._scratch("out", n)  # becomes the output
         self._S = self._scratch("S", n)
         self._N = self._scratch("N", n)
         if self.normalize:
             self._WP = self._scratch("WP", n)
             self._WN = self._scratch("WN", n)
-        self._fresh = True
+        self._bounds = _block_bounds(self._ctx)
+        self._touched = np.zeros(self._ctx.n_blocks, np.bool_)
+        # experts' inputs kept for one fused pass at finish (`merge_kernels.ties_fused`) while they fit
+        self._stash: list[tuple[np.ndarray, ExpertInput, bool, float, float]] | None = []
+        self._stash_bytes = 0
+
+    def retains_inputs(self) -> bool:
+        return bool(self._stash)
+
+    def _flush_stash(self) -> None:
+        """Fold the kept inputs with the streaming kernels (in order) and stop keeping new ones."""
+        stash, self._stash = self._stash, None
+        for src, x, trim, tau, w in stash or ():
+            self._stream(src, x, trim, tau, w)
+
+    def _dare_block_fast(self, src: np.ndarray, b: int, s0: int, e0: int, u: np.ndarray, d: float,
+                         w: float) -> bool:
+        if self._bflat is None:
+            return False
+        self._flush_stash()  # experts are folded in order
+        S, P, N, wp, wn = self._sums()
+        _mk().ties_dare_span(S[s0:e0], P[s0:e0], N[s0:e0], wp[s0:e0], wn[s0:e0], self._bflat.numpy()[s0:e0],
+                             src[s0:e0], u, np.float32(d), np.float32(w), self.normalize, not self._touched[b])
+        self._touched[b] = True
+        return True
+
+    def _stream(self, src: np.ndarray, x: ExpertInput, trim: bool, tau: float, w: float) -> None:
+        assert self._bflat is not None
+        _mk().ties_add(*self._sums(), self._bflat.numpy(), src, self._bounds,
+                       np.array(x.selected_blocks, np.int64), self._touched, trim, np.float32(tau),
+                       np.float32(w), self.normalize)
+
+    def _sums(self) -> tuple[np.ndarray, ...]:
+        assert self._P is not None
+        wp = self._WP.numpy() if self.normalize else _NO_F32
+        wn = self._WN.numpy() if self.normalize else _NO_F32
+        return self._S.numpy(), self._P.numpy(), self._N.numpy(), wp, wn
 
     def _init_sums(self) -> None:
-        """Clear the sums before a torch-path fold (the kernels start them themselves)."""
-        if self._fresh:
-            for t in (self._P, self._S, self._N) + ((self._WP, self._WN) if self.normalize else ()):
-                t.zero_()
-            self._fresh = False
+        """Clear the sums of untouched blocks before a torch-path fold (which adds to them)."""
+        self._flush_stash()
+        if not self._touched.all():
+            _mk().ties_clear_untouched(*self._sums(), self._bounds, self._touched, self.normalize)
 
     def _fold_fast(self, x: ExpertInput, tau: float | None) -> bool:
         src = x.fast_source()
         if src is None or self._P is None or self._ctx is None or self._bflat is None:
             return False
-        wp = self._WP.numpy() if self.normalize else _NO_F32
-        wn = self._WN.numpy() if self.normalize else _NO_F32
-        _mk().ties_add(self._S.numpy(), self._P.numpy(), self._N.numpy(), wp, wn, self._bflat.numpy(), src,
-                       x.element_ranges_array(self._ctx), tau is not None,
-                       np.float32(math.inf if tau is None else tau), np.float32(self.weights[x.index]),
-                       self.normalize, self._fresh)
-        self._fresh = False
+        item = (src, x, tau is not None, math.inf if tau is None else tau, self.weights[x.index])
+        if (self._stash is not None and self._stash_bytes + src.nbytes <= _FUSE_BYTES
+                and (not self._stash or self._stash[0][0].dtype == src.dtype)):
+            self._stash.append(item)
+            self._stash_bytes += src.nbytes
+        else:
+            self._flush_stash()
+            self._stream(*item)
         return True
 
     def _combine(self, s: int, e: int, D: torch.Tensor, finite: bool | None) -> None:
@@ -964,15 +1031,31 @@ class _TiesFold(_DeltaFold):
     def _finish(self) -> torch.Tensor:
         P, base = self._P, self._base
         assert P is not None and base is not None
-        self._init_sums()  # no expert contributed to this tensor
-        wp = self._WP.numpy() if self.normalize else _NO_F32
-        wn = self._WN.numpy() if self.normalize else _NO_F32
-        _mk().ties_finish(P.numpy(), self._S.numpy(), self._N.numpy(), wp, wn, base.view(-1).numpy(),
-                          self.normalize, np.float32(self.lam))
+        if self._stash:
+            self._finish_fused(P)
+            return P.view(base.shape)
+        S, P_, N, wp, wn = self._sums()
+        _mk().ties_finish(P_, S, N, wp, wn, base.view(-1).numpy(), self._bounds, self._touched, self.normalize,
+                          np.float32(self.lam))
         return P.view(base.shape)
+
+    def _finish_fused(self, P: torch.Tensor) -> None:
+        import numba.typed
+
+        assert self._stash and self._ctx is not None and self._bflat is not None
+        stash, self._stash = self._stash, None
+        raws = numba.typed.List([src for src, *_ in stash])
+        selected = np.zeros((len(stash), self._ctx.n_blocks), np.bool_)
+        for k, (_src, x, *_rest) in enumerate(stash):
+            selected[k, list(x.selected_blocks)] = True
+        _mk().ties_fused(P.numpy(), self._bflat.numpy(), raws, selected, self._bounds,
+                         np.array([t for _s, _x, t, _tau, _w in stash], np.bool_),
+                         np.array([tau for *_a, tau, _w in stash], np.float32),
+                         np.array([w for *_a, w in stash], np.float32), self.normalize, np.float32(self.lam))
 
     def _end(self) -> None:
         self._P = None
+        self._stash = None
         for name in ("_S", "_N", "_WP", "_WN"):
             self.__dict__.pop(name, None)
 
@@ -1000,8 +1083,7 @@ class Linear(MergeOperator):
         ctx = self._ctx
         self._acc = self._scratch("out", self._base.numel())  # garbage until each block's first fold
         self._pending = np.zeros(ctx.n_blocks, np.int64)  # per block: the first expert not folded into it
-        self._bounds = np.array([ctx.block_rows(b)[0] * ctx.row_numel for b in range(ctx.n_blocks)]
-                                + [ctx.numel], np.int64)
+        self._bounds = _block_bounds(ctx)
         self._w32 = np.array(self.weights, np.float32)
 
     def _add(self, x: ExpertInput) -> None:

@@ -721,3 +721,20 @@ def test_full_selection_tau_from_the_sketch_is_exact(case: str) -> None:
         sketches = [np.roll(h, 1) for h in sketches]
     got = stream("ties", base, thetas, params, ctx, sketches=sketches)
     assert_bits_equal(got, literal_merge("ties", base, thetas, params))
+
+
+@pytest.mark.parametrize("fuse_bytes", [0, 40_000])
+def test_ties_streaming_and_partly_fused_paths_match(monkeypatch, fuse_bytes: int) -> None:
+    """TIES folds the experts of a tensor in one fused pass while their bytes fit `_FUSE_BYTES`, else one
+    by one (or the first few fused, then streamed): every mix gives the literal result, bit for bit."""
+    from mergepipe_db import operators
+
+    monkeypatch.setattr(operators, "_FUSE_BYTES", fuse_bytes)
+    shape, rpb = (120, 64), 16
+    base, thetas = make_data(shape, 3, 91)
+    params = [ExpertParams("a", 0.5, 0.4), ExpertParams("b", 0.3, 1.0), ExpertParams("c", -0.2, 0.7)]
+    ctx = context(shape, rpb)
+    for selected in (None, [[0, 1, 5], [], [1, 2, 7]]):
+        got = stream("ties", base, thetas, params, ctx, selected=selected, full=True if selected else None)
+        thetas_read = [omit_rows(base, th, ctx, sel) for th, sel in zip(thetas, selected or [None] * 3)]
+        assert_bits_equal(got, literal_merge("ties", base, thetas_read, params))
