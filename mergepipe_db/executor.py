@@ -195,11 +195,7 @@ def _read_selected(reader: RangeReader, et: TensorInfo, reads: tuple[Read, ...],
                    pool: BufferPool | None) -> tuple[Any, int, np.ndarray | None]:
     import torch
 
-    if pool is not None:
-        arr, pos = pool.take(et.offset, et.nbytes)
-    else:
-        pos = ALIGN + et.offset % ALIGN
-        arr = aligned_empty(pos + et.nbytes + ALIGN)
+    arr, pos = (pool or BufferPool()).take(et.offset, et.nbytes)  # no pool: a fresh buffer
     view = memoryview(arr[pos:pos + et.nbytes])
     n_read = 0
     for off, n, members in coalesce(reads):

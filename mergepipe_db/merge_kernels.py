@@ -268,35 +268,41 @@ def ties_clear_untouched(S: np.ndarray, P: np.ndarray, N: np.ndarray, WP: np.nda
 
 
 @numba.njit(cache=True, nogil=True)
-def _ties_finish_span(P: np.ndarray, S: np.ndarray, N: np.ndarray, WP: np.ndarray, WN: np.ndarray,
-                      base: np.ndarray, normalize: bool, lam: np.float32) -> None:
+def _ties_finish_span(out: np.ndarray, P: np.ndarray, S: np.ndarray, N: np.ndarray, WP: np.ndarray,
+                      WN: np.ndarray, base: np.ndarray, normalize: bool, lam: np.float32) -> None:
+    """out = θ₀ + (mixed / div if normalize else mixed) * λ from the sums (`out` may be P)."""
     zero = np.float32(0.0)
     one = np.float32(1.0)
     if normalize:
-        for i in range(P.shape[0]):
+        for i in range(out.shape[0]):
             pos = S[i] >= zero
             div = WP[i] if pos else WN[i]
-            P[i] = base[i] + (P[i] if pos else N[i]) / (one if div == zero else div) * lam
+            out[i] = base[i] + (P[i] if pos else N[i]) / (one if div == zero else div) * lam
     else:
-        for i in range(P.shape[0]):
-            P[i] = base[i] + (P[i] if S[i] >= zero else N[i]) * lam
+        for i in range(out.shape[0]):
+            out[i] = base[i] + (P[i] if S[i] >= zero else N[i]) * lam
+
+
+@numba.njit(cache=True, nogil=True)
+def _untouched_span(out: np.ndarray, base: np.ndarray, lam: np.float32) -> None:
+    """Where no expert contributed every sum is 0, so the formula gives θ₀ + (+0.0 * λ)."""
+    c = np.float32(0.0) * lam
+    for i in range(out.shape[0]):
+        out[i] = base[i] + c
 
 
 @numba.njit(cache=True, nogil=True)
 def ties_finish(P: np.ndarray, S: np.ndarray, N: np.ndarray, WP: np.ndarray, WN: np.ndarray, base: np.ndarray,
                 bounds: np.ndarray, touched: np.ndarray, normalize: bool, lam: np.float32) -> None:
     """TIES steps 3-6 into P: mixed = where(S >= 0, P, N); div = where(S >= 0, WP, WN), 1 where 0;
-    P = θ₀ + (mixed / div if normalize else mixed) * λ. In a block no expert touched every sum is 0, so
-    that is θ₀ + (+0.0 * λ), computed without the sums."""
-    untouched = np.float32(0.0) * lam
+    P = θ₀ + (mixed / div if normalize else mixed) * λ; blocks no expert touched skip the sums."""
     for b in range(touched.shape[0]):
         s0, e0 = bounds[b], bounds[b + 1]
         if touched[b]:
-            _ties_finish_span(P[s0:e0], S[s0:e0], N[s0:e0], WP[s0:e0], WN[s0:e0], base[s0:e0], normalize, lam)
+            _ties_finish_span(P[s0:e0], P[s0:e0], S[s0:e0], N[s0:e0], WP[s0:e0], WN[s0:e0], base[s0:e0],
+                              normalize, lam)
         else:
-            p, bb = P[s0:e0], base[s0:e0]
-            for i in range(p.shape[0]):
-                p[i] = bb[i] + untouched
+            _untouched_span(P[s0:e0], base[s0:e0], lam)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -308,8 +314,6 @@ def ties_fused(out: np.ndarray, base: np.ndarray, raws: numba.typed.List, select
     ``selected[k, b]`` on block b; elsewhere D_k = 0 adds nothing) stay in L1, then `ties_finish`'s formula
     writes `out`. Same operations, same order as the streaming kernels: the same bits, without reading and
     writing five tensor-sized sums once per expert."""
-    zero = np.float32(0.0)
-    one = np.float32(1.0)
     S = np.empty(_TILE, np.float32)
     P = np.empty(_TILE, np.float32)
     N = np.empty(_TILE, np.float32)
@@ -326,19 +330,16 @@ def ties_fused(out: np.ndarray, base: np.ndarray, raws: numba.typed.List, select
                 _ties_span(S[:m], P[:m], N[:m], WP[:m], WN[:m], bb, raws[k][t0:t0 + m], trim[k], tau[k], w[k],
                            weights, fresh)
                 fresh = False
-            o = out[t0:t0 + m]
-            if fresh:  # no expert here: every sum is 0
-                c = zero * lam
-                for i in range(m):
-                    o[i] = bb[i] + c
-            elif weights:
-                for i in range(m):
-                    pos = S[i] >= zero
-                    div = WP[i] if pos else WN[i]
-                    o[i] = bb[i] + (P[i] if pos else N[i]) / (one if div == zero else div) * lam
+            if fresh:
+                _untouched_span(out[t0:t0 + m], bb, lam)
             else:
-                for i in range(m):
-                    o[i] = bb[i] + (P[i] if S[i] >= zero else N[i]) * lam
+                _ties_finish_span(out[t0:t0 + m], P[:m], S[:m], N[:m], WP[:m], WN[:m], bb, weights, lam)
+
+
+def _rth_largest(bits: np.ndarray, r: int) -> float:
+    """The r-th largest (1-based) of non-negative float32 values given by their bit patterns."""
+    j = bits.shape[0] - r  # == its j-th smallest
+    return float(np.array([np.partition(bits, j)[j]], np.uint32).view(np.float32)[0])
 
 
 def kth_largest_abs_delta(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray, n_read: int, n_total: int,
@@ -361,9 +362,7 @@ def kth_largest_abs_delta(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray,
     got = absdelta_collect(base, raw, ranges, np.uint32(prefix), out)
     if r > got:  # only in bucket 0: the k-th largest is one of the unread zeros (the smallest values)
         return 0.0
-    j = got - r  # the r-th largest of the collected == the (got - r)-th smallest
-    bits = np.partition(out[:got], j)[j]
-    return float(np.array([bits], np.uint32).view(np.float32)[0])
+    return _rth_largest(out[:got], r)
 
 
 def kth_largest_in_bin(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray, k: int, lo: float, hi: float,
@@ -375,9 +374,7 @@ def kth_largest_in_bin(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray, k:
     got, n_above = absdelta_range_collect(base, raw, ranges, np.float32(lo), np.float32(hi), out)
     if got != in_bin or n_above != above or not 0 < k - above <= got:
         return None
-    j = got - (k - above)  # the (k - above)-th largest of the bin == its j-th smallest
-    bits = np.partition(out[:got], j)[j]
-    return float(np.array([bits], np.uint32).view(np.float32)[0])
+    return _rth_largest(out[:got], k - above)
 
 
 def kth_largest_is_zero(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray, k: int) -> bool | None:

@@ -39,7 +39,6 @@ __all__ = [
 
 _CHUNK = 1 << 16  # elements per arithmetic step: scratch stays in L2
 _NO_F32 = np.empty(0, np.float32)
-_NO_RANGES = np.empty((0, 2), np.int64)
 
 
 def empty_buffer(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

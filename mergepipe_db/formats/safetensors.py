@@ -577,8 +577,9 @@ class SafetensorsWriter:
         try:
             if self._direct is not None:
                 self._direct.write(mv)
-            while self._direct is None and off < len(mv):
-                off += os.write(self._fd, mv[off:])
+            else:
+                while off < len(mv):
+                    off += os.write(self._fd, mv[off:])
         except OSError as e:
             if e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
                 raise OutOfSpaceError(f"{show_path(self.path)}: no space left while writing") from e
