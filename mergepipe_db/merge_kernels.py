@@ -88,6 +88,43 @@ def linear_finish(acc: np.ndarray, base: np.ndarray, bounds: np.ndarray, pending
 
 
 @numba.njit(cache=True, nogil=True)
+def linear_fused(acc: np.ndarray, base: np.ndarray, raws: numba.typed.List, slot: np.ndarray,
+                 selected: np.ndarray, bounds: np.ndarray, weights: np.ndarray, j0: int, j1: int) -> None:
+    """Linear steps for experts j0..j1-1 of one tensor in one tiled pass, when their stored values are at
+    hand: expert j is ``raws[slot[j]]`` on the blocks b with ``selected[slot[j], b]`` and θ₀ elsewhere (and
+    everywhere when ``slot[j] < 0``). Tile by tile the accumulator stays in L1 while the experts are folded
+    in order (``j0 == 0``: it starts at +0.0): the same operations as `linear_fold` + `linear_finish`, the
+    same bits, with one pass over the accumulator instead of one per expert."""
+    for b in range(bounds.shape[0] - 1):
+        for t0 in range(bounds[b], bounds[b + 1], _TILE):
+            m = min(_TILE, bounds[b + 1] - t0)
+            a = acc[t0:t0 + m]
+            for j in range(j0, j1):
+                s = slot[j]
+                if s >= 0 and selected[s, b]:
+                    _linear_span(a, raws[s][t0:t0 + m], weights[j], j == 0)
+                else:
+                    _linear_span(a, base[t0:t0 + m], weights[j], j == 0)
+
+
+@numba.njit(cache=True, nogil=True)
+def delta_fused(mixed: np.ndarray, base: np.ndarray, raws: numba.typed.List, selected: np.ndarray,
+                bounds: np.ndarray, w: np.ndarray) -> None:
+    """`delta_add` for every expert k of ``raws`` in order (on the blocks with ``selected[k, b]``), tile by
+    tile, so the sum and the base stay in L1: the same bits as one `delta_add` per expert."""
+    for b in range(bounds.shape[0] - 1):
+        for t0 in range(bounds[b], bounds[b + 1], _TILE):
+            m = min(_TILE, bounds[b + 1] - t0)
+            mm, bb = mixed[t0:t0 + m], base[t0:t0 + m]
+            for k in range(len(raws)):
+                if not selected[k, b]:
+                    continue
+                x, wk = raws[k][t0:t0 + m], w[k]
+                for i in range(m):
+                    mm[i] = mm[i] + (widen(x[i]) - bb[i]) * wk
+
+
+@numba.njit(cache=True, nogil=True)
 def delta_add(mixed: np.ndarray, base: np.ndarray, raw: np.ndarray, ranges: np.ndarray, w: np.float32) -> None:
     """mixed = mixed + (θ_k − θ₀) * w on `ranges` (task arithmetic; elsewhere Δ_k = 0 adds nothing)."""
     for r in range(ranges.shape[0]):

@@ -19,7 +19,7 @@ import hashlib
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -58,6 +58,43 @@ _NUMPY_OF = {torch.float32: np.float32, torch.float64: np.float64, torch.int32: 
 #: TIES keeps the experts' stored bytes of a tensor for one fused pass while they add up to at most this
 #: (beyond it, it folds them one by one): memory stays bounded whatever K
 _FUSE_BYTES = 1 << 30
+#: linear and task arithmetic keep up to this many bytes of experts' stored values, then fold them in one
+#: fused pass (`_Stash`) and start again: the accumulator is read and written once per group, not per expert
+_GROUP_BYTES = 512 << 20
+
+
+class _Stash:
+    """Experts' stored values (as `ExpertInput.fast_source` gives them) kept for one fused pass over a
+    tensor, at most `_GROUP_BYTES` of them, all of one dtype."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[np.ndarray, ExpertInput]] = []
+        self.nbytes = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+    @staticmethod
+    def keeps(src: np.ndarray) -> bool:
+        return src.nbytes <= _GROUP_BYTES
+
+    def full_for(self, src: np.ndarray) -> bool:
+        """Whether `src` cannot join the kept inputs (their pass must run first)."""
+        return bool(self.items) and (self.nbytes + src.nbytes > _GROUP_BYTES or self.items[0][0].dtype != src.dtype)
+
+    def add(self, src: np.ndarray, x: ExpertInput) -> None:
+        self.items.append((src, x))
+        self.nbytes += src.nbytes
+
+    def take(self, n_blocks: int) -> tuple[list[tuple[np.ndarray, ExpertInput]], Any, np.ndarray]:
+        """(items, typed list of their values, selected[item, block]); the stash is empty afterwards."""
+        import numba.typed
+
+        items, self.items, self.nbytes = self.items, [], 0
+        selected = np.zeros((len(items), n_blocks), np.bool_)
+        for k, (_src, x) in enumerate(items):
+            selected[k, list(x.selected_blocks)] = True
+        return items, numba.typed.List([src for src, _x in items]), selected
 
 
 def _block_bounds(ctx: TensorContext) -> np.ndarray:
@@ -891,15 +928,30 @@ class _AdditiveFold(_DeltaFold):
     def _begin(self) -> None:
         assert self._base is not None
         self._mixed = self._zeroed("out", self._base.numel())
+        self._stash = _Stash()
+
+    def retains_inputs(self) -> bool:
+        return bool(self._stash)
+
+    def _fold_stash(self) -> None:
+        """Fold the kept inputs (in order) in one fused pass."""
+        if not self._stash:
+            return
+        assert self._mixed is not None and self._ctx is not None and self._bflat is not None
+        items, raws, selected = self._stash.take(self._ctx.n_blocks)
+        w = np.array([self.weights[x.index] for _src, x in items], np.float32)
+        _mk().delta_fused(self._mixed.numpy(), self._bflat.numpy(), raws, selected, _block_bounds(self._ctx), w)
 
     def _combine(self, s: int, e: int, D: torch.Tensor, finite: bool | None) -> None:
         assert self._mixed is not None
+        self._fold_stash()  # experts are folded in order
         self._mixed[s:e].add_(D)
 
     def _dare_block_fast(self, src: np.ndarray, b: int, s0: int, e0: int, u: np.ndarray, d: float,
                          w: float) -> bool:
         if self._mixed is None or self._bflat is None:
             return False
+        self._fold_stash()
         _mk().dare_delta_span(self._mixed.numpy()[s0:e0], self._bflat.numpy()[s0:e0], src[s0:e0], u,
                               np.float32(d), np.float32(w))
         return True
@@ -908,6 +960,11 @@ class _AdditiveFold(_DeltaFold):
         src = x.fast_source() if tau is None else None
         if src is None or self._mixed is None or self._ctx is None or self._bflat is None:
             return False
+        if self._stash.full_for(src):
+            self._fold_stash()
+        if self._stash.keeps(src):
+            self._stash.add(src, x)
+            return True
         w = np.float32(self.weights[x.index])
         _mk().delta_add(self._mixed.numpy(), self._bflat.numpy(), src, x.element_ranges_array(self._ctx), w)
         return True
@@ -915,6 +972,7 @@ class _AdditiveFold(_DeltaFold):
     def _finish(self) -> torch.Tensor:
         mixed, base = self._mixed, self._base
         assert mixed is not None and base is not None
+        self._fold_stash()
         if self.normalize:
             mixed.div_(self.weight_sum)
         mixed.mul_(self.lam)
@@ -923,6 +981,7 @@ class _AdditiveFold(_DeltaFold):
 
     def _end(self) -> None:
         self._mixed = None
+        self._stash = _Stash()
 
 
 class _TiesFold(_DeltaFold):
@@ -1084,6 +1143,25 @@ class Linear(MergeOperator):
         self._pending = np.zeros(ctx.n_blocks, np.int64)  # per block: the first expert not folded into it
         self._bounds = _block_bounds(ctx)
         self._w32 = np.array(self.weights, np.float32)
+        self._stash = _Stash()
+
+    def retains_inputs(self) -> bool:
+        return bool(self._stash)
+
+    def _fold_stash(self) -> None:
+        """Fold the kept inputs, and the experts between them that selected nothing, in one fused pass."""
+        if not self._stash:
+            return
+        acc, base, ctx = self._acc, self._bflat, self._ctx
+        assert acc is not None and base is not None and ctx is not None
+        items, raws, selected = self._stash.take(ctx.n_blocks)
+        j0, j1 = items[0][1].index, items[-1][1].index + 1
+        _mk().linear_finish(acc.numpy(), base.numpy(), self._bounds, self._pending, self._w32[:j0])
+        slot = np.full(self.n_experts, -1, np.int64)
+        for k, (_src, x) in enumerate(items):
+            slot[x.index] = k
+        _mk().linear_fused(acc.numpy(), base.numpy(), raws, slot, selected, self._bounds, self._w32, j0, j1)
+        self._pending[:] = j1
 
     def _add(self, x: ExpertInput) -> None:
         acc, base, ctx = self._acc, self._bflat, self._ctx
@@ -1091,6 +1169,12 @@ class Linear(MergeOperator):
         if not x.selected_blocks:
             return  # θ_k = θ₀ everywhere: folded lazily (`merge_kernels.linear_fold`)
         src = x.fast_source()
+        if src is not None and self._stash.full_for(src):
+            self._fold_stash()
+        if src is not None and self._stash.keeps(src):
+            self._stash.add(src, x)
+            return
+        self._fold_stash()
         if src is not None:
             selected = np.zeros(ctx.n_blocks, np.bool_)
             selected[list(x.selected_blocks)] = True
@@ -1123,6 +1207,7 @@ class Linear(MergeOperator):
     def _finish(self) -> torch.Tensor:
         acc, base = self._acc, self._base
         assert acc is not None and base is not None and self._bflat is not None
+        self._fold_stash()
         _mk().linear_finish(acc.numpy(), self._bflat.numpy(), self._bounds, self._pending, self._w32)
         if self.normalize:
             acc.div_(self.weight_sum)
@@ -1130,6 +1215,7 @@ class Linear(MergeOperator):
 
     def _end(self) -> None:
         self._acc = None
+        self._stash = _Stash()
 
 
 class TaskArithmetic(_AdditiveFold):

@@ -723,6 +723,25 @@ def test_full_selection_tau_from_the_sketch_is_exact(case: str) -> None:
     assert_bits_equal(got, literal_merge("ties", base, thetas, params))
 
 
+@pytest.mark.parametrize("method", ["linear", "task_arithmetic"])
+@pytest.mark.parametrize("group_bytes", [0, 40_000, 1 << 30])
+def test_grouped_fused_and_streamed_additive_paths_match(monkeypatch, method: str, group_bytes: int) -> None:
+    """linear and task arithmetic keep experts' values up to `_GROUP_BYTES` and fold each group in one fused
+    pass (0: each expert streamed; 40 kB: groups of one or two, experts that selected nothing in between;
+    1 GiB: one pass): every split gives the literal result, bit for bit."""
+    from mergepipe_db import operators
+
+    monkeypatch.setattr(operators, "_GROUP_BYTES", group_bytes)
+    shape, rpb = (120, 64), 16
+    base, thetas = make_data(shape, 5, 93)
+    params = [ExpertParams(n, w) for n, w in zip("abcde", (0.5, 0.3, -0.2, 0.25, 0.15))]
+    ctx = context(shape, rpb)
+    for selected in (None, [[0, 1, 5], [], [1, 2, 7], [], [0, 7]], [[], [3], [], [], [2]]):
+        got = stream(method, base, thetas, params, ctx, selected=selected, full=True if selected else None)
+        thetas_read = [omit_rows(base, th, ctx, sel) for th, sel in zip(thetas, selected or [None] * 5)]
+        assert_bits_equal(got, literal_merge(method, base, thetas_read, params))
+
+
 @pytest.mark.parametrize("fuse_bytes", [0, 40_000])
 def test_ties_streaming_and_partly_fused_paths_match(monkeypatch, fuse_bytes: int) -> None:
     """TIES folds the experts of a tensor in one fused pass while their bytes fit `_FUSE_BYTES`, else one
