@@ -13,6 +13,9 @@
 -- candidates of every expert for one (tensor, block) form a group, scored by the sum of their scores, read
 -- all together or not at all (a group's running cost is the cost up to its last member); LoRA factors
 -- (block_idx -2) come first, so a selected block always has its factor.
+-- The leading sort key (factors first) is written out in the window's ORDER BY, not as a column of keyed: at
+-- :grouped = 0 it is then a constant the planner drops (PostgreSQL compares a constant first key on every
+-- comparison otherwise, and its sort takes twice as long).
 --
 -- The result has two kinds of rows, sorted by kind, tensor_idx, position, block_idx:
 --   kind 0, one per selected read: block_idx, nbytes (read cost), block_offset, xxh3;
@@ -44,15 +47,15 @@ keyed AS (
     SELECT position, tensor_idx, block_idx, nbytes, block_offset, xxh3, score,
            CASE WHEN :grouped = 0 THEN score
                 WHEN block_idx = -2 THEN NULL
-                ELSE SUM(score) OVER (PARTITION BY tensor_idx, block_idx) END AS rank_key,
-           CASE WHEN :grouped = 1 AND block_idx = -2 THEN 0 ELSE 1 END AS rank_class
+                ELSE SUM(score) OVER (PARTITION BY tensor_idx, block_idx) END AS rank_key
     FROM candidates
     WHERE pruned = 0
 ),
 running AS (
     SELECT position, tensor_idx, block_idx, nbytes, block_offset, xxh3, score,
            SUM(nbytes) OVER (
-               ORDER BY rank_class, rank_key DESC NULLS LAST, tensor_idx, block_idx, position
+               ORDER BY CASE WHEN :grouped = 1 AND block_idx = -2 THEN 0 ELSE 1 END, rank_key DESC NULLS LAST,
+                        tensor_idx, block_idx, position
                ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW
            ) AS running_cost
     FROM keyed
