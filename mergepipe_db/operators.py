@@ -17,7 +17,7 @@ from __future__ import annotations
 import abc
 import hashlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -74,17 +74,20 @@ class _Stash:
     def __bool__(self) -> bool:
         return bool(self.items)
 
-    @staticmethod
-    def keeps(src: np.ndarray) -> bool:
-        return src.nbytes <= _GROUP_BYTES
-
     def full_for(self, src: np.ndarray) -> bool:
         """Whether `src` cannot join the kept inputs (their pass must run first)."""
         return bool(self.items) and (self.nbytes + src.nbytes > _GROUP_BYTES or self.items[0][0].dtype != src.dtype)
 
-    def add(self, src: np.ndarray, x: ExpertInput) -> None:
+    def offer(self, src: np.ndarray, x: ExpertInput, fold: Callable[[], None]) -> bool:
+        """Keep `src` for the next fused pass, running `fold` first when it cannot join the kept inputs;
+        False (nothing kept) when `src` alone exceeds a group: the caller folds it by itself."""
+        if self.full_for(src):
+            fold()
+        if src.nbytes > _GROUP_BYTES:
+            return False
         self.items.append((src, x))
         self.nbytes += src.nbytes
+        return True
 
     def take(self, n_blocks: int) -> tuple[list[tuple[np.ndarray, ExpertInput]], Any, np.ndarray]:
         """(items, typed list of their values, selected[item, block]); the stash is empty afterwards."""
@@ -568,6 +571,8 @@ class MergeOperator(abc.ABC):
     #: plan block rows of all experts together (ties, dare_ties; sql/plan_rank.sql :grouped)
     joint_election: ClassVar[bool] = False
     normalize_default: ClassVar[bool] = False
+    #: inputs kept for a fused pass over the tensor (a `_Stash`, or TIES's list); empty or None: none held
+    _stash: Any = None
 
     def __init__(self, experts: Sequence[ExpertParams], *, normalize: bool | None = None, lam: float = 1.0,
                  t: float | None = None) -> None:
@@ -656,8 +661,8 @@ class MergeOperator(abc.ABC):
 
     def retains_inputs(self) -> bool:
         """Whether the operator still holds the stored bytes of inputs already added (until `finish`): the
-        caller must not reuse their buffers before then."""
-        return False
+        caller must not reuse their buffers before then. Operators that keep inputs do so in `_stash`."""
+        return bool(self._stash)
 
     def release_buffers(self) -> None:
         """Drop the scratch buffers kept between tensors."""
@@ -930,9 +935,6 @@ class _AdditiveFold(_DeltaFold):
         self._mixed = self._zeroed("out", self._base.numel())
         self._stash = _Stash()
 
-    def retains_inputs(self) -> bool:
-        return bool(self._stash)
-
     def _fold_stash(self) -> None:
         """Fold the kept inputs (in order) in one fused pass."""
         if not self._stash:
@@ -960,10 +962,7 @@ class _AdditiveFold(_DeltaFold):
         src = x.fast_source() if tau is None else None
         if src is None or self._mixed is None or self._ctx is None or self._bflat is None:
             return False
-        if self._stash.full_for(src):
-            self._fold_stash()
-        if self._stash.keeps(src):
-            self._stash.add(src, x)
+        if self._stash.offer(src, x, self._fold_stash):
             return True
         w = np.float32(self.weights[x.index])
         _mk().delta_add(self._mixed.numpy(), self._bflat.numpy(), src, x.element_ranges_array(self._ctx), w)
@@ -1011,9 +1010,6 @@ class _TiesFold(_DeltaFold):
         # experts' inputs kept for one fused pass at finish (`merge_kernels.ties_fused`) while they fit
         self._stash: list[tuple[np.ndarray, ExpertInput, bool, float, float]] | None = []
         self._stash_bytes = 0
-
-    def retains_inputs(self) -> bool:
-        return bool(self._stash)
 
     def _flush_stash(self) -> None:
         """Fold the kept inputs with the streaming kernels (in order) and stop keeping new ones."""
@@ -1145,9 +1141,6 @@ class Linear(MergeOperator):
         self._w32 = np.array(self.weights, np.float32)
         self._stash = _Stash()
 
-    def retains_inputs(self) -> bool:
-        return bool(self._stash)
-
     def _fold_stash(self) -> None:
         """Fold the kept inputs, and the experts between them that selected nothing, in one fused pass."""
         if not self._stash:
@@ -1169,10 +1162,7 @@ class Linear(MergeOperator):
         if not x.selected_blocks:
             return  # θ_k = θ₀ everywhere: folded lazily (`merge_kernels.linear_fold`)
         src = x.fast_source()
-        if src is not None and self._stash.full_for(src):
-            self._fold_stash()
-        if src is not None and self._stash.keeps(src):
-            self._stash.add(src, x)
+        if src is not None and self._stash.offer(src, x, self._fold_stash):
             return
         self._fold_stash()
         if src is not None:
