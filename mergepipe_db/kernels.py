@@ -1,75 +1,111 @@
-"""Fused single-pass kernels (numba) for ingest statistics.
+"""Fused kernels (numba) for delta statistics, at ingest and for the merge output's blocks.
 
-`delta_stats` reads an expert block and the base block once and produces, in one pass, the L2² (float64
-accumulation), L1, max |Δ|, the count of positive deltas and the magnitude histogram of docs/SEMANTICS.md
-("Sketch") — the same bins as `sketch.histogram`, exactly. Δ is computed in float32, as everywhere else.
+`delta_stats` reads an expert block and the base block once and produces the L2² (float64 accumulation),
+L1, max |Δ|, the count of positive deltas and the magnitude histogram of docs/SEMANTICS.md ("Sketch") —
+the same bins as `sketch.histogram`, exactly. Δ is computed in float32, as everywhere else. The block is
+processed in tiles that stay in L1, each in four passes the compiler vectorizes, but the last: |Δ| with
+the positive count and the max (as integer bits); the bins; the float64 sums (reassociated into SIMD
+lanes, so not in sequential order: L2 and L1 move by a few ulps); the bin counts, into sub-histograms.
 The kernels release the GIL, so ingest runs them on several blocks at once. Compiled once and cached on
-disk by numba (first use in a fresh install takes a few seconds).
+disk by numba (first use in a fresh install takes seconds).
 """
 
 from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import types
-from numba.extending import overload
 
 from mergepipe_db import sketch
-from mergepipe_db.numba_bits import f64_to_bits, widen
+from mergepipe_db.numba_bits import bits_to_f32, f32_to_bits, widen
 
-_OFFSET = sketch.BINS_PER_OCTAVE * -sketch.MIN_EXP + 1
-_LAST = sketch.LAST_BIN
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def _step(d: np.float32, l2: float, l1: float, mx: np.float32, pos: float, hist: np.ndarray
-          ) -> tuple[float, float, np.float32, float]:
-    """Fold one Δ (float32) into (L2², L1, max |Δ|, #positive) and bin |Δ| into `hist`."""
-    a = abs(d)
-    x = np.float64(a)
-    l2 += x * x
-    l1 += x
-    if a > mx or a != a:
-        mx = a
-    if d > 0:
-        pos += 1.0
-    x = x * x
-    # |Δ|**4 in float64: its binary exponent is floor(4*log2|Δ|) (see sketch.py)
-    code = np.int64((f64_to_bits(x * x) >> np.uint64(52)) & np.uint64(0x7FF))
-    if code == 0:
-        hist[0] += 1  # zero (|Δ|**4 of a nonzero float32 is never subnormal in float64)
-    elif code == 0x7FF:
-        hist[_LAST] += 1  # inf / NaN
-    else:
-        hist[min(max(code - 1023 + _OFFSET, 1), _LAST)] += 1
-    return l2, l1, mx, pos
+_TILE = 2048  # elements per tile: |Δ| (float32) and bins (int32) 16 KiB, in L1 with the inputs
+_SUBS = 8  # sub-histograms: a run of equal bins increments 8 counters in turn, not one
+# int32/uint32/float32 constants, so numba keeps the tile loops in 32-bit lanes
+_LAST = np.int32(sketch.LAST_BIN)
+_ZERO, _ONE = np.int32(0), np.int32(1)
+_SCALE = np.float32(sketch._SCALE)
+_CODE_SHIFT = np.int32(sketch._F32_EXP_BIAS + 48 - sketch._OFFSET)  # bin = code − this (sketch._CODE_TO_BIN)
+_U23, _UFF = np.uint32(23), np.uint32(0xFF)
 
 
-def _same_finite(a, b):  # noqa: ANN001, ANN201 - compiled by the overload below
-    raise NotImplementedError("only callable from numba-compiled code")
+@numba.njit(cache=True, nogil=True)
+def _tile_abs(e: np.ndarray, b: np.ndarray, absd: np.ndarray) -> tuple[int, np.uint32]:
+    """|Δ| of each element of the tile into `absd`; (#Δ > 0, max of |Δ|'s bits). For |Δ| ≥ 0 the float32
+    bits order as the values do, and a NaN's bits exceed every number's: the integer max is max |Δ|, NaN
+    propagated."""
+    pos = np.int32(0)
+    mx = np.uint32(0)
+    for i in range(e.shape[0]):
+        d = widen(e[i]) - widen(b[i])
+        a = abs(d)
+        absd[i] = a
+        pos += np.int32(d > 0)
+        mx = max(mx, f32_to_bits(a))
+    return pos, mx
 
 
-@overload(_same_finite, inline="always")
-def _same_finite_impl(a, b):  # noqa: ANN001, ANN202
-    if a == types.uint16:  # equal BF16 bits of a finite value: Δ is exactly 0 (inf - inf would be NaN)
-        return lambda a, b: a == b and (a & 0x7F80) != 0x7F80
-    return lambda a, b: False
+@numba.njit(cache=True, nogil=True)
+def _tile_bins(absd: np.ndarray, bins: np.ndarray) -> None:
+    """The sketch bin of each |Δ|, computed as `sketch.histogram` does: the float32 exponent field of
+    (|Δ|·2^12)^4, shifted and clamped; exact zeros in bin 0, inf and NaN (field 255) in the last."""
+    for i in range(absd.shape[0]):
+        a = absd[i]
+        y = a * _SCALE
+        y = y * y
+        y = y * y
+        code = np.int32((f32_to_bits(y) >> _U23) & _UFF)
+        bn = min(max(code - _CODE_SHIFT, _ONE), _LAST)
+        bins[i] = _ZERO if a == 0 else bn
+
+
+@numba.njit(cache=True, nogil=True, fastmath={"reassoc"})
+def _tile_sums(absd: np.ndarray) -> tuple[float, float]:
+    l2 = 0.0
+    l1 = 0.0
+    for i in range(absd.shape[0]):
+        x = np.float64(absd[i])
+        l2 += x * x
+        l1 += x
+    return l2, l1
+
+
+@numba.njit(cache=True, nogil=True)
+def _tile_count(bins: np.ndarray, sub: np.ndarray) -> None:
+    n = bins.shape[0]
+    i = 0
+    while i + _SUBS <= n:
+        for k in range(_SUBS):
+            sub[k, bins[i + k]] += 1
+        i += _SUBS
+    while i < n:
+        sub[0, bins[i]] += 1
+        i += 1
 
 
 @numba.njit(cache=True, nogil=True)
 def _stats(e: np.ndarray, b: np.ndarray, hist: np.ndarray, acc: np.ndarray) -> None:
-    """Statistics of Δ = e − b (float32 or BF16 bits) into `hist` and `acc` = [L2², L1, max |Δ|, #positive].
-    Equal BF16 bit patterns of a finite value (common in fine-tunes) are an exact zero delta and skip the
-    math."""
-    l2, l1, mx, pos = acc[0], acc[1], np.float32(acc[2]), acc[3]
-    zeros = 0
-    for i in range(e.shape[0]):
-        if _same_finite(e[i], b[i]):
-            zeros += 1
-            continue
-        l2, l1, mx, pos = _step(widen(e[i]) - widen(b[i]), l2, l1, mx, pos, hist)
-    hist[0] += zeros
-    acc[0], acc[1], acc[2], acc[3] = l2, l1, mx, pos
+    """Statistics of Δ = e − b (float32 or BF16 bits) into `hist` and `acc` = [L2², L1, max |Δ|, #positive]."""
+    n = e.shape[0]
+    absd = np.empty(_TILE, np.float32)
+    bins = np.empty(_TILE, np.int32)
+    sub = np.zeros((_SUBS, hist.shape[0]), np.int64)
+    l2 = 0.0
+    l1 = 0.0
+    pos = 0
+    mx = np.uint32(0)
+    for s in range(0, n, _TILE):
+        m = min(_TILE, n - s)
+        p, t = _tile_abs(e[s:s + m], b[s:s + m], absd[:m])
+        pos += p
+        mx = max(mx, t)
+        _tile_bins(absd[:m], bins[:m])
+        a, c = _tile_sums(absd[:m])
+        l2 += a
+        l1 += c
+        _tile_count(bins[:m], sub)
+    for j in range(hist.shape[0]):
+        hist[j] = sub[:, j].sum()
+    acc[0], acc[1], acc[2], acc[3] = l2, l1, bits_to_f32(mx), pos
 
 
 def _writable(buf: bytes | bytearray | memoryview, dtype: type) -> np.ndarray:

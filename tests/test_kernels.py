@@ -33,3 +33,32 @@ def test_delta_stats_match_torch_and_sketch(dtype: torch.dtype, name: str) -> No
     assert l2f == pytest.approx(float(torch.linalg.vector_norm(d_f, dtype=torch.float64)), rel=1e-12)
     assert l1f == pytest.approx(float(d_f.abs().double().sum()), rel=1e-12)
     assert mxf == float(d_f.abs().max())
+
+
+def test_delta_stats_bins_every_edge_exactly() -> None:
+    """Each bin's smallest float32 (sketch.bin_edges) lands in that bin, the float32 just below it in the
+    bin before: the kernel's bins are the sketch's at every boundary, subnormals and the clamps included."""
+    edges = sketch.bin_edges()
+    at = np.float32(edges[1:])
+    below = np.nextafter(at, np.float32(0))
+    values = np.concatenate([at, below, np.float32([0.0, np.inf, 3.0e38, 1e-45])])
+    expected = np.concatenate([np.arange(1, sketch.NBINS), np.arange(0, sketch.NBINS - 1),
+                               [0, sketch.LAST_BIN, sketch.LAST_BIN, 1]])
+    _l2, _l1, mx, pos, hist = kernels.delta_stats(values.tobytes(), bytes(values.nbytes), "F32")
+    assert np.array_equal(hist, np.bincount(expected, minlength=sketch.NBINS))
+    assert mx == np.inf and pos == (values > 0).mean()
+
+
+@pytest.mark.parametrize("n", [1, 7, 2048, 2049, 3 * 2048 + 13])
+def test_delta_stats_any_length(n: int) -> None:
+    """Lengths that are not a multiple of the kernel's tile or unroll give the same statistics as torch."""
+    g = torch.Generator().manual_seed(n)
+    b = torch.randn(n, generator=g).to(torch.bfloat16)
+    e = (b.float() + torch.randn(n, generator=g) * 1e-2).to(torch.bfloat16)
+    l2, l1, mx, pos, hist = kernels.delta_stats(e.view(torch.uint8).numpy().tobytes(),
+                                                b.view(torch.uint8).numpy().tobytes(), "BF16")
+    d = e.float() - b.float()
+    assert np.array_equal(hist, sketch.histogram(d.abs()))
+    assert l2 == pytest.approx(float(torch.linalg.vector_norm(d, dtype=torch.float64)), rel=1e-12)
+    assert l1 == pytest.approx(float(d.abs().double().sum()), rel=1e-12)
+    assert mx == float(d.abs().max()) and pos == float((d > 0).double().mean())
