@@ -2,7 +2,8 @@
 
 Three threads, data flowing one way:
 - reader: issues every read (base tensors in order, expert ranges with adjacent blocks coalesced) up to
-  _QUEUE_DEPTH items ahead of the compute thread, with O_DIRECT where the file system allows it
+  `_READ_AHEAD_BYTES` ahead of the compute thread (reads overlap compute even while an operator holds a
+  tensor's inputs for one fused pass at `finish`), with O_DIRECT where the file system allows it
   (`storage.RangeReader.read_aligned`: no page-cache copy; on these machines buffered reads cost more kernel
   time than the merge's arithmetic). Realized expert bytes are counted where the reads are issued and must
   equal the plan's bytes (budget soundness).
@@ -36,7 +37,10 @@ from mergepipe_db.planner import ARITHMETIC, Plan, Read, TensorInfo
 from mergepipe_db.storage import ALIGN, RangeReader, aligned_empty, xxh3_hex
 
 DEFAULT_SHARD_BYTES = 4 << 30
-_QUEUE_DEPTH = 3
+#: how far the reader may run ahead of the compute thread: bytes of items read and not yet taken (an item
+#: larger than this is still read once nothing else is waiting), and items
+_READ_AHEAD_BYTES = 256 << 20
+_READ_AHEAD_ITEMS = 64
 
 
 @dataclass(frozen=True)
@@ -146,7 +150,52 @@ class BufferPool:
                 self._free.append(arr)
 
 
-def _reader_thread(plan: Plan, q: queue.Queue, stop: threading.Event, counters: dict[str, int],
+class _Stopped(Exception):
+    """The compute thread stopped the merge: the reader leaves without reading further."""
+
+
+class _ReadAhead:
+    """The reader's queue to the compute thread, bounded in the bytes of the items waiting in it as well as
+    in their number: the reader can read a whole tensor of every expert ahead while the compute thread runs
+    a fused pass, and memory stays bounded whatever the number of experts."""
+
+    def __init__(self, stop: threading.Event, max_bytes: int | None = None, max_items: int | None = None
+                 ) -> None:
+        self._q: queue.Queue = queue.Queue()
+        self._cv = threading.Condition()
+        self._stop = stop
+        self._max_bytes = _READ_AHEAD_BYTES if max_bytes is None else max_bytes
+        self._max_items = _READ_AHEAD_ITEMS if max_items is None else max_items
+        self._bytes = self._items = 0
+
+    def put(self, item: Any) -> None:
+        """Queue an item (an `_Item`, None at the end, or an exception), waiting for room; `_Stopped` once
+        the merge is stopped."""
+        nbytes = _item_bytes(item)
+        with self._cv:
+            while self._items and (self._items >= self._max_items or self._bytes + nbytes > self._max_bytes):
+                if self._stop.is_set():
+                    raise _Stopped
+                self._cv.wait(0.05)
+            self._items += 1
+            self._bytes += nbytes
+        self._q.put((item, nbytes))
+
+    def get(self, timeout: float | None = None) -> Any:
+        """The next item (`queue.Empty` after `timeout` seconds); its bytes leave the read-ahead."""
+        item, nbytes = self._q.get(timeout=timeout)
+        with self._cv:
+            self._items -= 1
+            self._bytes -= nbytes
+            self._cv.notify()
+        return item
+
+
+def _item_bytes(item: Any) -> int:
+    return item.data.numel() * item.data.element_size() if isinstance(item, _Item) else 0
+
+
+def _reader_thread(plan: Plan, q: _ReadAhead, stop: threading.Event, counters: dict[str, int],
                    verify: bool, pool: BufferPool) -> None:
     import torch
 
@@ -179,8 +228,11 @@ def _reader_thread(plan: Plan, q: queue.Queue, stop: threading.Event, counters: 
         base_reader.close()
         expert_reader.close()
         q.put(None)
+    except _Stopped:
+        return
     except BaseException as e:  # noqa: BLE001 - re-raised in the compute thread
-        q.put(e)
+        with contextlib.suppress(_Stopped):
+            q.put(e)
 
 
 def read_selected(reader: RangeReader, et: TensorInfo, reads: tuple[Read, ...], expert: str, verify: bool
@@ -400,8 +452,8 @@ def _execute(
     # an operator that keeps θ_k past add() (slerp keeps its one expert until finish) gets fresh memory
     reuse_theta = not op.tensor_granular
 
-    q: queue.Queue = queue.Queue(maxsize=_QUEUE_DEPTH)
     stop = threading.Event()
+    q = _ReadAhead(stop)
     counters: dict[str, int] = {}
     reader = threading.Thread(target=_reader_thread, args=(plan, q, stop, counters, verify_reads, buffers),
                               daemon=True)
