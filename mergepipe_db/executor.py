@@ -461,7 +461,7 @@ def _execute(
     timings = {"read_wait": 0.0, "compute": 0.0, "write_wait": 0.0}
     reads: dict[tuple[int, int], int] = {}
     realized = [0] * len(plan.experts)
-    held: list[np.ndarray | None] = []  # expert buffers the operator still reads (until finish)
+    held: dict[int, np.ndarray | None] = {}  # expert position -> its buffer, while the operator reads it
     shard_sizes: list[int] = []
     total = sum(t.nbytes for t in plan.base_tensors)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="merge", disable=not progress, leave=False)
@@ -523,12 +523,12 @@ def _execute(
                                         full=full, sketch=sketch, base=base32, theta=theta)
                     op.add(x)
                     del x
-                    if op.retains_inputs():  # kept for a fused pass at finish (TIES)
-                        held.append(item.arr)
-                    else:
-                        buffers.give(item.arr)  # the operator is done with θ_k's bytes
+                    held[e.position] = item.arr
+                    kept = op.held_inputs()  # inputs kept for a fused pass; the others' bytes are done with
+                    for k in [k for k in held if k not in kept]:
+                        buffers.give(held.pop(k))
                 merged = op.finish()
-                for arr in held:
+                for arr in held.values():
                     buffers.give(arr)
                 held.clear()
                 out_arr, pos = buffers.take(0, ot.nbytes)

@@ -74,6 +74,9 @@ class _Stash:
     def __bool__(self) -> bool:
         return bool(self.items)
 
+    def __iter__(self) -> Iterator[tuple[np.ndarray, ExpertInput]]:
+        return iter(self.items)
+
     def full_for(self, src: np.ndarray) -> bool:
         """Whether `src` cannot join the kept inputs (their pass must run first)."""
         return bool(self.items) and (self.nbytes + src.nbytes > _GROUP_BYTES or self.items[0][0].dtype != src.dtype)
@@ -659,10 +662,11 @@ class MergeOperator(abc.ABC):
         self._end()
         return out
 
-    def retains_inputs(self) -> bool:
-        """Whether the operator still holds the stored bytes of inputs already added (until `finish`): the
-        caller must not reuse their buffers before then. Operators that keep inputs do so in `_stash`."""
-        return bool(self._stash)
+    def held_inputs(self) -> frozenset[int]:
+        """Indices of the inputs already added whose stored bytes the operator still holds (kept for a fused
+        pass, until it runs or `finish`): the caller must not reuse their buffers before then. Operators
+        keep inputs in `_stash`, as (values, input, ...) items."""
+        return frozenset(item[1].index for item in self._stash or ())
 
     def release_buffers(self) -> None:
         """Drop the scratch buffers kept between tensors."""

@@ -757,3 +757,30 @@ def test_ties_streaming_and_partly_fused_paths_match(monkeypatch, fuse_bytes: in
         got = stream("ties", base, thetas, params, ctx, selected=selected, full=True if selected else None)
         thetas_read = [omit_rows(base, th, ctx, sel) for th, sel in zip(thetas, selected or [None] * 3)]
         assert_bits_equal(got, literal_merge("ties", base, thetas_read, params))
+
+
+@pytest.mark.parametrize("method", ["linear", "task_arithmetic", "ties"])
+def test_held_inputs_are_released_once_folded(monkeypatch, method: str) -> None:
+    """An operator reports as held only the inputs still waiting for a fused pass: the executor gives the
+    others' buffers back, so memory stays bounded by one group, not by the number of experts."""
+    from mergepipe_db import operators
+
+    shape, rpb = (120, 64), 16  # 30,720 bytes of float32 per expert: two fit in 70 kB
+    monkeypatch.setattr(operators, "_GROUP_BYTES", 70_000)
+    monkeypatch.setattr(operators, "_FUSE_BYTES", 70_000)
+    base, thetas = make_data(shape, 5, 95)
+    params = [ExpertParams(n, 0.2, 0.5) for n in "abcde"]
+    ctx = context(shape, rpb)
+    op = make_operator(method, params)
+    op.begin(base, ctx)
+    held = []
+    for k, (theta, p) in enumerate(zip(thetas, params)):
+        op.add(ExpertInput(k, p, tuple(range(ctx.n_blocks)), True, None, base=base, theta=theta))
+        held.append(set(op.held_inputs()))
+    got = op.finish()
+    assert op.held_inputs() == frozenset()
+    if method == "ties":  # one fused pass while the inputs fit, then streamed
+        assert held == [{0}, {0, 1}, set(), set(), set()]
+    else:  # groups of two
+        assert held == [{0}, {0, 1}, {2}, {2, 3}, {4}]
+    assert_bits_equal(got, literal_merge(method, base, thetas, params))
