@@ -167,16 +167,19 @@ class _ReadAhead:
         self._max_bytes = _READ_AHEAD_BYTES if max_bytes is None else max_bytes
         self._max_items = _READ_AHEAD_ITEMS if max_items is None else max_items
         self._bytes = self._items = 0
+        self.full_s = 0.0  # time the reader waited for room (the compute side was behind)
 
     def put(self, item: Any) -> None:
         """Queue an item (an `_Item`, None at the end, or an exception), waiting for room; `_Stopped` once
         the merge is stopped."""
         nbytes = _item_bytes(item)
         with self._cv:
+            t0 = time.perf_counter()
             while self._items and (self._items >= self._max_items or self._bytes + nbytes > self._max_bytes):
                 if self._stop.is_set():
                     raise _Stopped
                 self._cv.wait(0.05)
+            self.full_s += time.perf_counter() - t0
             self._items += 1
             self._bytes += nbytes
         self._q.put((item, nbytes))
@@ -569,6 +572,7 @@ def _execute(
                 output.finish()
         bar.close()
     timings["output"] = output.busy
+    timings["read_ahead_full"] = q.full_s
 
     for name in shard_names:
         shard_sizes.append((staging / name).stat().st_size)

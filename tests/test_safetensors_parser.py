@@ -586,7 +586,8 @@ def test_control_character_set_is_category_cc() -> None:
         assert (stf._CONTROL.match(ch) is not None) == (unicodedata.category(ch) == "Cc"), hex(cp)
 
 
-@pytest.mark.parametrize("sizes", [(1,), (3, 4093, 5), (2 << 20, 4096, 7), ((8 << 20) + 11,)])
+@pytest.mark.parametrize("sizes", [(1,), (3, 4093, 5), (2 << 20, 4096, 7), ((8 << 20) + 11,),
+                                   (3 * (8 << 20) + 5, 17)])
 def test_direct_writer_writes_the_same_file(tmp_path: Path, sizes: tuple[int, ...]) -> None:
     """O_DIRECT output (page-sized writes, a padded tail, then truncation) is byte-identical to a plain write,
     with the same sha256, whatever the sizes; where O_DIRECT is refused it falls back to plain writes."""
@@ -602,3 +603,32 @@ def test_direct_writer_writes_the_same_file(tmp_path: Path, sizes: tuple[int, ..
     plain, direct_bytes = ((tmp_path / f"{d}.safetensors").read_bytes() for d in (False, True))
     assert plain == direct_bytes
     assert digests[0] == digests[1] == hashlib.sha256(plain).hexdigest()
+
+
+@pytest.mark.parametrize("fail_at", [0, 2])
+def test_direct_writer_reports_a_full_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fail_at: int) -> None:
+    """A page write that fails with ENOSPC in the helper thread surfaces as OutOfSpaceError from `write`
+    or `close`, never silently, and no digest is given."""
+    import errno
+
+    from mergepipe_db.errors import OutOfSpaceError
+
+    calls = []
+    real = os.pwritev
+
+    def pwritev(fd, bufs, offset):  # noqa: ANN001, ANN202
+        calls.append(offset)
+        if len(calls) > fail_at:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(os, "pwritev", pwritev)
+    n = 4 * (8 << 20) + 3
+    w = SafetensorsWriter(tmp_path / "x.safetensors", [("t", "U8", (n,))], {"format": "pt"}, direct=True)
+    if w._direct is None:
+        pytest.skip("O_DIRECT is refused on this file system")
+    with pytest.raises(OutOfSpaceError):
+        w.write("t", bytes(n))
+        w.close(fsync=True)
+    assert w.sha256 is None
+    w._abort()

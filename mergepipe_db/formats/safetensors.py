@@ -9,6 +9,7 @@ Every rejection is a `SafetensorsFormatError` subclass with a one-line message n
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -464,17 +465,24 @@ def build_header(
 class _DirectSink:
     """Sequential file writes that bypass the page cache: bytes gather in a page-aligned buffer written
     with O_DIRECT in whole pages; the last, partial page is written padded and the file then truncated to
-    its exact length. On these machines a buffered write costs more kernel time than the merge's math."""
+    its exact length. On these machines a buffered write costs more kernel time than the merge's math.
+    Two buffers: one fills while a helper thread writes the other, so the caller's hashing and statistics
+    overlap the disk. A write's error is raised by a later `write` or by `finish`."""
 
     _BUF = 8 << 20
 
     def __init__(self, fd: int) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
         from mergepipe_db.storage import aligned_empty
 
         self._fd: int | None = fd
-        self._buf = aligned_empty(self._BUF)
+        self._bufs = (aligned_empty(self._BUF), aligned_empty(self._BUF))
+        self._buf = self._bufs[0]
         self._fill = 0
-        self._written = 0  # bytes of the file written so far (a multiple of the page size)
+        self._written = 0  # bytes of the file handed to the helper so far (a multiple of the page size)
+        self._helper = ThreadPoolExecutor(1, thread_name_prefix="mergepipe-direct-write")
+        self._pending: Any = None  # the Future of the other buffer's write
 
     @classmethod
     def open(cls, path: Path) -> _DirectSink | None:
@@ -500,16 +508,32 @@ class _DirectSink:
                 self._flush(self._BUF)
 
     def _flush(self, n: int) -> None:
+        """Hand the current buffer's first n bytes to the helper; continue in the other buffer once its
+        own write is done."""
         assert self._fd is not None
-        view = memoryview(self._buf[:n])
-        done = 0
-        while done < n:
-            done += os.pwritev(self._fd, [view[done:]], self._written + done)
+        done = self._helper.submit(self._pwrite, self._fd, self._buf, n, self._written)
         self._written += n
         self._fill = 0
+        self._buf = self._bufs[1] if self._buf is self._bufs[0] else self._bufs[0]
+        previous, self._pending = self._pending, done
+        if previous is not None:
+            previous.result()
+
+    @staticmethod
+    def _pwrite(fd: int, buf: np.ndarray, n: int, offset: int) -> None:
+        view = memoryview(buf[:n])
+        done = 0
+        while done < n:
+            done += os.pwritev(fd, [view[done:]], offset + done)
+
+    def _drain(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
 
     def finish(self, fd: int) -> None:
-        """Write what is buffered (padded to whole pages) and cut the file to its exact size via `fd`."""
+        """Write what is buffered (padded to whole pages), wait for the writes and cut the file to its
+        exact size via `fd`."""
         from mergepipe_db.storage import ALIGN
 
         size = self._written + self._fill
@@ -517,11 +541,15 @@ class _DirectSink:
             padded = -(-self._fill // ALIGN) * ALIGN
             self._buf[self._fill:padded] = 0
             self._flush(padded)
+        self._drain()
         os.ftruncate(fd, size)
 
     def close(self) -> None:
         if self._fd is not None:
             fd, self._fd = self._fd, None
+            with contextlib.suppress(OSError):  # closing after a failure: the first error was reported
+                self._drain()
+            self._helper.shutdown(wait=True)
             os.close(fd)
 
 
