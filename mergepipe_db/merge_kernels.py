@@ -195,22 +195,30 @@ def absdelta_range_collect(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray
 
 
 @numba.njit(cache=True, nogil=True)
+def _absdelta_count_span(b: np.ndarray, x: np.ndarray) -> tuple[int, int]:
+    """(how many |Δ| of the span are finite and nonzero, how many are inf or NaN)."""
+    nonzero = 0
+    finite = 0
+    zero = np.float32(0.0)
+    inf = np.float32(np.inf)
+    for i in range(b.shape[0]):  # branch-free, so it vectorizes
+        a = abs(widen(x[i]) - b[i])
+        finite += np.int64(a < inf)
+        nonzero += np.int64(a < inf) & np.int64(a > zero)
+    return nonzero, b.shape[0] - finite
+
+
+@numba.njit(cache=True, nogil=True)
 def absdelta_count(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray) -> tuple[int, int]:
     """(how many |Δ| on `ranges` are finite and nonzero, how many are inf or NaN)."""
     nonzero = 0
-    finite = 0
-    n = 0
-    zero = np.float32(0.0)
-    inf = np.float32(np.inf)
+    special = 0
     for r in range(ranges.shape[0]):
         s0, e0 = ranges[r, 0], ranges[r, 1]
-        b, x = base[s0:e0], raw[s0:e0]
-        n += e0 - s0
-        for i in range(b.shape[0]):  # branch-free, so it vectorizes
-            a = abs(widen(x[i]) - b[i])
-            finite += np.int64(a < inf)
-            nonzero += np.int64(a < inf) & np.int64(a > zero)
-    return nonzero, n - finite
+        nz, sp = _absdelta_count_span(base[s0:e0], raw[s0:e0])
+        nonzero += nz
+        special += sp
+    return nonzero, special
 
 
 @numba.njit(cache=True, nogil=True)
@@ -345,12 +353,13 @@ def ties_finish(P: np.ndarray, S: np.ndarray, N: np.ndarray, WP: np.ndarray, WN:
 @numba.njit(cache=True, nogil=True)
 def ties_fused(out: np.ndarray, base: np.ndarray, raws: numba.typed.List, selected: np.ndarray,
                bounds: np.ndarray, trim: np.ndarray, tau: np.ndarray, w: np.ndarray, weights: bool,
-               lam: np.float32) -> None:
+               lam: np.float32, count: np.ndarray, counts: np.ndarray) -> None:
     """The whole TIES fold of one tensor in one pass, when every expert's stored values are at hand:
     tile by tile (`_TILE` elements), the sums of `ties_add` for experts k = 0..K-1 in order (those with
     ``selected[k, b]`` on block b; elsewhere D_k = 0 adds nothing) stay in L1, then `ties_finish`'s formula
     writes `out`. Same operations, same order as the streaming kernels: the same bits, without reading and
-    writing five tensor-sized sums once per expert."""
+    writing five tensor-sized sums once per expert. For each k with ``count[k]``, `counts[k]` gets what
+    `absdelta_count` would give on its selected blocks (from the tile just read, still in cache)."""
     S = np.empty(_TILE, np.float32)
     P = np.empty(_TILE, np.float32)
     N = np.empty(_TILE, np.float32)
@@ -367,6 +376,10 @@ def ties_fused(out: np.ndarray, base: np.ndarray, raws: numba.typed.List, select
                 _ties_span(S[:m], P[:m], N[:m], WP[:m], WN[:m], bb, raws[k][t0:t0 + m], trim[k], tau[k], w[k],
                            weights, fresh)
                 fresh = False
+                if count[k]:
+                    nonzero, special = _absdelta_count_span(bb, raws[k][t0:t0 + m])
+                    counts[k, 0] += nonzero
+                    counts[k, 1] += special
             if fresh:
                 _untouched_span(out[t0:t0 + m], bb, lam)
             else:

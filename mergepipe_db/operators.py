@@ -774,9 +774,10 @@ class _DeltaFold(MergeOperator):
     def _combine(self, s: int, e: int, D: torch.Tensor, finite: bool | None) -> None:
         """Fold D_k[s:e] (may be modified); ``finite``: known all-finite (True) or unknown (None)."""
 
-    def _fold_fast(self, x: ExpertInput, tau: float | None) -> bool:
+    def _fold_fast(self, x: ExpertInput, tau: float | None, zero_check: int = 0) -> bool:
         """Fold T_k (T_k = Δ_k, or where(|Δ_k| >= τ, Δ_k, 0.0) when ``tau`` is given) with a fused kernel, if
-        this operator has one and θ_k is at hand; False: the caller takes the chunked torch path."""
+        this operator has one and θ_k is at hand; False: the caller takes the chunked torch path.
+        ``zero_check`` = k: τ = 0 came from the sketch unchecked (`_exact_tau_fast`)."""
         return False
 
     def _dare_block_fast(self, src: np.ndarray, b: int, s0: int, e0: int, u: np.ndarray, d: float,
@@ -843,8 +844,8 @@ class _DeltaFold(MergeOperator):
         k = int(self.densities[x.index] * self._ctx.numel)
         exact = x.full or x.sketch is None
         if exact and k > 0 and self._fused:
-            tau_fast = self._exact_tau_fast(x, ranges, k)
-            if tau_fast is not None and self._fold_fast(x, tau_fast):
+            tau_fast, zero_check = self._exact_tau_fast(x, ranges, k)
+            if tau_fast is not None and self._fold_fast(x, tau_fast, zero_check):
                 return
         mags = self._magnitudes(x, ranges)
         tau = mags.topk_min(k)
@@ -856,26 +857,36 @@ class _DeltaFold(MergeOperator):
             return
         self._fold_masked(x, ranges, mags, tau, None)
 
-    def _exact_tau_fast(self, x: ExpertInput, ranges: list[tuple[int, int]], k: int) -> float | None:
-        """τ (the k-th largest |Δ| of a fully selected tensor) by the fused kernels, or None when they cannot
-        tell (no θ_k bytes, inf/NaN, or a sketch the rows read contradict). With the catalog's tensor sketch
-        the bin of τ is known, so one pass collects that bin only; otherwise a two-pass radix select."""
+    def _exact_tau_fast(self, x: ExpertInput, ranges: list[tuple[int, int]], k: int) -> tuple[float | None, int]:
+        """(τ, zero_check): τ the k-th largest |Δ| of a fully selected tensor by the fused kernels, or None
+        when they cannot tell (no θ_k bytes, inf/NaN, or a sketch the rows read contradict). With the
+        catalog's tensor sketch the bin of τ is known, so one pass collects that bin only; otherwise a
+        two-pass radix select. When the sketch puts τ at 0 (most of the tensor unchanged, common in BF16
+        fine-tunes) the bytes must show fewer than k nonzero |Δ| and no inf/NaN: checked here, or, for an
+        input kept for a fused pass, by that pass (zero_check = k, see `_TiesFold`)."""
         src = x.fast_source()
         if src is None or self._bflat is None or self._ctx is None:
-            return None
+            return None, 0
         base, ranges_arr = self._bflat.numpy(), x.element_ranges_array(self._ctx)
         hist = x.sketch
         if hist is not None and int(hist.sum()) == self._ctx.numel:
             b, above = _sketch.locate_kth_largest(hist, k)
-            if b == _sketch.ZERO_BIN and _mk().kth_largest_is_zero(base, src, ranges_arr, k):
-                return 0.0  # most of the tensor is exactly unchanged (common in BF16 fine-tunes)
+            if b == _sketch.ZERO_BIN:
+                if self._defers_zero_check(src):
+                    return 0.0, k
+                if _mk().kth_largest_is_zero(base, src, ranges_arr, k):
+                    return 0.0, 0
             if b not in (_sketch.ZERO_BIN, _LAST):
                 tau = _mk().kth_largest_in_bin(base, src, ranges_arr, k, float(_EDGES[b]), float(_EDGES[b + 1]),
                                                int(hist[b]), above)
                 if tau is not None:
-                    return tau
+                    return tau, 0
         n_read = sum(e - s for s, e in ranges)
-        return _mk().kth_largest_abs_delta(base, src, ranges_arr, n_read, self._ctx.numel, k)
+        return _mk().kth_largest_abs_delta(base, src, ranges_arr, n_read, self._ctx.numel, k), 0
+
+    def _defers_zero_check(self, src: np.ndarray) -> bool:
+        """Whether a fused pass will check a τ = 0 taken from the sketch (`_exact_tau_fast`)."""
+        return False
 
     def _fold_breadcrumbs_trim(self, x: ExpertInput, ranges: list[tuple[int, int]]) -> None:
         """Breadcrumbs (density < 1): keep lo < |Δ| < hi."""
@@ -962,7 +973,7 @@ class _AdditiveFold(_DeltaFold):
                               np.float32(d), np.float32(w))
         return True
 
-    def _fold_fast(self, x: ExpertInput, tau: float | None) -> bool:
+    def _fold_fast(self, x: ExpertInput, tau: float | None, zero_check: int = 0) -> bool:
         src = x.fast_source() if tau is None else None
         if src is None or self._mixed is None or self._ctx is None or self._bflat is None:
             return False
@@ -1011,15 +1022,35 @@ class _TiesFold(_DeltaFold):
             self._WN = self._scratch("WN", n)
         self._bounds = _block_bounds(self._ctx)
         self._touched = np.zeros(self._ctx.n_blocks, np.bool_)
-        # experts' inputs kept for one fused pass at finish (`merge_kernels.ties_fused`) while they fit
-        self._stash: list[tuple[np.ndarray, ExpertInput, bool, float, float]] | None = []
+        # experts' inputs kept for one fused pass at finish (`merge_kernels.ties_fused`) while they fit:
+        # (values, input, trim, τ, w, zero_check)
+        self._stash: list[tuple[np.ndarray, ExpertInput, bool, float, float, int]] | None = []
         self._stash_bytes = 0
+
+    def _fits_stash(self, src: np.ndarray) -> bool:
+        return (self._stash is not None and self._stash_bytes + src.nbytes <= _FUSE_BYTES
+                and (not self._stash or self._stash[0][0].dtype == src.dtype))
+
+    def _defers_zero_check(self, src: np.ndarray) -> bool:
+        # the fused pass counts the nonzero |Δ| of the tile it has just read: no pass of its own
+        return self._fits_stash(src)
 
     def _flush_stash(self) -> None:
         """Fold the kept inputs with the streaming kernels (in order) and stop keeping new ones."""
         stash, self._stash = self._stash, None
-        for src, x, trim, tau, w in stash or ():
-            self._stream(src, x, trim, tau, w)
+        for item in stash or ():
+            self._fold_kept(*item)
+
+    def _fold_kept(self, src: np.ndarray, x: ExpertInput, trim: bool, tau: float, w: float, zero_check: int
+                   ) -> None:
+        """Fold one kept input with the streaming kernels. A τ = 0 from the sketch not yet checked is checked
+        first; if the bytes disagree, τ is found from them (`_fold_ties_trim`, checking at once)."""
+        assert self._bflat is not None and self._ctx is not None
+        if zero_check and not _mk().kth_largest_is_zero(self._bflat.numpy(), src,
+                                                         x.element_ranges_array(self._ctx), zero_check):
+            self._fold_ties_trim(x, x._element_ranges(self._ctx))
+            return
+        self._stream(src, x, trim, tau, w)
 
     def _dare_block_fast(self, src: np.ndarray, b: int, s0: int, e0: int, u: np.ndarray, d: float,
                          w: float) -> bool:
@@ -1050,18 +1081,17 @@ class _TiesFold(_DeltaFold):
         if not self._touched.all():
             _mk().ties_clear_untouched(*self._sums(), self._bounds, self._touched, self.normalize)
 
-    def _fold_fast(self, x: ExpertInput, tau: float | None) -> bool:
+    def _fold_fast(self, x: ExpertInput, tau: float | None, zero_check: int = 0) -> bool:
         src = x.fast_source()
         if src is None or self._P is None or self._ctx is None or self._bflat is None:
             return False
-        item = (src, x, tau is not None, math.inf if tau is None else tau, self.weights[x.index])
-        if (self._stash is not None and self._stash_bytes + src.nbytes <= _FUSE_BYTES
-                and (not self._stash or self._stash[0][0].dtype == src.dtype)):
+        item = (src, x, tau is not None, math.inf if tau is None else tau, self.weights[x.index], zero_check)
+        if self._stash is not None and self._fits_stash(src):
             self._stash.append(item)
             self._stash_bytes += src.nbytes
         else:
             self._flush_stash()
-            self._stream(*item)
+            self._fold_kept(*item)
         return True
 
     def _combine(self, s: int, e: int, D: torch.Tensor, finite: bool | None) -> None:
@@ -1089,15 +1119,17 @@ class _TiesFold(_DeltaFold):
     def _finish(self) -> torch.Tensor:
         P, base = self._P, self._base
         assert P is not None and base is not None
-        if self._stash:
-            self._finish_fused(P)
+        if self._stash and self._finish_fused(P):
             return P.view(base.shape)
         S, P_, N, wp, wn = self._sums()
         _mk().ties_finish(P_, S, N, wp, wn, base.view(-1).numpy(), self._bounds, self._touched, self.normalize,
                           np.float32(self.lam))
         return P.view(base.shape)
 
-    def _finish_fused(self, P: torch.Tensor) -> None:
+    def _finish_fused(self, P: torch.Tensor) -> bool:
+        """The fused pass over the kept inputs into P; False when the bytes of an input whose τ = 0 came
+        from the sketch disagree with it (then the sums have been folded again by the streaming kernels,
+        with τ found from the bytes, for `ties_finish`)."""
         import numba.typed
 
         assert self._stash and self._ctx is not None and self._bflat is not None
@@ -1106,10 +1138,20 @@ class _TiesFold(_DeltaFold):
         selected = np.zeros((len(stash), self._ctx.n_blocks), np.bool_)
         for k, (_src, x, *_rest) in enumerate(stash):
             selected[k, list(x.selected_blocks)] = True
+        checks = np.array([c for *_a, c in stash], np.int64)
+        counts = np.zeros((len(stash), 2), np.int64)  # [nonzero finite |Δ|, inf or NaN] where checked
         _mk().ties_fused(P.numpy(), self._bflat.numpy(), raws, selected, self._bounds,
-                         np.array([t for _s, _x, t, _tau, _w in stash], np.bool_),
-                         np.array([tau for *_a, tau, _w in stash], np.float32),
-                         np.array([w for *_a, w in stash], np.float32), self.normalize, np.float32(self.lam))
+                         np.array([item[2] for item in stash], np.bool_),
+                         np.array([item[3] for item in stash], np.float32),
+                         np.array([item[4] for item in stash], np.float32), self.normalize, np.float32(self.lam),
+                         checks > 0, counts)
+        bad = (checks > 0) & ((counts[:, 1] > 0) | (counts[:, 0] >= checks))
+        if not bad.any():
+            return True
+        self._touched[:] = False  # the fused pass left no sums: fold every input again, in order
+        for item, wrong in zip(stash, bad):
+            self._fold_kept(*item[:5], item[5] if wrong else 0)
+        return False
 
     def _end(self) -> None:
         self._P = None

@@ -705,20 +705,30 @@ def test_exact_selection_equals_sort(monkeypatch, chunk: int) -> None:
             assert (math.isnan(got) and math.isnan(want)) or got == want
 
 
-@pytest.mark.parametrize("case", ["in_bin", "mostly_unchanged", "wrong_sketch"])
-def test_full_selection_tau_from_the_sketch_is_exact(case: str) -> None:
+@pytest.mark.parametrize("fuse_bytes", [0, 1 << 30])
+@pytest.mark.parametrize("case", ["in_bin", "mostly_unchanged", "wrong_sketch", "zero_claimed", "zero_claimed_nan"])
+def test_full_selection_tau_from_the_sketch_is_exact(monkeypatch, case: str, fuse_bytes: int) -> None:
     """On a full read, TIES takes τ's bin from the catalog sketch (one pass over that bin, or a count when τ
-    is 0) — and a sketch the data contradicts is ignored: the result is the literal formula's, bit for bit."""
+    is 0, made by the fused pass when the inputs are kept for it) — and a sketch the data contradicts is
+    ignored: the result is the literal formula's, bit for bit, fused (1 GiB) or streamed (0)."""
+    from mergepipe_db import operators
+
+    monkeypatch.setattr(operators, "_FUSE_BYTES", fuse_bytes)
     shape, rpb = (300, 64), 16
     base, thetas = make_data(shape, 3, 77)
-    if case == "mostly_unchanged":  # most Δ exactly 0, as in BF16 fine-tunes: τ = 0 at density 0.5
-        for th in thetas:
+    if case != "in_bin" and case != "wrong_sketch":  # most Δ exactly 0, as in BF16 fine-tunes: τ = 0 at
+        for th in thetas[::2] if case.startswith("zero_claimed") else thetas:  # density 0.5
             th.view(-1)[: th.numel() * 3 // 4] = base.view(-1)[: th.numel() * 3 // 4]
     params = [ExpertParams("a", 0.5, 0.5), ExpertParams("b", 0.3, 0.2), ExpertParams("c", -0.2, 0.7)]
     ctx = context(shape, rpb)
     sketches = [sketch.histogram(th - base) for th in thetas]
     if case == "wrong_sketch":  # right total, wrong bins: moves counts one bin up
         sketches = [np.roll(h, 1) for h in sketches]
+    if case.startswith("zero_claimed"):  # expert b's sketch says all unchanged (τ = 0); its bytes changed
+        sketches[1] = np.zeros(sketch.NBINS, np.int64)
+        sketches[1][0] = base.numel()
+        if case == "zero_claimed_nan":  # ... and expert a's bytes hold a NaN its sketch does not show
+            thetas[0].view(-1)[5] = math.nan
     got = stream("ties", base, thetas, params, ctx, sketches=sketches)
     assert_bits_equal(got, literal_merge("ties", base, thetas, params))
 
