@@ -41,6 +41,8 @@ DEFAULT_SHARD_BYTES = 4 << 30
 #: larger than this is still read once nothing else is waiting), and items
 _READ_AHEAD_BYTES = 256 << 20
 _READ_AHEAD_ITEMS = 64
+#: bytes of free buffers the pool keeps for reuse
+_POOL_FREE_BYTES = 512 << 20
 
 
 @dataclass(frozen=True)
@@ -128,8 +130,10 @@ class BufferPool:
     number of buffers is bounded by what is in flight (queues of fixed depth), not by the number of experts.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_free_bytes: int | None = None) -> None:
         self._free: list[np.ndarray] = []
+        self._free_bytes = 0
+        self._max_free = _POOL_FREE_BYTES if max_free_bytes is None else max_free_bytes
         self._lock = threading.Lock()
 
     def take(self, file_offset: int, nbytes: int) -> tuple[np.ndarray, int]:
@@ -141,13 +145,20 @@ class BufferPool:
             fits = [i for i, a in enumerate(self._free) if need <= a.shape[0] <= 2 * need + (1 << 20)]
             if fits:
                 best = min(fits, key=lambda i: self._free[i].shape[0])
-                return self._free.pop(best), pos
+                arr = self._free.pop(best)
+                self._free_bytes -= arr.shape[0]
+                return arr, pos
         return aligned_empty(need), pos
 
     def give(self, arr: np.ndarray | None) -> None:
+        """Keep `arr` for reuse; beyond `_POOL_FREE_BYTES` kept, the longest unused go (unmapped), so
+        buffers of a few large tensors (embeddings) do not stay resident for the rest of the merge."""
         if arr is not None:
             with self._lock:
                 self._free.append(arr)
+                self._free_bytes += arr.shape[0]
+                while self._free_bytes > self._max_free and len(self._free) > 1:
+                    self._free_bytes -= self._free.pop(0).shape[0]
 
 
 class _Stopped(Exception):

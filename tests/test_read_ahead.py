@@ -81,3 +81,19 @@ def test_merge_with_a_tiny_read_ahead_is_bit_identical(catalog, tiny_family, tmp
     catalog.merge(make_spec(method, names), out=tmp_path / "out", budget="1.0")
     assert_bytes_equal(load_output(tmp_path / "out"), reference_for(catalog, tiny_family, method, names))
     assert Path(tmp_path / "out" / "manifest.json").exists()
+
+
+def test_buffer_pool_keeps_a_bounded_amount_of_free_memory() -> None:
+    """Free buffers are kept for reuse up to the pool's bound; beyond it the longest unused are dropped,
+    so the buffers of a few large tensors do not stay resident for the rest of a merge."""
+    pool = executor.BufferPool(max_free_bytes=3 << 20)
+    big, pos = pool.take(0, 2 << 20)
+    small, _ = pool.take(0, 1 << 19)
+    pool.give(big)
+    pool.give(small)  # 2 MiB + 0.5 MiB + pages of slack: within the bound, both kept
+    assert pool.take(0, 2 << 20)[0] is big
+    pool.give(big)
+    other, _ = pool.take(0, 5 << 20)  # no fit: a fresh buffer
+    pool.give(other)  # over the bound: the longest unused (small, then big) go
+    assert pool.take(0, 1 << 19)[0] is not small
+    assert pool.take(0, 5 << 20)[0] is other
