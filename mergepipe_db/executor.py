@@ -635,7 +635,7 @@ def _out_blocks(ot: OutTensor, data: memoryview, block_bytes: int,
                "nbytes": hi - lo, "xxh3": h, "rows_per_block": rpb, "delta_l2": None, "delta_l1": None,
                "delta_max": None, "pos_frac": None, "sketch": None}
         if base is not None:
-            if data[lo:hi] == base[lo:hi]:
+            if kernels.same_bytes(data[lo:hi], base[lo:hi]):
                 hist = np.zeros(sketch.NBINS, dtype=np.int64)
                 hist[0] = (hi - lo) * 8 // bits
                 l2, l1, mx, pos = 0.0, 0.0, 0.0, 0.0

@@ -131,3 +131,24 @@ def delta_stats(data: bytes | bytearray | memoryview, base: bytes | bytearray | 
     l2sq, l1, mx, pos = acc
     n = e.shape[0]
     return float(np.sqrt(l2sq)), float(l1), float(mx), (pos / n if n else 0.0), hist
+
+
+@numba.njit(cache=True, nogil=True)
+def _equal_u8(a: np.ndarray, b: np.ndarray) -> bool:
+    n = a.shape[0]
+    step = 1 << 14  # compare a vectorized chunk at a time; stop at the first that differs
+    for s in range(0, n, step):
+        diff = np.uint8(0)
+        x, y = a[s:s + step], b[s:s + step]
+        for i in range(x.shape[0]):
+            diff |= x[i] ^ y[i]
+        if diff:
+            return False
+    return True
+
+
+def same_bytes(a: bytes | bytearray | memoryview, b: bytes | bytearray | memoryview) -> bool:
+    """Whether two byte ranges are equal, at memory speed (comparing memoryviews in Python goes item by
+    item: about 0.7 GB/s)."""
+    x, y = np.frombuffer(a, dtype=np.uint8), np.frombuffer(b, dtype=np.uint8)
+    return x.shape[0] == y.shape[0] and _equal_u8(x, y)

@@ -62,3 +62,15 @@ def test_delta_stats_any_length(n: int) -> None:
     assert l2 == pytest.approx(float(torch.linalg.vector_norm(d, dtype=torch.float64)), rel=1e-12)
     assert l1 == pytest.approx(float(d.abs().double().sum()), rel=1e-12)
     assert mx == float(d.abs().max()) and pos == float((d > 0).double().mean())
+
+
+def test_same_bytes_agrees_with_bytes_equality() -> None:
+    rng = np.random.default_rng(3)
+    a = rng.integers(0, 256, (1 << 16) + 5, dtype=np.uint8)
+    for n in (0, 1, 17, 1 << 14, (1 << 14) + 1, a.shape[0]):
+        b = a[:n].copy()
+        assert kernels.same_bytes(memoryview(a[:n]), memoryview(b))
+        if n:
+            b[rng.integers(0, n)] ^= 0x40
+            assert not kernels.same_bytes(memoryview(a[:n]), memoryview(b))
+    assert not kernels.same_bytes(b"abc", b"ab")
