@@ -234,3 +234,14 @@ def test_hostile_names_are_opaque(catalog: Catalog, tmp_path) -> None:
         cnames = [r[0] for r in conn.execute(sa.select(schema.checkpoint.c.name))]
     assert got == set(names) and cnames == [cname]
     assert json.dumps(sorted(got))  # round-trips exactly
+
+
+def test_schema_head_is_the_only_head_of_the_migrations() -> None:
+    """`SCHEMA_HEAD` (what the code needs, checked at every open without loading alembic) is the one head
+    of migrations/: a new migration must move it."""
+    from alembic.script import ScriptDirectory
+
+    from mergepipe_db.db.engine import SCHEMA_HEAD
+    from mergepipe_db.resources import data_dir
+
+    assert ScriptDirectory(str(data_dir("migrations"))).get_heads() == [SCHEMA_HEAD]
