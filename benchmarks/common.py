@@ -2,7 +2,8 @@
 
 Every timed job runs as its own subprocess after `sync; echo 3 > /proc/sys/vm/drop_caches`. The parent waits
 for it with `waitid(WNOWAIT)` so the child is still a zombie when its `/proc/PID/io` (read_bytes,
-write_bytes) is read, then reaps it with `wait4`, whose rusage gives that child's own peak RSS.
+write_bytes) is read, then reaps it with `wait4`. Peak RSS is the child's own VmHWM, sampled while it runs
+(wait4's ru_maxrss would carry over the harness's own peak: see `_vm_hwm`).
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ class Measured:
     read_bytes: int
     write_bytes: int
     rchar: int
-    maxrss: int  # bytes
+    maxrss: int  # bytes: the peak RSS of the process itself (VmHWM, sampled every 10 ms)
     rc: int
     cold: bool
     stdout: str = ""
@@ -105,6 +106,20 @@ class Measured:
         return d
 
 
+def _vm_hwm(pid: int) -> int:
+    """The process's own peak RSS so far (VmHWM, bytes), 0 once it is gone. Not wait4's ru_maxrss: Linux
+    starts a child's maxrss at its parent's peak (carried over at exec), so once this harness has grown (it
+    loads outputs to compare them) every child would report at least the harness's size."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def measure(cmd: list[str], *, cold: bool = True, env: dict[str, str] | None = None, cwd: Path | None = None,
             check: bool = True, timeout: float = 3600) -> Measured:
     """Run `cmd` once (after dropping caches when `cold`) and measure wall, /proc io and peak RSS."""
@@ -116,10 +131,12 @@ def measure(cmd: list[str], *, cold: bool = True, env: dict[str, str] | None = N
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, stdout=out_f, stderr=err_f, env=full_env, cwd=cwd or REPO)
     deadline = t0 + timeout
+    hwm = 0
     while True:
         info = os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG)
         if info is not None:
             break
+        hwm = max(hwm, _vm_hwm(p.pid))
         if time.perf_counter() > deadline:
             p.kill()
         time.sleep(0.01)
@@ -130,7 +147,7 @@ def measure(cmd: list[str], *, cold: bool = True, env: dict[str, str] | None = N
     out_f.seek(0)
     err_f.seek(0)
     m = Measured(cmd=[str(c) for c in cmd], wall=wall, read_bytes=io.get("read_bytes", -1),
-                 write_bytes=io.get("write_bytes", -1), rchar=io.get("rchar", -1), maxrss=ru.ru_maxrss * 1024,
+                 write_bytes=io.get("write_bytes", -1), rchar=io.get("rchar", -1), maxrss=hwm or ru.ru_maxrss * 1024,
                  rc=p.returncode, cold=was_cold, stdout=out_f.read(), stderr=err_f.read())
     out_f.close()
     err_f.close()

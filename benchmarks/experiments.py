@@ -32,7 +32,7 @@ from benchmarks.merges import OUT, compare, io_floor, run_merge
 
 HOW = ("Measured: each timed job is a separate process started after `sync; echo 3 > "
        "/proc/sys/vm/drop_caches`; wall time is process wall (interpreter start-up and imports included); "
-       "read_bytes/write_bytes from the child's /proc/PID/io; peak RSS from wait4 rusage.")
+       "read_bytes/write_bytes from the child's /proc/PID/io; peak RSS = the child's VmHWM, sampled every 10 ms.")
 
 
 def _plt():
