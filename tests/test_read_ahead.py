@@ -23,7 +23,8 @@ def _item(nbytes: int) -> _Item:
     return _Item("expert", 0, 0, torch.empty(nbytes, dtype=torch.uint8), [], (), nbytes)
 
 
-def _put_later(q: _ReadAhead, item: object) -> tuple[threading.Thread, list[object]]:
+def _put_waits(q: _ReadAhead, item: object) -> tuple[threading.Thread, list[object]]:
+    """Start putting `item` on another thread and check that the put is still waiting 0.2 s later."""
     done: list[object] = []
 
     def put() -> None:
@@ -35,23 +36,21 @@ def _put_later(q: _ReadAhead, item: object) -> tuple[threading.Thread, list[obje
 
     t = threading.Thread(target=put, daemon=True)
     t.start()
+    time.sleep(0.2)
+    assert done == [], "the put should wait for room"
     return t, done
 
 
 def test_read_ahead_waits_for_room_in_bytes_and_items() -> None:
     q = _ReadAhead(threading.Event(), max_bytes=100, max_items=3)
     q.put(_item(60))
-    t, done = _put_later(q, _item(50))  # 60 + 50 > 100: waits until the first is taken
-    time.sleep(0.2)
-    assert done == []
+    t, done = _put_waits(q, _item(50))  # 60 + 50 > 100: waits until the first is taken
     assert q.get().data.numel() == 60
     t.join(5)
     assert done == ["put"]
     q.put(_item(10))
     q.put(_item(10))  # 3 items, 70 bytes: full by count
-    t, done = _put_later(q, _item(1))
-    time.sleep(0.2)
-    assert done == []
+    t, done = _put_waits(q, _item(1))
     q.get()
     t.join(5)
     assert done == ["put"]
@@ -61,9 +60,7 @@ def test_oversized_item_is_admitted_alone_and_stop_releases_the_reader() -> None
     stop = threading.Event()
     q = _ReadAhead(stop, max_bytes=100, max_items=8)
     q.put(_item(1000))  # nothing waiting: read even though it exceeds the bound
-    t, done = _put_later(q, _item(1))
-    time.sleep(0.2)
-    assert done == []
+    t, done = _put_waits(q, _item(1))
     stop.set()
     t.join(5)
     assert done == ["stopped"]
