@@ -149,6 +149,6 @@ def _equal_u8(a: np.ndarray, b: np.ndarray) -> bool:
 
 def same_bytes(a: bytes | bytearray | memoryview, b: bytes | bytearray | memoryview) -> bool:
     """Whether two byte ranges are equal, at memory speed (comparing memoryviews in Python goes item by
-    item: about 0.7 GB/s)."""
+    item: about 0.3 GB/s)."""
     x, y = np.frombuffer(a, dtype=np.uint8), np.frombuffer(b, dtype=np.uint8)
     return x.shape[0] == y.shape[0] and _equal_u8(x, y)

@@ -373,11 +373,11 @@ def ties_fused(out: np.ndarray, base: np.ndarray, raws: numba.typed.List, select
             for k in range(len(raws)):
                 if not selected[k, b]:
                     continue
-                _ties_span(S[:m], P[:m], N[:m], WP[:m], WN[:m], bb, raws[k][t0:t0 + m], trim[k], tau[k], w[k],
-                           weights, fresh)
+                xk = raws[k][t0:t0 + m]
+                _ties_span(S[:m], P[:m], N[:m], WP[:m], WN[:m], bb, xk, trim[k], tau[k], w[k], weights, fresh)
                 fresh = False
                 if count[k]:
-                    nonzero, special = _absdelta_count_span(bb, raws[k][t0:t0 + m])
+                    nonzero, special = _absdelta_count_span(bb, xk)
                     counts[k, 0] += nonzero
                     counts[k, 1] += special
             if fresh:
