@@ -74,16 +74,15 @@ class PackedIndex:
         """The expert tensor's bytes (uint8, planned blocks filled) and the bytes read (compressed for
         packed blocks). `base` holds the base tensor's bytes (same dtype and layout: a full checkpoint)."""
         import numpy as np
-        import torch
         import zstandard
 
         from mergepipe_db.executor import _verify, coalesce
         from mergepipe_db.storage import xxh3_hex
 
-        buf = torch.empty(et.nbytes, dtype=torch.uint8)
-        view = memoryview(buf.numpy())
-        out = buf.numpy()
-        base_np = base.numpy()
+        buf = np.empty(et.nbytes, dtype=np.uint8)
+        view = memoryview(buf)
+        out = buf
+        base_np = base
         n_read = 0
         plain = []
         dctx = zstandard.ZstdDecompressor()

@@ -13,14 +13,16 @@ Three threads, data flowing one way:
   shard), hashes it and computes its block rows for the catalog.
 Items are one tensor of one checkpoint, so memory is a few tensors whatever the number of experts; their
 buffers come from a `BufferPool` and go back once used, so no fresh, zero-filled pages are faulted in per
-tensor (DESIGN §6). Compute runs with one torch intra-op thread (`MERGEPIPE_COMPUTE_THREADS` overrides): on a
-2-core machine the other core serves the reader and the output thread.
+tensor (DESIGN §6). Arrays are numpy (BF16 as uint16 bits); torch is imported only for what needs it (DARE's
+masks, slerp, LoRA factors), and then runs with one intra-op thread (`MERGEPIPE_COMPUTE_THREADS` overrides): on
+a 2-core machine the other core serves the reader and the output thread.
 """
 from __future__ import annotations
 
 import contextlib
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -117,7 +119,7 @@ class _Item:
     kind: str  # "base" | "expert"
     tensor_idx: int
     position: int
-    data: Any  # torch.uint8 tensor holding the tensor's bytes (only selected ranges filled for experts)
+    data: np.ndarray  # the tensor's bytes, uint8 (experts: only selected ranges filled), or Δ in float32
     rows: list[tuple[int, int]]  # selected row ranges (experts)
     blocks: tuple[int, ...]
     nbytes_read: int
@@ -207,13 +209,11 @@ class _ReadAhead:
 
 
 def _item_bytes(item: Any) -> int:
-    return item.data.numel() * item.data.element_size() if isinstance(item, _Item) else 0
+    return item.data.nbytes if isinstance(item, _Item) else 0
 
 
 def _reader_thread(plan: Plan, q: _ReadAhead, stop: threading.Event, counters: dict[str, int],
                    verify: bool, pool: BufferPool) -> None:
-    import torch
-
     try:
         base_reader = RangeReader(random=False)
         expert_reader = RangeReader(random=True)
@@ -223,7 +223,7 @@ def _reader_thread(plan: Plan, q: _ReadAhead, stop: threading.Event, counters: d
             arr, pos = pool.take(t.offset, t.nbytes)
             if t.nbytes:
                 base_reader.read_aligned(t.path, t.offset, arr, pos, t.nbytes)
-            base = torch.from_numpy(arr[pos:pos + t.nbytes])
+            base = arr[pos:pos + t.nbytes]
             q.put(_Item("base", t.idx, -1, base, [], (), t.nbytes, arr))
             if t.dtype not in ARITHMETIC:
                 continue
@@ -252,16 +252,14 @@ def _reader_thread(plan: Plan, q: _ReadAhead, stop: threading.Event, counters: d
 
 def read_selected(reader: RangeReader, et: TensorInfo, reads: tuple[Read, ...], expert: str, verify: bool
                   ) -> tuple[Any, int]:
-    """The tensor's bytes (a uint8 torch tensor) with only the selected ranges read (adjacent ones
+    """The tensor's bytes (a uint8 array) with only the selected ranges read (adjacent ones
     coalesced; the other bytes are undefined), and the bytes read."""
     buf, n_read, _arr = _read_selected(reader, et, reads, expert, verify, None)
     return buf, n_read
 
 
 def _read_selected(reader: RangeReader, et: TensorInfo, reads: tuple[Read, ...], expert: str, verify: bool,
-                   pool: BufferPool | None) -> tuple[Any, int, np.ndarray | None]:
-    import torch
-
+                   pool: BufferPool | None) -> tuple[np.ndarray, int, np.ndarray | None]:
     arr, pos = (pool or BufferPool()).take(et.offset, et.nbytes)  # no pool: a fresh buffer
     view = memoryview(arr[pos:pos + et.nbytes])
     n_read = 0
@@ -271,7 +269,7 @@ def _read_selected(reader: RangeReader, et: TensorInfo, reads: tuple[Read, ...],
         n_read += n
         if verify:
             _verify(view, et, members, expert)
-    return torch.from_numpy(arr[pos:pos + et.nbytes]), n_read, (arr if pool is not None else None)
+    return arr[pos:pos + et.nbytes], n_read, (arr if pool is not None else None)
 
 
 def _verify(view: memoryview, et: TensorInfo, members: list[Read], expert: str) -> None:
@@ -311,8 +309,16 @@ def execute(
     on_tensor: Any = None,
 ) -> ExecutionResult:
     """Run `plan`, writing output shards into the (existing, empty) `staging` directory."""
-    import torch
+    from mergepipe_db.operators import OPERATORS
 
+    needs_torch = (OPERATORS[plan.spec.method].uses_torch or any(s.kind == "lora" for s in plan.sources.values())
+                   or any(ot.dtype == "F16" for ot in output_layout(plan, shard_bytes)[0]))  # `_cast_into`
+    torch = sys.modules.get("torch")
+    if needs_torch and torch is None:
+        import torch
+    if torch is None:
+        return _execute(plan, staging, shard_bytes=shard_bytes, progress=progress, verify_reads=verify_reads,
+                        on_tensor=on_tensor)
     threads = int(os.environ.get("MERGEPIPE_COMPUTE_THREADS", "1") or 1)
     prev_threads = torch.get_num_threads()
     if threads > 0 and threads != prev_threads:
@@ -325,27 +331,48 @@ def execute(
             torch.set_num_threads(prev_threads)
 
 
+def _cast_into(out_bytes: np.ndarray, dtype: str, merged: np.ndarray) -> None:
+    """Write float32 `merged` into `out_bytes` (uint8) as safetensors `dtype`, rounding as torch's ``.to``."""
+    flat = merged.reshape(-1)
+    if dtype == "F32":
+        out_bytes.view(np.float32)[:] = flat
+        return
+    if dtype == "BF16":
+        from mergepipe_db import merge_kernels
+
+        if merge_kernels.narrow_bf16(out_bytes.view(np.uint16), flat):
+            return
+    import torch  # a NaN into BF16, or F16: torch's own conversion is the definition
+
+    from mergepipe_db.formats.dtypes import torch_dtype
+
+    torch.from_numpy(out_bytes).view(torch_dtype(dtype)).copy_(torch.from_numpy(flat))
+
+
 class _F32Pool:
     """Grow-only float32 buffers reused across tensors (no fresh, zero-filled pages per tensor)."""
 
     def __init__(self) -> None:
         self._bufs: dict[str, Any] = {}
 
-    def convert(self, name: str, src: Any) -> Any:
-        """`src.to(float32)` into the reused buffer `name` (same values, bit for bit)."""
-        import torch
-
+    def convert(self, name: str, src: np.ndarray) -> np.ndarray:
+        """Stored values `src` (float32, float16, or BF16 as uint16 bits) as float32 in the reused buffer
+        `name`, in `src`'s shape (exact: widening loses nothing)."""
+        from mergepipe_db import merge_kernels
         from mergepipe_db.operators import empty_buffer
 
-        n = src.numel()
+        n = src.size
         buf = self._bufs.get(name)
-        if buf is None or buf.numel() < n:
+        if buf is None or buf.size < n:
             self._bufs.pop(name, None)
-            buf = empty_buffer(max(n, 1), torch.float32)
+            buf = empty_buffer(max(n, 1), np.float32)
             self._bufs[name] = buf
-        out = buf[:n].view(src.shape)
-        out.copy_(src)
-        return out
+        out = buf[:n]
+        if src.dtype == np.uint16:
+            merge_kernels.widen_into(out, src.reshape(-1))
+        else:
+            np.copyto(out, src.reshape(-1), casting="safe")
+        return out.reshape(src.shape)
 
 
 @dataclass
@@ -448,11 +475,10 @@ def _execute(
     verify_reads: bool,
     on_tensor: Any,
 ) -> ExecutionResult:
-    import torch
     from tqdm import tqdm
 
-    from mergepipe_db.formats.dtypes import torch_dtype
-    from mergepipe_db.operators import ExpertInput, ExpertParams, TensorContext, make_operator
+    from mergepipe_db.formats.dtypes import numpy_storage_dtype
+    from mergepipe_db.operators import ExpertInput, ExpertParams, TensorContext, as_float32, make_operator
 
     out_tensors, shard_names = output_layout(plan, shard_bytes)
     by_shard: dict[int, list[OutTensor]] = {}
@@ -498,8 +524,7 @@ def _execute(
             t0 = time.perf_counter()
             out_arr = None
             if t.dtype in ARITHMETIC:
-                tdt = torch_dtype(t.dtype)
-                base32 = pool32.convert("base", base_item.data.view(tdt).reshape(t.shape))
+                base32 = pool32.convert("base", base_item.data.view(numpy_storage_dtype(t.dtype)).reshape(t.shape))
                 ctx = TensorContext(name=t.name, shape=t.shape, rows_per_block=t.rows_per_block,
                                     n_blocks=t.n_blocks, seed=spec.seed)
                 op.begin(base32, ctx)
@@ -518,22 +543,22 @@ def _execute(
                     reads[key] = item.nbytes_read
                     realized[e.position] += item.nbytes_read
                     et = e.tensors[t.name]
-                    if item.data.dtype == torch.float32:  # Δ given directly (sources.py: delta, LoRA)
+                    if item.data.dtype == np.float32:  # Δ given directly (sources.py: delta, LoRA)
                         x = ExpertInput(index=e.position, params=params[e.position], selected_blocks=item.blocks,
                                         full=full, sketch=sketch, base=base32, delta=item.data)
                     elif reuse_theta and et.dtype in ("BF16", "F32"):  # read in place by the fused kernels
-                        raw = item.data.view(torch_dtype(et.dtype)).reshape(t.shape)
+                        raw = item.data.view(numpy_storage_dtype(et.dtype)).reshape(t.shape)
                         x = ExpertInput.from_raw(e.position, params[e.position], item.blocks, full, sketch,
                                                  base=base32, raw=raw)
                     else:
-                        raw = item.data.view(torch_dtype(et.dtype)).reshape(t.shape)
+                        raw = item.data.view(numpy_storage_dtype(et.dtype)).reshape(t.shape)
                         if len(item.blocks) == t.n_blocks:
-                            # copy=True: the item's buffer goes back to the pool once add() returns
-                            theta = pool32.convert("theta", raw) if reuse_theta else raw.to(torch.float32, copy=True)
+                            # a copy: the item's buffer goes back to the pool once add() returns
+                            theta = pool32.convert("theta", raw) if reuse_theta else as_float32(raw)
                         else:
-                            theta = pool32.convert("theta", base32) if reuse_theta else base32.clone()
+                            theta = pool32.convert("theta", base32) if reuse_theta else base32.copy()
                             for start, stop_ in item.rows:
-                                theta[start:stop_].copy_(raw[start:stop_])
+                                theta[start:stop_] = as_float32(raw[start:stop_])
                         x = ExpertInput(index=e.position, params=params[e.position], selected_blocks=item.blocks,
                                         full=full, sketch=sketch, base=base32, theta=theta)
                     op.add(x)
@@ -548,15 +573,15 @@ def _execute(
                 held.clear()
                 out_arr, pos = buffers.take(0, ot.nbytes)
                 out_bytes = out_arr[pos:pos + ot.nbytes]
-                torch.from_numpy(out_bytes).view(torch_dtype(ot.dtype)).view(t.shape).copy_(merged.view(t.shape))
+                _cast_into(out_bytes, ot.dtype, merged)
                 del merged, base32
             else:
-                out_bytes = base_item.data.numpy()
+                out_bytes = base_item.data
             timings["compute"] += time.perf_counter() - t0
 
             t0 = time.perf_counter()
             same_coords = t.dtype in ARITHMETIC and ot.dtype == t.dtype
-            output.put(_OutputJob(ot, out_bytes, base_item.data.numpy() if same_coords else None,
+            output.put(_OutputJob(ot, out_bytes, base_item.data if same_coords else None,
                                   (out_arr, base_item.arr), t))
             del base_item
             timings["write_wait"] += time.perf_counter() - t0

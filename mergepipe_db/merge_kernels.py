@@ -33,6 +33,26 @@ def _linear_span(acc: np.ndarray, src: np.ndarray, w: np.float32, first: bool) -
             acc[i] = acc[i] + widen(src[i]) * w
 
 
+@numba.njit(cache=True, nogil=True)
+def widen_into(out: np.ndarray, raw: np.ndarray) -> None:
+    """out = the stored values `raw` as float32 (BF16 bits widened exactly), flat arrays of one length."""
+    for i in range(raw.shape[0]):
+        out[i] = widen(raw[i])
+
+
+@numba.njit(cache=True, nogil=True)
+def narrow_bf16(out: np.ndarray, x: np.ndarray) -> bool:
+    """out = the BF16 bits (uint16) of float32 `x`, rounded to nearest, ties to even, as torch rounds. False
+    when `x` holds a NaN: torch writes a NaN's BF16 bits differently in its vector and scalar loops, so the
+    caller converts such a tensor with torch itself."""
+    finite_or_inf = True
+    for i in range(x.shape[0]):
+        u = f32_to_bits(x[i])
+        out[i] = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+        finite_or_inf &= x[i] == x[i]
+    return finite_or_inf
+
+
 _TILE = 2048  # elements per tile of `_catch_up`: the accumulator tile stays in L1 across the experts
 
 

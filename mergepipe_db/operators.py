@@ -1,4 +1,4 @@
-"""Merge operators: pure float32 tensor math, one tensor at a time, streaming over the experts.
+"""Merge operators: pure float32 array math (numpy, numba kernels), one tensor at a time, streaming over the experts.
 
 An operator folds the experts of one tensor in spec order: ``begin(base, ctx)``, then ``add(x)`` for
 k = 0..K-1 (every expert, also one with nothing selected), then ``finish()``. Memory is a few tensors of the
@@ -10,6 +10,10 @@ Bit-exactness rests on doing, per element, the same float32 operations in the sa
 term is skipped: an accumulator that starts at +0.0 and only receives sums is never -0.0, so ``acc + (±0)``
 leaves its bits unchanged. Work is done in cache-sized chunks with reused scratch buffers (fresh pages
 cost more than arithmetic on these machines). No I/O, no catalog.
+
+Arrays are numpy: a BF16 value is held as its uint16 bit pattern. torch is imported only where its
+results are the definition: DARE's masks (`torch.rand` keyed per block) and slerp's float64 norms. Callers
+may pass torch tensors; they are converted on entry (torch's import costs ~2 s of a merge's start-up).
 """
 
 from __future__ import annotations
@@ -17,12 +21,12 @@ from __future__ import annotations
 import abc
 import hashlib
 import math
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
-import torch
 
 from mergepipe_db import sketch as _sketch
 from mergepipe_db.errors import SpecError, UnsupportedDtypeError
@@ -33,6 +37,7 @@ __all__ = [
     "ExpertParams",
     "MergeOperator",
     "TensorContext",
+    "as_float32",
     "dare_keep_mask",
     "make_operator",
 ]
@@ -41,18 +46,42 @@ _CHUNK = 1 << 16  # elements per arithmetic step: scratch stays in L2
 _NO_F32 = np.empty(0, np.float32)
 
 
-def empty_buffer(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """An uninitialised 1-D tensor for a long-lived scratch buffer: big ones on huge pages
-    (`storage.aligned_empty`), which fault in 512x less often than torch's allocator's pages."""
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    if n * itemsize < (2 << 20) or dtype not in _NUMPY_OF:
-        return torch.empty(n, dtype=dtype)
+def empty_buffer(n: int, dtype: Any = np.float32) -> np.ndarray:
+    """An uninitialised 1-D array for a long-lived scratch buffer: big ones on huge pages
+    (`storage.aligned_empty`), which fault in 512x less often than the allocator's pages."""
+    dt = np.dtype(dtype)
+    if n * dt.itemsize < (2 << 20):
+        return np.empty(n, dt)
     from mergepipe_db.storage import aligned_empty
 
-    return torch.from_numpy(aligned_empty(n * itemsize).view(_NUMPY_OF[dtype]))
+    return aligned_empty(n * dt.itemsize).view(dt)
 
 
-_NUMPY_OF = {torch.float32: np.float32, torch.float64: np.float64, torch.int32: np.int32, torch.int64: np.int64}
+def as_float32(raw: np.ndarray) -> np.ndarray:
+    """Stored values as float32 (a new array, exact): BF16 bit patterns (uint16) widened, F16/F64 cast."""
+    if raw.dtype == np.uint16:
+        return (raw.astype(np.uint32) << 16).view(np.float32)
+    return raw.astype(np.float32)
+
+
+def _is_torch(t: object) -> bool:
+    torch = sys.modules.get("torch")  # a torch tensor exists only once torch is imported
+    return torch is not None and isinstance(t, torch.Tensor)
+
+
+def _as_raw(t: Any, what: str) -> np.ndarray:
+    """Stored values for `ExpertInput.from_raw`: float32/float16/float64, or BF16 as uint16 bit patterns."""
+    if _is_torch(t):
+        import torch
+
+        if not t.is_floating_point():
+            raise UnsupportedDtypeError(f"{what} has dtype {t.dtype}, which merge arithmetic cannot use")
+        t = t.detach().contiguous()
+        return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+    a = np.asarray(t)
+    if a.dtype.kind != "f" and a.dtype != np.uint16:
+        raise UnsupportedDtypeError(f"{what} has dtype {a.dtype}, which merge arithmetic cannot use")
+    return np.asarray(a, order="C")  # (not ascontiguousarray: it makes a 0-d tensor 1-d)
 
 
 #: TIES keeps the experts' stored bytes of a tensor for one fused pass while they add up to at most this
@@ -175,23 +204,29 @@ class TensorContext:
         return (stop - start, *self.shape[1:])
 
 
-def _as_f32(t: torch.Tensor | None, what: str) -> torch.Tensor | None:
+def _as_f32(t: Any, what: str) -> np.ndarray | None:
+    """A float32 array of `t` (numpy, or a torch tensor: shared when already float32 and contiguous)."""
     if t is None:
         return None
-    if not t.is_floating_point():
-        raise UnsupportedDtypeError(f"{what} has dtype {t.dtype}, which merge arithmetic cannot use")
-    if t.dtype != torch.float32:
-        t = t.to(torch.float32)
-    return t.contiguous()
+    if _is_torch(t):
+        import torch
+
+        if not t.is_floating_point():
+            raise UnsupportedDtypeError(f"{what} has dtype {t.dtype}, which merge arithmetic cannot use")
+        return t.detach().to(torch.float32).contiguous().numpy()
+    a = np.asarray(t)
+    if a.dtype.kind != "f":
+        raise UnsupportedDtypeError(f"{what} has dtype {a.dtype}, which merge arithmetic cannot use")
+    return np.asarray(a, dtype=np.float32, order="C")
 
 
 class ExpertInput:
     """One expert's view of one tensor. Rows of omitted blocks equal the base (Δ exactly 0).
 
     Give ``theta`` (θ_k, base rows where omitted) or ``delta`` (θ_k − θ₀, 0 on omitted rows), float32 in
-    the tensor's shape, plus ``base`` (the operator binds its own base and context in ``add`` when they are
-    missing). The other one is computed lazily, on the selected rows only, when first asked for, and
-    cached. Both are None when ``selected_blocks == ()``.
+    the tensor's shape (numpy arrays, or torch tensors converted on entry), plus ``base`` (the operator
+    binds its own base and context in ``add`` when they are missing). The other one is computed lazily, on
+    the selected rows only, when first asked for, and cached. Both are None when ``selected_blocks == ()``.
 
     ``full`` means every block whose Δ may be nonzero was selected (omitted blocks, if any, are known to
     equal the base), so tensor-global statistics computed from the rows read are exact. ``sketch`` is the
@@ -210,10 +245,10 @@ class ExpertInput:
         full: bool,
         sketch: np.ndarray | None = None,
         *,
-        base: torch.Tensor | None = None,
-        theta: torch.Tensor | None = None,
-        delta: torch.Tensor | None = None,
-        raw: torch.Tensor | None = None,
+        base: Any = None,
+        theta: Any = None,
+        delta: Any = None,
+        raw: Any = None,
         ctx: TensorContext | None = None,
     ) -> None:
         self.index = int(index)
@@ -230,44 +265,42 @@ class ExpertInput:
             self._theta = _as_f32(theta, f"expert {self.index} tensor")
             self._delta = _as_f32(delta, f"expert {self.index} delta")
             if raw is not None and theta is None and delta is None:
-                if not raw.is_floating_point():
-                    raise UnsupportedDtypeError(f"expert {self.index} tensor has dtype {raw.dtype}, which merge "
-                                                f"arithmetic cannot use")
-                self._raw = raw.contiguous()
+                self._raw = _as_raw(raw, f"expert {self.index} tensor")
         else:
             self._theta = self._delta = None
 
     @classmethod
     def from_raw(cls, index: int, params: ExpertParams, selected_blocks: Sequence[int], full: bool,
-                 sketch: np.ndarray | None = None, *, base: torch.Tensor | None = None, raw: torch.Tensor | None,
+                 sketch: np.ndarray | None = None, *, base: Any = None, raw: Any,
                  ctx: TensorContext | None = None) -> ExpertInput:
-        """An input holding θ_k as stored (BF16/F16/F32, the tensor's shape), valid on the selected rows only:
-        the rows of omitted blocks were never read and may hold anything. Operators read it in place."""
+        """An input holding θ_k as stored (the tensor's shape; BF16 as uint16 bit patterns, F16, F32), valid on
+        the selected rows only: the rows of omitted blocks were never read and may hold anything. Operators
+        read it in place."""
         return cls(index, params, selected_blocks, full, sketch, base=base, raw=raw, ctx=ctx)
 
     @classmethod
     def from_theta(cls, index: int, params: ExpertParams, selected_blocks: Sequence[int], full: bool,
-                   sketch: np.ndarray | None = None, *, base: torch.Tensor | None = None,
-                   theta: torch.Tensor | None, ctx: TensorContext | None = None) -> ExpertInput:
+                   sketch: np.ndarray | None = None, *, base: Any = None,
+                   theta: Any, ctx: TensorContext | None = None) -> ExpertInput:
         """An input holding θ_k (Δ_k computed lazily)."""
         return cls(index, params, selected_blocks, full, sketch, base=base, theta=theta, ctx=ctx)
 
     @classmethod
     def from_delta(cls, index: int, params: ExpertParams, selected_blocks: Sequence[int], full: bool,
-                   sketch: np.ndarray | None = None, *, base: torch.Tensor | None = None,
-                   delta: torch.Tensor | None, ctx: TensorContext | None = None) -> ExpertInput:
+                   sketch: np.ndarray | None = None, *, base: Any = None,
+                   delta: Any, ctx: TensorContext | None = None) -> ExpertInput:
         """An input holding Δ_k (θ_k = θ₀ + Δ_k computed lazily)."""
         return cls(index, params, selected_blocks, full, sketch, base=base, delta=delta, ctx=ctx)
 
     # -- lazy θ / Δ --------------------------------------------------------------------------------
 
-    def _need_base(self) -> torch.Tensor:
+    def _need_base(self) -> np.ndarray:
         if self._base is None:
             raise ValueError(f"expert {self.index}: base is needed to derive theta/delta")
         return self._base
 
     @property
-    def theta(self) -> torch.Tensor | None:
+    def theta(self) -> np.ndarray | None:
         """θ_k (float32): θ₀ + Δ_k on selected rows, θ₀ on omitted rows."""
         if not self.selected_blocks:
             return None
@@ -279,37 +312,35 @@ class ExpertInput:
             if self._ctx is None:
                 self._theta = base + delta
             else:
-                theta = base.clone()
-                tf, bf, df = theta.view(-1), base.view(-1), delta.view(-1)
+                theta = base.copy()
+                tf, bf, df = theta.reshape(-1), base.reshape(-1), delta.reshape(-1)
                 for s, e in self._element_ranges(self._ctx):
-                    torch.add(bf[s:e], df[s:e], out=tf[s:e])
+                    np.add(bf[s:e], df[s:e], out=tf[s:e])
                 self._theta = theta
         return self._theta
 
-    def _theta_from_raw(self) -> torch.Tensor:
+    def _theta_from_raw(self) -> np.ndarray:
         """θ_k in float32: the stored values on the selected rows, θ₀ on the others."""
         raw = self._raw
         assert raw is not None
         if self._ctx is None:
-            return raw.to(torch.float32)
-        theta = self._need_base().clone()
-        tf, rf = theta.view(-1), raw.view(-1)
+            return as_float32(raw)
+        theta = self._need_base().copy()
+        tf, rf = theta.reshape(-1), raw.reshape(-1)
         for s, e in self._element_ranges(self._ctx):
-            tf[s:e].copy_(rf[s:e])
+            tf[s:e] = as_float32(rf[s:e])
         return theta
 
     def fast_source(self) -> np.ndarray | None:
         """θ_k for the fused kernels (mergepipe_db/merge_kernels.py), flat and valid on the selected rows: the
         stored BF16 bit patterns (uint16) or float32 values; None when θ_k is only known through Δ_k."""
         raw = self._raw
-        if self._theta is None and raw is not None and raw.dtype == torch.bfloat16:
-            return raw.view(-1).view(torch.int16).numpy().view(np.uint16)
-        if self._theta is None and raw is not None and raw.dtype == torch.float32:
-            return raw.view(-1).numpy()
+        if self._theta is None and raw is not None and raw.dtype in (np.uint16, np.float32):
+            return raw.reshape(-1)
         if self._theta is None and raw is not None:
             self._theta = self._theta_from_raw()
         if self._theta is not None:
-            return self._theta.view(-1).numpy()
+            return self._theta.reshape(-1)
         return None
 
     def element_ranges_array(self, ctx: TensorContext) -> np.ndarray:
@@ -318,7 +349,7 @@ class ExpertInput:
         return np.array(r, dtype=np.int64).reshape(len(r), 2)
 
     @property
-    def delta(self) -> torch.Tensor | None:
+    def delta(self) -> np.ndarray | None:
         """Δ_k = θ_k − θ₀ (float32) on selected rows, exactly 0 on omitted rows."""
         if not self.selected_blocks:
             return None
@@ -330,10 +361,10 @@ class ExpertInput:
             if self._ctx is None:
                 self._delta = theta - base
             else:
-                delta = torch.zeros_like(base)
-                df, tf, bf = delta.view(-1), theta.view(-1), base.view(-1)
+                delta = np.zeros_like(base)
+                df, tf, bf = delta.reshape(-1), theta.reshape(-1), base.reshape(-1)
                 for s, e in self._element_ranges(self._ctx):
-                    torch.sub(tf[s:e], bf[s:e], out=df[s:e])
+                    np.subtract(tf[s:e], bf[s:e], out=df[s:e])
                 self._delta = delta
         return self._delta
 
@@ -356,7 +387,7 @@ class ExpertInput:
         rn = ctx.row_numel
         return [(s * rn, e * rn) for s, e in self.selected_row_ranges(ctx) if rn]
 
-    def _bind(self, base: torch.Tensor, ctx: TensorContext) -> None:
+    def _bind(self, base: np.ndarray, ctx: TensorContext) -> None:
         if self._base is None:
             self._base = base
         if self._ctx is None:
@@ -365,26 +396,40 @@ class ExpertInput:
             if t is not None and tuple(t.shape) != tuple(ctx.shape):
                 raise ValueError(f"expert {self.index}: {what} shape {tuple(t.shape)} != {tuple(ctx.shape)}")
 
-    def _theta_flat(self) -> torch.Tensor | None:
+    def _theta_flat(self) -> np.ndarray | None:
         if self._theta is None and self._raw is not None:
             self._theta = self._theta_from_raw()
-        return None if self._theta is None else self._theta.view(-1)
+        return None if self._theta is None else self._theta.reshape(-1)
 
-    def _delta_flat(self) -> torch.Tensor | None:
-        return None if self._delta is None else self._delta.view(-1)
+    def _delta_flat(self) -> np.ndarray | None:
+        return None if self._delta is None else self._delta.reshape(-1)
 
 
-def _block_generator(seed: int, expert_key: str, tensor_name: str, block_index: int) -> torch.Generator:
+def _block_generator(seed: int, expert_key: str, tensor_name: str, block_index: int) -> Any:
+    """The torch.Generator of one block's DARE uniforms."""
+    import torch
+
     key = hashlib.sha256(f"{seed}\x1f{expert_key}\x1f{tensor_name}\x1f{block_index}".encode()).digest()
     g = torch.Generator(device="cpu")
     g.manual_seed(int.from_bytes(key[:8], "little") & (2**63 - 1))
     return g
 
 
+def _dare_uniforms(seed: int, expert_key: str, tensor_name: str, block_index: int, block_shape: tuple[int, ...],
+                   out: np.ndarray) -> None:
+    """One block's uniforms, ``torch.rand(block_shape)`` from its keyed generator, into `out` (flat float32)."""
+    import torch
+
+    torch.rand(tuple(block_shape), generator=_block_generator(seed, expert_key, tensor_name, block_index),
+               dtype=torch.float32, out=torch.from_numpy(out).view(tuple(block_shape)))
+
+
 def dare_keep_mask(seed: int, expert_key: str, tensor_name: str, block_index: int,
-                   block_shape: tuple[int, ...], density: float) -> torch.Tensor:
-    """The DARE keep mask (bool, ``block_shape``) of one block: ``rand(block_shape) < density`` from a
-    generator keyed by (seed, expert, tensor, block) — independent of which other blocks are read."""
+                   block_shape: tuple[int, ...], density: float) -> Any:
+    """The DARE keep mask (a bool torch tensor, ``block_shape``) of one block: ``rand(block_shape) < density``
+    from a generator keyed by (seed, expert, tensor, block) — independent of which other blocks are read."""
+    import torch
+
     g = _block_generator(seed, expert_key, tensor_name, block_index)
     u = torch.rand(tuple(block_shape), generator=g, dtype=torch.float32)
     return u < float(density)
@@ -415,37 +460,38 @@ def _locate_from_top(counts: np.ndarray, k: int) -> tuple[int, int]:
     return idx, int(from_top[i]) - int(counts[idx])
 
 
-def _kth_largest_exact(a: torch.Tensor, k: int, op: MergeOperator, cache: dict[str, np.ndarray] | None = None,
+def _kth_largest_exact(a: np.ndarray, k: int, op: MergeOperator, cache: dict[str, np.ndarray] | None = None,
                        ) -> float:
-    """The k-th largest (1 <= k <= numel) of a 1-D float32 tensor of magnitudes, NaN counted largest.
+    """The k-th largest (1 <= k <= numel) of a 1-D float32 array of magnitudes, NaN counted largest.
 
     Radix select on the bit patterns (non-negative float32 order = int32 order, NaN above inf): a
     bincount of the top 16 bits locates the k-th largest's prefix, a second one its low 16 bits. Equal
     to ``torch.sort(a, descending=True).values[k-1]`` without sorting, topk or selecting elements.
     ``cache`` keeps the first bincount for further queries on the same ``a``.
     """
-    n = a.numel()
+    n = a.size
     if n <= _RADIX_SMALL:
-        return float(torch.sort(a, descending=True).values[k - 1])
-    bits = a.view(torch.int32)
+        return float(np.sort(a)[n - k])  # ascending, NaN last: the k-th largest with NaN largest
+    bits = a.view(np.int32)
     step = min(n, _RADIX_CHUNK)
-    c = op._scratch("radix", step, torch.int32)
+    c = op._scratch("radix", step, np.int32)
     h1 = None if cache is None else cache.get("h1")
     if h1 is None:
-        h1_t = torch.zeros(1 << 15, dtype=torch.int64)
+        h1 = np.zeros(1 << 15, dtype=np.int64)
         for s in range(0, n, step):
-            chunk = torch.bitwise_right_shift(bits[s : s + step], 16, out=c[: min(step, n - s)])
-            h1_t += torch.bincount(chunk, minlength=1 << 15)
-        h1 = h1_t.numpy()
+            chunk = np.right_shift(bits[s : s + step], 16, out=c[: min(step, n - s)])
+            h1 += np.bincount(chunk, minlength=1 << 15)
         if cache is not None:
             cache["h1"] = h1
     hi, above = _locate_from_top(h1, k)
     first = (hi << 16) - 1  # 0: below the prefix, 1..65536: inside, 65537: above
-    h2 = torch.zeros((1 << 16) + 2, dtype=torch.int64)
+    top = min(first + (1 << 16) + 1, 2**31 - 1)  # int32 ends inside the last prefix: nothing lies above it
+    h2 = np.zeros((1 << 16) + 2, dtype=np.int64)
     for s in range(0, n, step):
-        chunk = torch.clamp(bits[s : s + step], first, first + (1 << 16) + 1, out=c[: min(step, n - s)])
-        h2 += torch.bincount(chunk.sub_(first), minlength=(1 << 16) + 2)
-    low, _ = _locate_from_top(h2.numpy()[1 : (1 << 16) + 1], k - above)
+        chunk = np.clip(bits[s : s + step], first, top, out=c[: min(step, n - s)])
+        chunk -= first
+        h2 += np.bincount(chunk, minlength=(1 << 16) + 2)
+    low, _ = _locate_from_top(h2[1 : (1 << 16) + 1], k - above)
     return float(np.array([(hi << 16) | low], dtype=np.int32).view(np.float32)[0])
 
 
@@ -459,7 +505,7 @@ class _Magnitudes:
     among the rows read is known), otherwise it is interpolated inside the bin (`sketch.kth_largest`).
     """
 
-    def __init__(self, a: torch.Tensor, n_total: int, hist: np.ndarray | None, op: MergeOperator) -> None:
+    def __init__(self, a: np.ndarray, n_total: int, hist: np.ndarray | None, op: MergeOperator) -> None:
         self.a = a
         self.n = n_total
         self.hist = hist
@@ -471,15 +517,16 @@ class _Magnitudes:
         if self._nan_read is None:
             a = self.a
             self._nan_read = 0
-            if a.numel() and bool(torch.isnan(a.amax())):
-                self._nan_read = int(torch.isnan(a).sum())
+            if a.size and bool(np.isnan(a.max())):
+                self._nan_read = int(np.isnan(a).sum())
         return self._nan_read
 
     def _count_ge(self, v: float) -> int:
         """Read elements with |Δ| >= v (NaN not counted)."""
         total = 0
-        for s, e in _chunks([(0, self.a.numel())]):
-            total += int(torch.count_nonzero(torch.ge(self.a[s:e], v, out=self._op._scratch("ind", e - s))))
+        for s, e in _chunks([(0, self.a.size)]):
+            total += int(np.count_nonzero(np.greater_equal(self.a[s:e], v, out=self._op._scratch("ge", e - s,
+                                                                                                 np.bool_))))
         return total
 
     def _desc_sketch(self, k: int) -> float | None:
@@ -504,7 +551,7 @@ class _Magnitudes:
     def desc(self, k: int) -> float:
         """The k-th largest |Δ| of the whole tensor (1 <= k <= n), NaN counted largest."""
         if self.hist is None:
-            return _kth_largest_exact(self.a, k, self._op, self._cache) if k <= self.a.numel() else 0.0
+            return _kth_largest_exact(self.a, k, self._op, self._cache) if k <= self.a.size else 0.0
         exact = self._desc_sketch(k) if int(self.hist.sum()) == self.n else None
         if exact is not None:
             return exact
@@ -559,7 +606,8 @@ class MergeOperator(abc.ABC):
     """Streaming fold of one tensor over the experts: ``begin``, ``add`` for k = 0..K-1, ``finish``.
 
     One operator serves every tensor of a merge; it keeps grow-only scratch buffers between tensors.
-    ``finish`` returns a float32 tensor valid until the next ``begin``.
+    ``finish`` returns a float32 array valid until the next ``begin``. Arithmetic on inf/NaN follows IEEE
+    754 without numpy's floating-point warnings.
     """
 
     name: ClassVar[str]
@@ -574,6 +622,8 @@ class MergeOperator(abc.ABC):
     #: plan block rows of all experts together (ties, dare_ties; sql/plan_rank.sql :grouped)
     joint_election: ClassVar[bool] = False
     normalize_default: ClassVar[bool] = False
+    #: imports torch for its results (DARE's masks, slerp's norms): the executor sets its thread count first
+    uses_torch: ClassVar[bool] = False
     #: inputs kept for a fused pass over the tensor (a `_Stash`, or TIES's list); empty or None: none held
     _stash: Any = None
 
@@ -603,9 +653,9 @@ class MergeOperator(abc.ABC):
         self.lam = _finite(lam, "lambda", self.name)
         self.t = None if t is None else _finite(t, "t", self.name)
         self.weight_sum = _weight_sum(self.weights)
-        self._pool: dict[str, torch.Tensor] = {}
-        self._base: torch.Tensor | None = None
-        self._bflat: torch.Tensor | None = None
+        self._pool: dict[str, np.ndarray] = {}
+        self._base: np.ndarray | None = None
+        self._bflat: np.ndarray | None = None
         self._ctx: TensorContext | None = None
         self._next = 0
         self._validate()
@@ -628,14 +678,15 @@ class MergeOperator(abc.ABC):
 
     # -- protocol ----------------------------------------------------------------------------------
 
-    def begin(self, base: torch.Tensor, ctx: TensorContext) -> None:
+    def begin(self, base: Any, ctx: TensorContext) -> None:
         """Start a tensor: ``base`` is θ₀ in float32 (other float dtypes are upcast)."""
         b = _as_f32(base, f"base tensor {ctx.name!r}")
         assert b is not None
         if tuple(b.shape) != tuple(ctx.shape):
             raise ValueError(f"tensor {ctx.name!r}: base shape {tuple(b.shape)} != context shape {ctx.shape}")
-        self._base, self._bflat, self._ctx, self._next = b, b.view(-1), ctx, 0
-        self._begin()
+        self._base, self._bflat, self._ctx, self._next = b, b.reshape(-1), ctx, 0
+        with np.errstate(all="ignore"):
+            self._begin()
 
     def add(self, x: ExpertInput) -> None:
         """Fold expert ``x.index``; experts must come in spec order, every one of them."""
@@ -646,17 +697,19 @@ class MergeOperator(abc.ABC):
         if x.params is not None and x.params != self.experts[x.index]:
             raise ValueError(f"expert {x.index}: input parameters {x.params} differ from the operator's")
         x._bind(self._base, self._ctx)
-        self._add(x)
+        with np.errstate(all="ignore"):
+            self._add(x)
         self._next += 1
 
-    def finish(self) -> torch.Tensor:
-        """The merged tensor (float32). It may be one of the operator's reused buffers: valid until the next
-        ``begin()``, which overwrites it (fresh pages per tensor cost more than the arithmetic)."""
+    def finish(self) -> np.ndarray:
+        """The merged tensor (float32, the base's shape). It may be one of the operator's reused buffers: valid
+        until the next ``begin()``, which overwrites it (fresh pages per tensor cost more than the arithmetic)."""
         if self._base is None:
             raise RuntimeError("finish() before begin()")
         if self._next != self.n_experts:
             raise RuntimeError(f"finish() after {self._next} of {self.n_experts} experts")
-        out = self._finish()
+        with np.errstate(all="ignore"):
+            out = self._finish()
         self._base = self._bflat = None
         self._ctx = None
         self._end()
@@ -679,7 +732,7 @@ class MergeOperator(abc.ABC):
     def _add(self, x: ExpertInput) -> None: ...
 
     @abc.abstractmethod
-    def _finish(self) -> torch.Tensor: ...
+    def _finish(self) -> np.ndarray: ...
 
     def _end(self) -> None:
         """Drop per-tensor references."""
@@ -687,43 +740,43 @@ class MergeOperator(abc.ABC):
 
     # -- helpers -----------------------------------------------------------------------------------
 
-    def _scratch(self, name: str, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def _scratch(self, name: str, n: int, dtype: Any = np.float32) -> np.ndarray:
         """A reused 1-D buffer of n elements (contents undefined)."""
         buf = self._pool.get(name)
-        if buf is None or buf.numel() < n or buf.dtype != dtype:
+        if buf is None or buf.size < n or buf.dtype != dtype:
             self._pool.pop(name, None)
             buf = empty_buffer(max(n, 1), dtype)
             self._pool[name] = buf
         return buf[:n]
 
-    def _zeroed(self, name: str, n: int) -> torch.Tensor:
+    def _zeroed(self, name: str, n: int) -> np.ndarray:
         buf = self._scratch(name, n)
-        buf.zero_()
+        buf.fill(0)
         return buf
 
-    def _delta_chunk(self, x: ExpertInput, s: int, e: int) -> torch.Tensor:
+    def _delta_chunk(self, x: ExpertInput, s: int, e: int) -> np.ndarray:
         """Δ_k[s:e] (flat): a view of the given Δ, or θ_k − θ₀ into scratch."""
         d = x._delta_flat()
         if d is not None:
             return d[s:e]
         theta = x._theta_flat()
         assert theta is not None and self._bflat is not None
-        return torch.sub(theta[s:e], self._bflat[s:e], out=self._scratch("delta", e - s))
+        return np.subtract(theta[s:e], self._bflat[s:e], out=self._scratch("delta", e - s))
 
-    def _theta_chunk(self, x: ExpertInput, s: int, e: int) -> torch.Tensor:
+    def _theta_chunk(self, x: ExpertInput, s: int, e: int) -> np.ndarray:
         """θ_k[s:e] (flat) on selected rows: a view of the given θ, or θ₀ + Δ_k into scratch."""
         theta = x._theta_flat()
         if theta is not None:
             return theta[s:e]
         d = x._delta_flat()
         assert d is not None and self._bflat is not None
-        return torch.add(self._bflat[s:e], d[s:e], out=self._scratch("theta", e - s))
+        return np.add(self._bflat[s:e], d[s:e], out=self._scratch("theta", e - s))
 
 
-def _all_finite(t: torch.Tensor) -> bool:
+def _all_finite(t: np.ndarray) -> bool:
     """True when every element is finite (a sum that overflows answers False: callers then take the
     exact slow path, which is always correct)."""
-    return bool(torch.isfinite(t.sum()))
+    return bool(np.isfinite(t.sum()))
 
 
 class _DeltaFold(MergeOperator):
@@ -764,19 +817,19 @@ class _DeltaFold(MergeOperator):
         self._set_expert(w)
         for s, e in _chunks(ranges):
             d = self._delta_chunk(x, s, e)
-            self._combine(s, e, torch.mul(d, w, out=self._scratch("D", e - s)), None)
+            self._combine(s, e, np.multiply(d, w, out=self._scratch("D", e - s)), None)
 
     def _set_expert(self, w: float) -> None:
         """Per-expert constants for `_combine`."""
         self._w = w
 
     @abc.abstractmethod
-    def _combine(self, s: int, e: int, D: torch.Tensor, finite: bool | None) -> None:
+    def _combine(self, s: int, e: int, D: np.ndarray, finite: bool | None) -> None:
         """Fold D_k[s:e] (may be modified); ``finite``: known all-finite (True) or unknown (None)."""
 
     def _fold_fast(self, x: ExpertInput, tau: float | None, zero_check: int = 0) -> bool:
         """Fold T_k (T_k = Δ_k, or where(|Δ_k| >= τ, Δ_k, 0.0) when ``tau`` is given) with a fused kernel, if
-        this operator has one and θ_k is at hand; False: the caller takes the chunked torch path.
+        this operator has one and θ_k is at hand; False: the caller takes the chunked numpy path.
         ``zero_check`` = k: τ = 0 came from the sketch unchecked (`_exact_tau_fast`)."""
         return False
 
@@ -793,11 +846,11 @@ class _DeltaFold(MergeOperator):
         assert self._ctx is not None and self._bflat is not None
         src = x.fast_source()
         if src is not None:
-            _mk().absdelta(a.numpy(), self._bflat.numpy(), src, x.element_ranges_array(self._ctx))
+            _mk().absdelta(a, self._bflat, src, x.element_ranges_array(self._ctx))
         else:
             off = 0
             for s, e in _chunks(ranges):
-                torch.abs(self._delta_chunk(x, s, e), out=a[off : off + e - s])
+                np.abs(self._delta_chunk(x, s, e), out=a[off : off + e - s])
                 off += e - s
         hist = None if (x.full or x.sketch is None) else x.sketch
         return _Magnitudes(a, self._ctx.numel, hist, self)
@@ -815,17 +868,17 @@ class _DeltaFold(MergeOperator):
             ac = a[off : off + n]
             off += n
             d = self._delta_chunk(x, s, e)
-            D = torch.mul(d, w, out=self._scratch("D", n))
+            D = np.multiply(d, w, out=self._scratch("D", n))
             if _all_finite(D):
                 ind = self._scratch("ind", n)
                 if hi is None:
                     assert lo is not None
-                    torch.ge(ac, lo, out=ind)
+                    np.greater_equal(ac, lo, out=ind)
                 else:
-                    torch.lt(ac, hi, out=ind)
+                    np.less(ac, hi, out=ind)
                     if lo is not None:
-                        D.mul_(torch.gt(ac, lo, out=self._scratch("ind2", n)))
-                D.mul_(ind)
+                        D *= np.greater(ac, lo, out=self._scratch("ind2", n))
+                D *= ind
                 self._combine(s, e, D, True)
             else:  # the literal formula
                 if hi is None:
@@ -833,7 +886,9 @@ class _DeltaFold(MergeOperator):
                     keep = ac >= lo
                 else:
                     keep = ac < hi if lo is None else (ac > lo) & (ac < hi)
-                self._combine(s, e, torch.where(keep, d, 0.0).mul_(w), None)
+                T = np.where(keep, d, np.float32(0.0))
+                T *= w
+                self._combine(s, e, T, None)
 
     #: the operator has fused kernels for T_k = Δ_k and the TIES trim (`_fold_fast`)
     _fused: ClassVar[bool] = False
@@ -851,7 +906,7 @@ class _DeltaFold(MergeOperator):
         tau = mags.topk_min(k)
         if math.isnan(tau):
             return  # |Δ| >= NaN is false everywhere: T_k = 0
-        if tau == math.inf and not bool(torch.isinf(mags.a).any()):
+        if tau == math.inf and not bool(np.isinf(mags.a).any()):
             return
         if self._fold_fast(x, tau):
             return
@@ -867,7 +922,7 @@ class _DeltaFold(MergeOperator):
         src = x.fast_source()
         if src is None or self._bflat is None or self._ctx is None:
             return None, 0
-        base, ranges_arr = self._bflat.numpy(), x.element_ranges_array(self._ctx)
+        base, ranges_arr = self._bflat, x.element_ranges_array(self._ctx)
         hist = x.sketch
         if hist is not None and int(hist.sum()) == self._ctx.numel:
             b, above = _sketch.locate_kth_largest(hist, k)
@@ -922,32 +977,32 @@ class _DeltaFold(MergeOperator):
                 continue
             shape = ctx.block_shape(b)
             u = self._scratch("u", e0 - s0)
-            torch.rand(shape, generator=_block_generator(ctx.seed, key, ctx.name, b), dtype=torch.float32,
-                       out=u.view(shape))
-            if src is not None and self._dare_block_fast(src, b, s0, e0, u.numpy(), d, w):
+            _dare_uniforms(ctx.seed, key, ctx.name, b, shape, u)
+            if src is not None and self._dare_block_fast(src, b, s0, e0, u, d, w):
                 continue
             for s, e in _chunks([(s0, e0)]):
                 n = e - s
                 uc = u[s - s0 : e - s0]
                 delta = self._delta_chunk(x, s, e)
-                D = torch.div(delta, d, out=self._scratch("D", n))
-                D.mul_(w)
+                D = np.divide(delta, d, out=self._scratch("D", n))
+                D *= w
                 if _all_finite(D):
-                    D.mul_(torch.lt(uc, d, out=self._scratch("ind", n)))
+                    D *= np.less(uc, d, out=self._scratch("ind", n))
                     self._combine(s, e, D, True)
                 else:  # the literal formula
-                    T = torch.where(uc < d, delta / d, 0.0)
-                    self._combine(s, e, T.mul_(w), None)
+                    T = np.where(uc < d, delta / d, np.float32(0.0))
+                    T *= w
+                    self._combine(s, e, T, None)
 
 
 class _AdditiveFold(_DeltaFold):
     """task_arithmetic and the methods that follow it with T_k: mixed = Σ T_k·w_k; θ₀ + mixed·λ."""
 
-    _mixed: torch.Tensor | None = None
+    _mixed: np.ndarray | None = None
 
     def _begin(self) -> None:
         assert self._base is not None
-        self._mixed = self._zeroed("out", self._base.numel())
+        self._mixed = self._zeroed("out", self._base.size)
         self._stash = _Stash()
 
     def _fold_stash(self) -> None:
@@ -957,19 +1012,19 @@ class _AdditiveFold(_DeltaFold):
         assert self._mixed is not None and self._ctx is not None and self._bflat is not None
         items, raws, selected = self._stash.take(self._ctx.n_blocks)
         w = np.array([self.weights[x.index] for _src, x in items], np.float32)
-        _mk().delta_fused(self._mixed.numpy(), self._bflat.numpy(), raws, selected, _block_bounds(self._ctx), w)
+        _mk().delta_fused(self._mixed, self._bflat, raws, selected, _block_bounds(self._ctx), w)
 
-    def _combine(self, s: int, e: int, D: torch.Tensor, finite: bool | None) -> None:
+    def _combine(self, s: int, e: int, D: np.ndarray, finite: bool | None) -> None:
         assert self._mixed is not None
         self._fold_stash()  # experts are folded in order
-        self._mixed[s:e].add_(D)
+        self._mixed[s:e] += D
 
     def _dare_block_fast(self, src: np.ndarray, b: int, s0: int, e0: int, u: np.ndarray, d: float,
                          w: float) -> bool:
         if self._mixed is None or self._bflat is None:
             return False
         self._fold_stash()
-        _mk().dare_delta_span(self._mixed.numpy()[s0:e0], self._bflat.numpy()[s0:e0], src[s0:e0], u,
+        _mk().dare_delta_span(self._mixed[s0:e0], self._bflat[s0:e0], src[s0:e0], u,
                               np.float32(d), np.float32(w))
         return True
 
@@ -980,18 +1035,18 @@ class _AdditiveFold(_DeltaFold):
         if self._stash.offer(src, x, self._fold_stash):
             return True
         w = np.float32(self.weights[x.index])
-        _mk().delta_add(self._mixed.numpy(), self._bflat.numpy(), src, x.element_ranges_array(self._ctx), w)
+        _mk().delta_add(self._mixed, self._bflat, src, x.element_ranges_array(self._ctx), w)
         return True
 
-    def _finish(self) -> torch.Tensor:
+    def _finish(self) -> np.ndarray:
         mixed, base = self._mixed, self._base
         assert mixed is not None and base is not None
         self._fold_stash()
         if self.normalize:
-            mixed.div_(self.weight_sum)
-        mixed.mul_(self.lam)
-        mixed.add_(base.view(-1))
-        return mixed.view(base.shape)
+            mixed /= self.weight_sum
+        mixed *= self.lam
+        mixed += base.reshape(-1)
+        return mixed.reshape(base.shape)
 
     def _end(self) -> None:
         self._mixed = None
@@ -1006,13 +1061,13 @@ class _TiesFold(_DeltaFold):
     #: every expert's Δ of an element meets in one sign election and divisor: the planner reads block rows
     #: of all experts together (omitting one expert's block there would change the others' weight)
     joint_election: ClassVar[bool] = True
-    _P: torch.Tensor | None = None
+    _P: np.ndarray | None = None
 
     _fused = True
 
     def _begin(self) -> None:
         assert self._base is not None and self._ctx is not None
-        n = self._base.numel()
+        n = self._base.size
         # reused buffers, not cleared: a block's first fold writes its sums; `_touched` says which have one
         self._P = self._scratch("out", n)  # becomes the output
         self._S = self._scratch("S", n)
@@ -1046,8 +1101,8 @@ class _TiesFold(_DeltaFold):
         """Fold one kept input with the streaming kernels. A τ = 0 from the sketch not yet checked is checked
         first; if the bytes disagree, τ is found from them (`_fold_ties_trim`, checking at once)."""
         assert self._bflat is not None and self._ctx is not None
-        if zero_check and not _mk().kth_largest_is_zero(self._bflat.numpy(), src,
-                                                         x.element_ranges_array(self._ctx), zero_check):
+        if zero_check and not _mk().kth_largest_is_zero(self._bflat, src, x.element_ranges_array(self._ctx),
+                                                         zero_check):
             self._fold_ties_trim(x, x._element_ranges(self._ctx))
             return
         self._stream(src, x, trim, tau, w)
@@ -1058,25 +1113,25 @@ class _TiesFold(_DeltaFold):
             return False
         self._flush_stash()  # experts are folded in order
         S, P, N, wp, wn = self._sums()
-        _mk().ties_dare_span(S[s0:e0], P[s0:e0], N[s0:e0], wp[s0:e0], wn[s0:e0], self._bflat.numpy()[s0:e0],
+        _mk().ties_dare_span(S[s0:e0], P[s0:e0], N[s0:e0], wp[s0:e0], wn[s0:e0], self._bflat[s0:e0],
                              src[s0:e0], u, np.float32(d), np.float32(w), self.normalize, not self._touched[b])
         self._touched[b] = True
         return True
 
     def _stream(self, src: np.ndarray, x: ExpertInput, trim: bool, tau: float, w: float) -> None:
         assert self._bflat is not None
-        _mk().ties_add(*self._sums(), self._bflat.numpy(), src, self._bounds,
+        _mk().ties_add(*self._sums(), self._bflat, src, self._bounds,
                        np.array(x.selected_blocks, np.int64), self._touched, trim, np.float32(tau),
                        np.float32(w), self.normalize)
 
     def _sums(self) -> tuple[np.ndarray, ...]:
         assert self._P is not None
-        wp = self._WP.numpy() if self.normalize else _NO_F32
-        wn = self._WN.numpy() if self.normalize else _NO_F32
-        return self._S.numpy(), self._P.numpy(), self._N.numpy(), wp, wn
+        wp = self._WP if self.normalize else _NO_F32
+        wn = self._WN if self.normalize else _NO_F32
+        return self._S, self._P, self._N, wp, wn
 
     def _init_sums(self) -> None:
-        """Clear the sums of untouched blocks before a torch-path fold (which adds to them)."""
+        """Clear the sums of untouched blocks before a chunked fold (which adds to them)."""
         self._flush_stash()
         if not self._touched.all():
             _mk().ties_clear_untouched(*self._sums(), self._bounds, self._touched, self.normalize)
@@ -1094,39 +1149,44 @@ class _TiesFold(_DeltaFold):
             self._fold_kept(*item)
         return True
 
-    def _combine(self, s: int, e: int, D: torch.Tensor, finite: bool | None) -> None:
+    def _combine(self, s: int, e: int, D: np.ndarray, finite: bool | None) -> None:
         assert self._P is not None
         self._init_sums()
         n = e - s
         w = self._w
-        self._S[s:e].add_(D)
+        self._S[s:e] += D
         t = self._scratch("t2", n)
         if finite or _all_finite(D):
-            # D > 0: clamp_min(D, 0) = D, w·1 = w; otherwise ±0 — equal to the where() forms for finite D
-            self._P[s:e].add_(torch.clamp_min(D, 0.0, out=t))
-            self._N[s:e].add_(torch.clamp_max(D, 0.0, out=t))
+            # D > 0: max(D, 0) = D, 1·w = w; otherwise ±0 — equal to the where() forms for finite D
+            self._P[s:e] += np.maximum(D, 0.0, out=t)
+            self._N[s:e] += np.minimum(D, 0.0, out=t)
             if self.normalize:
-                self._WP[s:e].add_(torch.gt(D, 0.0, out=t), alpha=w)
-                self._WN[s:e].add_(torch.lt(D, 0.0, out=t), alpha=w)
+                np.greater(D, 0.0, out=t)
+                t *= w
+                self._WP[s:e] += t
+                np.less(D, 0.0, out=t)
+                t *= w
+                self._WN[s:e] += t
         else:  # the literal formula (NaN D is neither positive nor negative)
             pos, neg = D > 0, D < 0
-            self._P[s:e].add_(torch.where(pos, D, 0.0))
-            self._N[s:e].add_(torch.where(neg, D, 0.0))
+            zero, w32 = np.float32(0.0), np.float32(w)
+            self._P[s:e] += np.where(pos, D, zero)
+            self._N[s:e] += np.where(neg, D, zero)
             if self.normalize:
-                self._WP[s:e].add_(torch.where(pos, w, 0.0))
-                self._WN[s:e].add_(torch.where(neg, w, 0.0))
+                self._WP[s:e] += np.where(pos, w32, zero)
+                self._WN[s:e] += np.where(neg, w32, zero)
 
-    def _finish(self) -> torch.Tensor:
+    def _finish(self) -> np.ndarray:
         P, base = self._P, self._base
         assert P is not None and base is not None
         if self._stash and self._finish_fused(P):
-            return P.view(base.shape)
+            return P.reshape(base.shape)
         S, P_, N, wp, wn = self._sums()
-        _mk().ties_finish(P_, S, N, wp, wn, base.view(-1).numpy(), self._bounds, self._touched, self.normalize,
+        _mk().ties_finish(P_, S, N, wp, wn, base.reshape(-1), self._bounds, self._touched, self.normalize,
                           np.float32(self.lam))
-        return P.view(base.shape)
+        return P.reshape(base.shape)
 
-    def _finish_fused(self, P: torch.Tensor) -> bool:
+    def _finish_fused(self, P: np.ndarray) -> bool:
         """The fused pass over the kept inputs into P; False when the bytes of an input whose τ = 0 came
         from the sketch disagree with it (then the sums have been folded again by the streaming kernels,
         with τ found from the bytes, for `ties_finish`)."""
@@ -1140,7 +1200,7 @@ class _TiesFold(_DeltaFold):
             selected[k, list(x.selected_blocks)] = True
         checks = np.array([c for *_a, c in stash], np.int64)
         counts = np.zeros((len(stash), 2), np.int64)  # [nonzero finite |Δ|, inf or NaN] where checked
-        _mk().ties_fused(P.numpy(), self._bflat.numpy(), raws, selected, self._bounds,
+        _mk().ties_fused(P, self._bflat, raws, selected, self._bounds,
                          np.array([item[2] for item in stash], np.bool_),
                          np.array([item[3] for item in stash], np.float32),
                          np.array([item[4] for item in stash], np.float32), self.normalize, np.float32(self.lam),
@@ -1172,7 +1232,7 @@ class Linear(MergeOperator):
     additive = True
     uses_theta = True
     normalize_default = True
-    _acc: torch.Tensor | None = None
+    _acc: np.ndarray | None = None
 
     def coefficient(self, k: int) -> float:
         w = self.weights[k]
@@ -1181,7 +1241,7 @@ class Linear(MergeOperator):
     def _begin(self) -> None:
         assert self._base is not None and self._ctx is not None
         ctx = self._ctx
-        self._acc = self._scratch("out", self._base.numel())  # garbage until each block's first fold
+        self._acc = self._scratch("out", self._base.size)  # garbage until each block's first fold
         self._pending = np.zeros(ctx.n_blocks, np.int64)  # per block: the first expert not folded into it
         self._bounds = _block_bounds(ctx)
         self._w32 = np.array(self.weights, np.float32)
@@ -1195,11 +1255,11 @@ class Linear(MergeOperator):
         assert acc is not None and base is not None and ctx is not None
         items, raws, selected = self._stash.take(ctx.n_blocks)
         j0, j1 = items[0][1].index, items[-1][1].index + 1
-        _mk().linear_finish(acc.numpy(), base.numpy(), self._bounds, self._pending, self._w32[:j0])
+        _mk().linear_finish(acc, base, self._bounds, self._pending, self._w32[:j0])
         slot = np.full(self.n_experts, -1, np.int64)
         for k, (_src, x) in enumerate(items):
             slot[x.index] = k
-        _mk().linear_fused(acc.numpy(), base.numpy(), raws, slot, selected, self._bounds, self._w32, j0, j1)
+        _mk().linear_fused(acc, base, raws, slot, selected, self._bounds, self._w32, j0, j1)
         self._pending[:] = j1
 
     def _add(self, x: ExpertInput) -> None:
@@ -1214,16 +1274,15 @@ class Linear(MergeOperator):
         if src is not None:
             selected = np.zeros(ctx.n_blocks, np.bool_)
             selected[list(x.selected_blocks)] = True
-            _mk().linear_fold(acc.numpy(), base.numpy(), src, self._bounds, selected, self._pending, self._w32,
-                              x.index)
+            _mk().linear_fold(acc, base, src, self._bounds, selected, self._pending, self._w32, x.index)
             return
-        # θ_k known only through Δ_k: bring every block up to expert k, then one torch pass over the tensor
-        _mk().linear_finish(acc.numpy(), base.numpy(), self._bounds, self._pending, self._w32[:x.index])
+        # θ_k known only through Δ_k: bring every block up to expert k, then one chunked pass over the tensor
+        _mk().linear_finish(acc, base, self._bounds, self._pending, self._w32[:x.index])
         first = x.index == 0
         if first:
-            acc.zero_()
+            acc.fill(0)
         w = self.weights[x.index]
-        n = base.numel()
+        n = base.size
         selected_r = x._element_ranges(ctx)
         segments: list[tuple[int, int, bool]] = []
         pos = 0
@@ -1237,17 +1296,17 @@ class Linear(MergeOperator):
         for s0, e0, sel in segments:
             for s, e in _chunks([(s0, e0)]):
                 theta = self._theta_chunk(x, s, e) if sel else base[s:e]
-                acc[s:e].add_(torch.mul(theta, w, out=self._scratch("D", e - s)))
+                acc[s:e] += np.multiply(theta, w, out=self._scratch("D", e - s))
         self._pending[:] = x.index + 1
 
-    def _finish(self) -> torch.Tensor:
+    def _finish(self) -> np.ndarray:
         acc, base = self._acc, self._base
         assert acc is not None and base is not None and self._bflat is not None
         self._fold_stash()
-        _mk().linear_finish(acc.numpy(), self._bflat.numpy(), self._bounds, self._pending, self._w32)
+        _mk().linear_finish(acc, self._bflat, self._bounds, self._pending, self._w32)
         if self.normalize:
-            acc.div_(self.weight_sum)
-        return acc.view(base.shape)
+            acc /= self.weight_sum
+        return acc.reshape(base.shape)
 
     def _end(self) -> None:
         self._acc = None
@@ -1266,6 +1325,7 @@ class DareLinear(_AdditiveFold):
 
     name = "dare_linear"
     sparsification = "random"
+    uses_torch = True
 
 
 class Breadcrumbs(_AdditiveFold):
@@ -1290,6 +1350,7 @@ class DareTies(_TiesFold):
     name = "dare_ties"
     normalize_default = False
     sparsification = "random"
+    uses_torch = True
 
 
 class Slerp(MergeOperator):
@@ -1298,7 +1359,8 @@ class Slerp(MergeOperator):
     name = "slerp"
     tensor_granular = True
     uses_theta = True
-    _theta1: torch.Tensor | None = None
+    uses_torch = True
+    _theta1: np.ndarray | None = None
 
     def _validate(self) -> None:
         if self.n_experts != 1:
@@ -1319,18 +1381,20 @@ class Slerp(MergeOperator):
     def _add(self, x: ExpertInput) -> None:
         self._theta1 = x.theta if x.selected_blocks else self._base
 
-    def _finish(self) -> torch.Tensor:
+    def _finish(self) -> np.ndarray:
+        import torch  # torch's float64 norm and dot are the definition (their summation order sets the bits)
+
         theta0, theta1, t = self._base, self._theta1, self.t
         assert theta0 is not None and theta1 is not None and t is not None
-        n = theta0.numel()
-        v0 = self._scratch("v0d", n, torch.float64)
-        v0.copy_(theta0.view(-1))
+        n = theta0.size
+        v0 = torch.from_numpy(self._scratch("v0d", n, np.float64))
+        v0.copy_(torch.from_numpy(theta0.reshape(-1)))
         n0 = float(torch.linalg.vector_norm(v0))
         if theta1 is theta0:
             v1, n1 = v0, n0
         else:
-            v1 = self._scratch("v1d", n, torch.float64)
-            v1.copy_(theta1.reshape(-1))
+            v1 = torch.from_numpy(self._scratch("v1d", n, np.float64))
+            v1.copy_(torch.from_numpy(np.asarray(theta1, order="C").reshape(-1)))
             n1 = float(torch.linalg.vector_norm(v1))
         dot = float(torch.dot(v0, v1)) / ((n0 if n0 > 1e-8 else 1.0) * (n1 if n1 > 1e-8 else 1.0))
         if abs(dot) > 0.9995:
@@ -1340,8 +1404,8 @@ class Slerp(MergeOperator):
             s = math.sin(th0)
             tht = th0 * t
             c0, c1 = math.sin(th0 - tht) / s, math.sin(tht) / s
-        out = torch.mul(theta0, c0)
-        out.add_(torch.mul(theta1, c1, out=self._scratch("D", n).view(theta0.shape)))
+        out = np.multiply(theta0, c0, out=np.empty_like(theta0))  # out=: a 0-d result stays an array
+        out += np.multiply(theta1, c1, out=self._scratch("D", n).reshape(theta0.shape))
         return out
 
     def _end(self) -> None:

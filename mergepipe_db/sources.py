@@ -30,6 +30,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from mergepipe_db.blocks import block_byte_range, block_ranges, row_count
 from mergepipe_db.errors import (
     BadCheckpointError,
@@ -427,14 +429,15 @@ def scan_lora(layout: Any, *, block_bytes: int, base: dict[str, Any], progress: 
 # --------------------------------------------------------------------------------------------------
 
 
-def _fill_rows(dst: Any, src: Any, rows: list[tuple[int, int]]) -> None:
-    import torch
+def _fill_rows(dst: np.ndarray, src: np.ndarray, rows: list[tuple[int, int]]) -> None:
+    """dst[rows] = src[rows] as float32 (`src`: stored values, BF16 as uint16 bits)."""
+    from mergepipe_db.operators import as_float32
 
-    if dst.dim() == 0:
-        dst.copy_(src.to(torch.float32))
+    if dst.ndim == 0:
+        dst[...] = as_float32(src)
         return
     for s, e in rows:
-        dst[s:e] = src[s:e].to(torch.float32)
+        dst[s:e] = as_float32(src[s:e])
 
 
 def _check_hash(data: Any, expected: str, what: str) -> None:
@@ -472,18 +475,16 @@ class ExpertSource:
 
     def _read_delta(self, item_cls: Any, t: Any, et: Any, reads: tuple[Any, ...], reader: Any,
                     verify: bool) -> Any:
-        import torch
-
         from mergepipe_db.executor import _selected, read_selected
-        from mergepipe_db.formats.dtypes import torch_dtype
+        from mergepipe_db.formats.dtypes import numpy_storage_dtype
 
         e = self.expert
         buf, n_read = read_selected(reader, et, reads, e.checkpoint.name, verify)
         blocks, rows = _selected(et, reads)
-        raw = buf.view(torch_dtype(et.dtype)).reshape(t.shape)
         if self.kind == "lora":  # a modules_to_save weight: θ bytes like a full checkpoint
             return item_cls("expert", t.idx, e.position, buf, rows, blocks, n_read)
-        delta = torch.zeros(t.shape, dtype=torch.float32)
+        raw = buf.view(numpy_storage_dtype(et.dtype)).reshape(t.shape)
+        delta = np.zeros(t.shape, dtype=np.float32)
         _fill_rows(delta, raw, rows)
         return item_cls("expert", t.idx, e.position, delta, rows, blocks, n_read)
 
@@ -536,7 +537,8 @@ class ExpertSource:
             else:
                 delta[r0:r1] = delta_rows(factor, part, entry["scale"], False)
         sel_blocks, rows = _selected(et, tuple(r for r in reads if r.block_idx >= -1))
-        return item_cls("expert", t.idx, e.position, delta, rows, tuple(blocks) if whole else sel_blocks, n_read)
+        return item_cls("expert", t.idx, e.position, delta.numpy(), rows, tuple(blocks) if whole else sel_blocks,
+                        n_read)
 
 
 def attach_sources(conn: Any, plan: Any) -> None:

@@ -74,3 +74,50 @@ def test_same_bytes_agrees_with_bytes_equality() -> None:
             b[rng.integers(0, n)] ^= 0x40
             assert not kernels.same_bytes(memoryview(a[:n]), memoryview(b))
     assert not kernels.same_bytes(b"abc", b"ab")
+
+
+def test_widen_into_is_torch_bf16_to_float32_for_every_bit_pattern() -> None:
+    from mergepipe_db import merge_kernels
+
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)  # every BF16 value, NaNs and subnormals too
+    out = np.empty(bits.size, np.float32)
+    merge_kernels.widen_into(out, bits)
+    want = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).float()
+    assert np.array_equal(out.view(np.uint32), want.numpy().view(np.uint32))
+
+
+def test_narrow_bf16_rounds_as_torch() -> None:
+    """Ties to even, carries into the exponent, overflow to inf, subnormals, ±0 and ±inf: every non-NaN
+    float32 rounds to torch's BF16 bits; a NaN anywhere makes the kernel refuse (torch is asked then)."""
+    from mergepipe_db import merge_kernels
+
+    rng = np.random.default_rng(3)
+    hi = np.arange(1 << 16, dtype=np.uint32) << 16
+    lows = np.array([0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF], np.uint32)  # below, at and above the halfway point
+    bits = (hi[:, None] | lows[None, :]).reshape(-1)
+    bits = np.concatenate([bits, rng.integers(0, 1 << 32, 1 << 18, dtype=np.uint64).astype(np.uint32)])
+    x = bits.view(np.float32)
+    x = x[~np.isnan(x)]
+    out = np.empty(x.size, np.uint16)
+    assert merge_kernels.narrow_bf16(out, x)
+    want = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(out, want)
+    x[17] = np.nan
+    assert not merge_kernels.narrow_bf16(out, x)
+
+
+@pytest.mark.parametrize("dtype", ["F32", "BF16", "F16"])
+@pytest.mark.parametrize("nan", [False, True])
+def test_output_cast_is_torchs(dtype: str, nan: bool) -> None:
+    from mergepipe_db.executor import _cast_into
+    from mergepipe_db.formats.dtypes import torch_dtype
+
+    g = torch.Generator().manual_seed(9)
+    merged = (torch.randn(4098, generator=g) * torch.logspace(-42, 38, 4098)).reshape(3, -1)
+    if nan:
+        merged[1, 5] = float("nan")
+        merged[2, -1] = -float("nan")
+    out = np.empty(merged.numel() * torch.empty(0, dtype=torch_dtype(dtype)).element_size(), np.uint8)
+    _cast_into(out, dtype, merged.numpy())
+    want = merged.to(torch_dtype(dtype)).reshape(-1).view(torch.uint8).numpy()
+    assert np.array_equal(out, want)

@@ -1,4 +1,4 @@
-"""The safetensors dtype table: element width in bits, exact byte sizes, torch mapping.
+"""The safetensors dtype table: element width in bits, exact byte sizes, numpy and torch mappings.
 
 Names are the strings written in a safetensors header (``"F32"``, ``"BF16"``, ...). Sizes are exact
 integers in bytes; sub-byte dtypes (F4, F6_*) are packed, so a tensor of them is valid only when
@@ -8,7 +8,7 @@ integers in bytes; sub-byte dtypes (F4, F6_*) are packed, so a tensor of them is
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mergepipe_db.errors import SizeMismatchError, TensorEntryError, UnknownDtypeError, UnsupportedDtypeError
 
@@ -100,6 +100,26 @@ def nbytes_for(dtype: str, shape: Iterable[int]) -> int:
             f"{dtype} tensor of shape {tuple(shape)} does not fill a whole number of bytes"
         )
     return bits // 8
+
+
+# safetensors name -> the numpy dtype that holds one stored value; BF16 (numpy has none) as its uint16 bits
+_NUMPY_NAMES: dict[str, str] = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16", "U32": "uint32", "I32": "int32",
+    "U64": "uint64", "I64": "int64", "F16": "float16", "BF16": "uint16", "F32": "float32", "F64": "float64",
+    "C64": "complex64",
+}
+
+
+def numpy_storage_dtype(name: str) -> Any:
+    """The numpy dtype a stored value of safetensors dtype `name` is read as (BF16: its uint16 bit pattern);
+    `UnsupportedDtypeError` when numpy has none of the width (FP8, sub-byte)."""
+    import numpy as np
+
+    dtype_bits(name)
+    attr = _NUMPY_NAMES.get(name)
+    if attr is None:
+        raise UnsupportedDtypeError(f"dtype {name} has no numpy equivalent")
+    return np.dtype(attr)
 
 
 def torch_dtype(name: str) -> torch.dtype:
