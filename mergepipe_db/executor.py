@@ -349,15 +349,64 @@ def _cast_into(out_bytes: np.ndarray, dtype: str, merged: np.ndarray) -> None:
     torch.from_numpy(out_bytes).view(torch_dtype(dtype)).copy_(torch.from_numpy(flat))
 
 
+class _BaseOnly:
+    """Blocks no expert selected, written from the operator's `base_only_table`: BF16 θ₀ bits to BF16 output
+    bits by a lookup, with no widening, folding or rounding there (at a low budget, most of a tensor)."""
+
+    def __init__(self, op: Any) -> None:
+        from mergepipe_db import merge_kernels
+
+        self.table = op.base_only_table()
+        self.lut = np.empty(1 << 16, np.uint16)
+        if self.table is not None:
+            merge_kernels.narrow_bf16(self.lut, self.table)  # a NaN entry's bits are not used (`cast_into`)
+
+    def skippable(self, plan: Plan, t: TensorInfo) -> np.ndarray | None:
+        """The blocks of base tensor `t` that no expert reads (None: none, or an expert whose reads are not
+        plain blocks of the base's layout: a delta or LoRA source, a whole-tensor read)."""
+        if self.table is None:
+            return None
+        read = np.zeros(t.n_blocks, np.bool_)
+        for e in plan.experts:
+            reads = plan.access.get((e.position, t.idx))
+            if not reads:
+                continue
+            src = plan.sources.get(e.position)
+            if (src is not None and src.kind != "packed") or e.tensors[t.name].rows_per_block != t.rows_per_block:
+                return None
+            for r in reads:
+                if r.block_idx < 0:
+                    return None
+                read[r.block_idx] = True
+        return None if read.all() else ~read
+
+    def cast_into(self, out_bytes: np.ndarray, merged: np.ndarray, base_bytes: np.ndarray, bounds: np.ndarray,
+                  skip: np.ndarray) -> None:
+        """BF16 output: `merged` rounded on the blocks computed, the table's value of θ₀ on the skipped ones;
+        with a NaN in either, the skipped blocks are filled from the table and torch converts (`_cast_into`)."""
+        from mergepipe_db import merge_kernels
+
+        assert self.table is not None
+        flat, base16 = merged.reshape(-1), base_bytes.view(np.uint16)
+        if merge_kernels.narrow_bf16_with_table(out_bytes.view(np.uint16), flat, base16, bounds, skip, self.table,
+                                                self.lut):
+            return
+        for b in np.flatnonzero(skip).tolist():
+            s, e = int(bounds[b]), int(bounds[b + 1])
+            flat[s:e] = self.table[base16[s:e]]
+        _cast_into(out_bytes, "BF16", merged)
+
+
 class _F32Pool:
     """Grow-only float32 buffers reused across tensors (no fresh, zero-filled pages per tensor)."""
 
     def __init__(self) -> None:
         self._bufs: dict[str, Any] = {}
 
-    def convert(self, name: str, src: np.ndarray) -> np.ndarray:
+    def convert(self, name: str, src: np.ndarray, ranges: list[tuple[int, int]] | None = None) -> np.ndarray:
         """Stored values `src` (float32, float16, or BF16 as uint16 bits) as float32 in the reused buffer
-        `name`, in `src`'s shape (exact: widening loses nothing)."""
+        `name`, in `src`'s shape (exact: widening loses nothing); with `ranges`, only those flat element
+        ranges [start, stop) are converted, the rest is undefined."""
         from mergepipe_db import merge_kernels
         from mergepipe_db.operators import empty_buffer
 
@@ -367,11 +416,12 @@ class _F32Pool:
             self._bufs.pop(name, None)
             buf = empty_buffer(max(n, 1), np.float32)
             self._bufs[name] = buf
-        out = buf[:n]
-        if src.dtype == np.uint16:
-            merge_kernels.widen_into(out, src.reshape(-1))
-        else:
-            np.copyto(out, src.reshape(-1), casting="safe")
+        out, flat = buf[:n], src.reshape(-1)
+        for s, e in ranges if ranges is not None else [(0, n)]:
+            if src.dtype == np.uint16:
+                merge_kernels.widen_into(out[s:e], flat[s:e])
+            else:
+                np.copyto(out[s:e], flat[s:e], casting="safe")
         return out.reshape(src.shape)
 
 
@@ -478,7 +528,15 @@ def _execute(
     from tqdm import tqdm
 
     from mergepipe_db.formats.dtypes import numpy_storage_dtype
-    from mergepipe_db.operators import ExpertInput, ExpertParams, TensorContext, as_float32, make_operator
+    from mergepipe_db.operators import (
+        ExpertInput,
+        ExpertParams,
+        TensorContext,
+        as_float32,
+        block_bounds,
+        live_ranges,
+        make_operator,
+    )
 
     out_tensors, shard_names = output_layout(plan, shard_bytes)
     by_shard: dict[int, list[OutTensor]] = {}
@@ -488,6 +546,7 @@ def _execute(
     params = [ExpertParams(key=e.checkpoint.id, weight=e.weight, density=e.density, gamma=e.gamma)
               for e in plan.experts]
     op = make_operator(spec.method, params, normalize=spec.normalize, lam=spec.lam, t=spec.t)
+    table = _BaseOnly(op) if any(ot.dtype == "BF16" for ot in out_tensors) else None
     pool32 = _F32Pool()
     buffers = BufferPool()
     # an operator that keeps θ_k past add() (slerp keeps its one expert until finish) gets fresh memory
@@ -524,10 +583,14 @@ def _execute(
             t0 = time.perf_counter()
             out_arr = None
             if t.dtype in ARITHMETIC:
-                base32 = pool32.convert("base", base_item.data.view(numpy_storage_dtype(t.dtype)).reshape(t.shape))
                 ctx = TensorContext(name=t.name, shape=t.shape, rows_per_block=t.rows_per_block,
                                     n_blocks=t.n_blocks, seed=spec.seed)
-                op.begin(base32, ctx)
+                skip = table.skippable(plan, t) if table is not None and t.dtype == ot.dtype == "BF16" else None
+                bounds = block_bounds(ctx)
+                # the operator does not read θ₀ on skipped blocks: they are left unconverted
+                base32 = pool32.convert("base", base_item.data.view(numpy_storage_dtype(t.dtype)).reshape(t.shape),
+                                        live_ranges(bounds, skip))
+                op.begin(base32, ctx, skip)
                 for e in plan.experts:
                     key = (e.position, t.idx)
                     full = plan.full_selection.get(key, True)
@@ -573,7 +636,11 @@ def _execute(
                 held.clear()
                 out_arr, pos = buffers.take(0, ot.nbytes)
                 out_bytes = out_arr[pos:pos + ot.nbytes]
-                _cast_into(out_bytes, ot.dtype, merged)
+                if skip is not None:
+                    assert table is not None
+                    table.cast_into(out_bytes, merged, base_item.data, bounds, skip)
+                else:
+                    _cast_into(out_bytes, ot.dtype, merged)
                 del merged, base32
             else:
                 out_bytes = base_item.data

@@ -53,6 +53,25 @@ def narrow_bf16(out: np.ndarray, x: np.ndarray) -> bool:
     return finite_or_inf
 
 
+@numba.njit(cache=True, nogil=True)
+def narrow_bf16_with_table(out: np.ndarray, x: np.ndarray, base: np.ndarray, bounds: np.ndarray, skip: np.ndarray,
+                           table: np.ndarray, lut: np.ndarray) -> bool:
+    """`narrow_bf16` of `x` on the blocks not skipped; on a block with ``skip[b]``, out = lut[base] (`base`: θ₀'s
+    BF16 bits; `table`: the operator's float32 result there as a function of them; `lut`: its BF16 bits).
+    False when a NaN is met in either (the caller converts with torch)."""
+    ok = True
+    for b in range(skip.shape[0]):
+        s0, e0 = bounds[b], bounds[b + 1]
+        if skip[b]:
+            for i in range(s0, e0):
+                v = base[i]
+                out[i] = lut[v]
+                ok &= table[v] == table[v]
+        elif not narrow_bf16(out[s0:e0], x[s0:e0]):
+            ok = False
+    return ok
+
+
 _TILE = 2048  # elements per tile of `_catch_up`: the accumulator tile stays in L1 across the experts
 
 
@@ -109,13 +128,17 @@ def linear_finish(acc: np.ndarray, base: np.ndarray, bounds: np.ndarray, pending
 
 @numba.njit(cache=True, nogil=True)
 def linear_fused(acc: np.ndarray, base: np.ndarray, raws: numba.typed.List, slot: np.ndarray,
-                 selected: np.ndarray, bounds: np.ndarray, weights: np.ndarray, j0: int, j1: int) -> None:
+                 selected: np.ndarray, bounds: np.ndarray, weights: np.ndarray, j0: int, j1: int,
+                 skip: np.ndarray) -> None:
     """Linear steps for experts j0..j1-1 of one tensor in one tiled pass, when their stored values are at
     hand: expert j is ``raws[slot[j]]`` on the blocks b with ``selected[slot[j], b]`` and θ₀ elsewhere (and
     everywhere when ``slot[j] < 0``). Tile by tile the accumulator stays in L1 while the experts are folded
     in order (``j0 == 0``: it starts at +0.0): the same operations as `linear_fold` + `linear_finish`, the
-    same bits, with one pass over the accumulator instead of one per expert."""
+    same bits, with one pass over the accumulator instead of one per expert. Blocks with ``skip[b]`` (no
+    expert selected them; the caller writes them from θ₀ alone) are left as they are."""
     for b in range(bounds.shape[0] - 1):
+        if skip[b]:
+            continue
         for t0 in range(bounds[b], bounds[b + 1], _TILE):
             m = min(_TILE, bounds[b + 1] - t0)
             a = acc[t0:t0 + m]
@@ -358,11 +381,14 @@ def _untouched_span(out: np.ndarray, base: np.ndarray, lam: np.float32) -> None:
 
 @numba.njit(cache=True, nogil=True)
 def ties_finish(P: np.ndarray, S: np.ndarray, N: np.ndarray, WP: np.ndarray, WN: np.ndarray, base: np.ndarray,
-                bounds: np.ndarray, touched: np.ndarray, normalize: bool, lam: np.float32) -> None:
+                bounds: np.ndarray, touched: np.ndarray, normalize: bool, lam: np.float32, skip: np.ndarray) -> None:
     """TIES steps 3-6 into P: mixed = where(S >= 0, P, N); div = where(S >= 0, WP, WN), 1 where 0;
-    P = θ₀ + (mixed / div if normalize else mixed) * λ; blocks no expert touched skip the sums."""
+    P = θ₀ + (mixed / div if normalize else mixed) * λ; blocks no expert touched skip the sums, and blocks
+    with ``skip[b]`` (the caller writes them from θ₀ alone) are left as they are."""
     for b in range(touched.shape[0]):
         s0, e0 = bounds[b], bounds[b + 1]
+        if skip[b]:
+            continue
         if touched[b]:
             _ties_finish_span(P[s0:e0], P[s0:e0], S[s0:e0], N[s0:e0], WP[s0:e0], WN[s0:e0], base[s0:e0],
                               normalize, lam)
@@ -373,19 +399,22 @@ def ties_finish(P: np.ndarray, S: np.ndarray, N: np.ndarray, WP: np.ndarray, WN:
 @numba.njit(cache=True, nogil=True)
 def ties_fused(out: np.ndarray, base: np.ndarray, raws: numba.typed.List, selected: np.ndarray,
                bounds: np.ndarray, trim: np.ndarray, tau: np.ndarray, w: np.ndarray, weights: bool,
-               lam: np.float32, count: np.ndarray, counts: np.ndarray) -> None:
+               lam: np.float32, count: np.ndarray, counts: np.ndarray, skip: np.ndarray) -> None:
     """The whole TIES fold of one tensor in one pass, when every expert's stored values are at hand:
     tile by tile (`_TILE` elements), the sums of `ties_add` for experts k = 0..K-1 in order (those with
     ``selected[k, b]`` on block b; elsewhere D_k = 0 adds nothing) stay in L1, then `ties_finish`'s formula
     writes `out`. Same operations, same order as the streaming kernels: the same bits, without reading and
     writing five tensor-sized sums once per expert. For each k with ``count[k]``, `counts[k]` gets what
-    `absdelta_count` would give on its selected blocks (from the tile just read, still in cache)."""
+    `absdelta_count` would give on its selected blocks (from the tile just read, still in cache). Blocks with
+    ``skip[b]`` (no expert selected them; the caller writes them) are left as they are."""
     S = np.empty(_TILE, np.float32)
     P = np.empty(_TILE, np.float32)
     N = np.empty(_TILE, np.float32)
     WP = np.empty(_TILE if weights else 0, np.float32)
     WN = np.empty(_TILE if weights else 0, np.float32)
     for b in range(bounds.shape[0] - 1):
+        if skip[b]:
+            continue
         for t0 in range(bounds[b], bounds[b + 1], _TILE):
             m = min(_TILE, bounds[b + 1] - t0)
             bb = base[t0:t0 + m]

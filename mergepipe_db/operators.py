@@ -132,7 +132,22 @@ class _Stash:
         return items, numba.typed.List([src for src, _x in items]), selected
 
 
-def _block_bounds(ctx: TensorContext) -> np.ndarray:
+def live_ranges(bounds: np.ndarray, skip: np.ndarray | None) -> list[tuple[int, int]]:
+    """Element ranges [start, stop) of the blocks without ``skip[b]`` (all of them for None), adjacent ones
+    merged; `bounds` as `block_bounds` gives them."""
+    if skip is None or not skip.any():
+        return [(0, int(bounds[-1]))]
+    out: list[tuple[int, int]] = []
+    for b in np.flatnonzero(~skip).tolist():
+        s, e = int(bounds[b]), int(bounds[b + 1])
+        if out and out[-1][1] == s:
+            out[-1] = (out[-1][0], e)
+        else:
+            out.append((s, e))
+    return out
+
+
+def block_bounds(ctx: TensorContext) -> np.ndarray:
     """Element offsets of the tensor's blocks: block b is [bounds[b], bounds[b+1]) of the flat tensor."""
     return np.array([ctx.block_rows(b)[0] * ctx.row_numel for b in range(ctx.n_blocks)] + [ctx.numel], np.int64)
 
@@ -658,6 +673,8 @@ class MergeOperator(abc.ABC):
         self._bflat: np.ndarray | None = None
         self._ctx: TensorContext | None = None
         self._next = 0
+        self._skip: np.ndarray | None = None
+        self._table: np.ndarray | None = None
         self._validate()
 
     def _validate(self) -> None:
@@ -678,13 +695,20 @@ class MergeOperator(abc.ABC):
 
     # -- protocol ----------------------------------------------------------------------------------
 
-    def begin(self, base: Any, ctx: TensorContext) -> None:
-        """Start a tensor: ``base`` is θ₀ in float32 (other float dtypes are upcast)."""
+    def begin(self, base: Any, ctx: TensorContext, skip: np.ndarray | None = None) -> None:
+        """Start a tensor: ``base`` is θ₀ in float32 (other float dtypes are upcast). ``skip`` (bool per block):
+        blocks no expert will select, which the caller writes itself from `base_only_table`; the result is
+        undefined there, the operator spends no work on them and does not read ``base`` there (the caller
+        need not fill it)."""
         b = _as_f32(base, f"base tensor {ctx.name!r}")
         assert b is not None
         if tuple(b.shape) != tuple(ctx.shape):
             raise ValueError(f"tensor {ctx.name!r}: base shape {tuple(b.shape)} != context shape {ctx.shape}")
+        if skip is not None and (skip.shape != (ctx.n_blocks,) or self.base_only_table() is None):
+            raise ValueError(f"tensor {ctx.name!r}: skip must be one flag per block, for an operator with a "
+                             f"base-only table")
         self._base, self._bflat, self._ctx, self._next = b, b.reshape(-1), ctx, 0
+        self._skip = np.zeros(ctx.n_blocks, np.bool_) if skip is None else np.asarray(skip, np.bool_)
         with np.errstate(all="ignore"):
             self._begin()
 
@@ -714,6 +738,25 @@ class MergeOperator(abc.ABC):
         self._ctx = None
         self._end()
         return out
+
+    def base_only_table(self) -> np.ndarray | None:
+        """The result on a block no expert selected, as a function of θ₀ alone: float32 values indexed by θ₀'s
+        BF16 bit pattern (65,536 entries), from the same float32 operations in the same order as the fold;
+        None when the operator has no such form (slerp). The executor writes such blocks from it (``skip``)."""
+        if self._table is None:
+            b = as_float32(np.arange(1 << 16, dtype=np.uint32).astype(np.uint16))
+            with np.errstate(all="ignore"):
+                self._table = self._base_only(b)
+        return self._table
+
+    def _base_only(self, b: np.ndarray) -> np.ndarray | None:
+        """`base_only_table` for the θ₀ values `b` (float32)."""
+        return None
+
+    def _live_ranges(self) -> list[tuple[int, int]]:
+        """Element ranges [start, stop) of the blocks not skipped, adjacent ones merged."""
+        assert self._ctx is not None and self._skip is not None
+        return live_ranges(block_bounds(self._ctx), self._skip)
 
     def held_inputs(self) -> frozenset[int]:
         """Indices of the inputs already added whose stored bytes the operator still holds (kept for a fused
@@ -1002,7 +1045,9 @@ class _AdditiveFold(_DeltaFold):
 
     def _begin(self) -> None:
         assert self._base is not None
-        self._mixed = self._zeroed("out", self._base.size)
+        self._mixed = self._scratch("out", self._base.size)
+        for s, e in self._live_ranges():  # skipped blocks are written by the caller
+            self._mixed[s:e] = 0.0
         self._stash = _Stash()
 
     def _fold_stash(self) -> None:
@@ -1012,7 +1057,7 @@ class _AdditiveFold(_DeltaFold):
         assert self._mixed is not None and self._ctx is not None and self._bflat is not None
         items, raws, selected = self._stash.take(self._ctx.n_blocks)
         w = np.array([self.weights[x.index] for _src, x in items], np.float32)
-        _mk().delta_fused(self._mixed, self._bflat, raws, selected, _block_bounds(self._ctx), w)
+        _mk().delta_fused(self._mixed, self._bflat, raws, selected, block_bounds(self._ctx), w)
 
     def _combine(self, s: int, e: int, D: np.ndarray, finite: bool | None) -> None:
         assert self._mixed is not None
@@ -1042,11 +1087,22 @@ class _AdditiveFold(_DeltaFold):
         mixed, base = self._mixed, self._base
         assert mixed is not None and base is not None
         self._fold_stash()
-        if self.normalize:
-            mixed /= self.weight_sum
-        mixed *= self.lam
-        mixed += base.reshape(-1)
+        bflat = base.reshape(-1)
+        for s, e in self._live_ranges():
+            m = mixed[s:e]
+            if self.normalize:
+                m /= self.weight_sum
+            m *= self.lam
+            m += bflat[s:e]
         return mixed.reshape(base.shape)
+
+    def _base_only(self, b: np.ndarray) -> np.ndarray:
+        m = np.zeros_like(b)  # Σ over no expert
+        if self.normalize:
+            m /= self.weight_sum
+        m *= self.lam
+        m += b
+        return m
 
     def _end(self) -> None:
         self._mixed = None
@@ -1075,7 +1131,7 @@ class _TiesFold(_DeltaFold):
         if self.normalize:
             self._WP = self._scratch("WP", n)
             self._WN = self._scratch("WN", n)
-        self._bounds = _block_bounds(self._ctx)
+        self._bounds = block_bounds(self._ctx)
         self._touched = np.zeros(self._ctx.n_blocks, np.bool_)
         # experts' inputs kept for one fused pass at finish (`merge_kernels.ties_fused`) while they fit:
         # (values, input, trim, τ, w, zero_check)
@@ -1183,8 +1239,11 @@ class _TiesFold(_DeltaFold):
             return P.reshape(base.shape)
         S, P_, N, wp, wn = self._sums()
         _mk().ties_finish(P_, S, N, wp, wn, base.reshape(-1), self._bounds, self._touched, self.normalize,
-                          np.float32(self.lam))
+                          np.float32(self.lam), self._skip)
         return P.reshape(base.shape)
+
+    def _base_only(self, b: np.ndarray) -> np.ndarray:
+        return b + np.float32(0.0) * np.float32(self.lam)  # `merge_kernels._untouched_span`
 
     def _finish_fused(self, P: np.ndarray) -> bool:
         """The fused pass over the kept inputs into P; False when the bytes of an input whose τ = 0 came
@@ -1204,7 +1263,7 @@ class _TiesFold(_DeltaFold):
                          np.array([item[2] for item in stash], np.bool_),
                          np.array([item[3] for item in stash], np.float32),
                          np.array([item[4] for item in stash], np.float32), self.normalize, np.float32(self.lam),
-                         checks > 0, counts)
+                         checks > 0, counts, self._skip)
         bad = (checks > 0) & ((counts[:, 1] > 0) | (counts[:, 0] >= checks))
         if not bad.any():
             return True
@@ -1243,9 +1302,16 @@ class Linear(MergeOperator):
         ctx = self._ctx
         self._acc = self._scratch("out", self._base.size)  # garbage until each block's first fold
         self._pending = np.zeros(ctx.n_blocks, np.int64)  # per block: the first expert not folded into it
-        self._bounds = _block_bounds(ctx)
+        self._bounds = block_bounds(ctx)
         self._w32 = np.array(self.weights, np.float32)
         self._stash = _Stash()
+        self._set_pending(0)
+
+    def _set_pending(self, j: int) -> None:
+        """Every block has folded experts 0..j-1; skipped blocks count as done (the caller writes them)."""
+        assert self._skip is not None
+        self._pending[:] = j
+        self._pending[self._skip] = self.n_experts
 
     def _fold_stash(self) -> None:
         """Fold the kept inputs, and the experts between them that selected nothing, in one fused pass."""
@@ -1259,8 +1325,8 @@ class Linear(MergeOperator):
         slot = np.full(self.n_experts, -1, np.int64)
         for k, (_src, x) in enumerate(items):
             slot[x.index] = k
-        _mk().linear_fused(acc, base, raws, slot, selected, self._bounds, self._w32, j0, j1)
-        self._pending[:] = j1
+        _mk().linear_fused(acc, base, raws, slot, selected, self._bounds, self._w32, j0, j1, self._skip)
+        self._set_pending(j1)
 
     def _add(self, x: ExpertInput) -> None:
         acc, base, ctx = self._acc, self._bflat, self._ctx
@@ -1297,7 +1363,7 @@ class Linear(MergeOperator):
             for s, e in _chunks([(s0, e0)]):
                 theta = self._theta_chunk(x, s, e) if sel else base[s:e]
                 acc[s:e] += np.multiply(theta, w, out=self._scratch("D", e - s))
-        self._pending[:] = x.index + 1
+        self._set_pending(x.index + 1)
 
     def _finish(self) -> np.ndarray:
         acc, base = self._acc, self._base
@@ -1305,8 +1371,17 @@ class Linear(MergeOperator):
         self._fold_stash()
         _mk().linear_finish(acc, self._bflat, self._bounds, self._pending, self._w32)
         if self.normalize:
-            acc /= self.weight_sum
+            for s, e in self._live_ranges():
+                acc[s:e] /= self.weight_sum
         return acc.reshape(base.shape)
+
+    def _base_only(self, b: np.ndarray) -> np.ndarray:
+        acc = np.zeros_like(b)
+        for j, w in enumerate(np.array(self.weights, np.float32)):  # `merge_kernels._catch_up`, in order
+            acc = (np.float32(0.0) + b * w) if j == 0 else (acc + b * w)
+        if self.normalize:
+            acc /= self.weight_sum
+        return acc
 
     def _end(self) -> None:
         self._acc = None

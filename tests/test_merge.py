@@ -100,6 +100,31 @@ def test_fused_merges_never_import_torch(catalog, catalog_url, tiny_family, tmp_
     assert_bytes_equal(load_output(tmp_path / "out"), reference_for(catalog, tiny_family, method, names))
 
 
+@pytest.mark.parametrize("method", [m for m in CASES if m != "slerp"])
+def test_unread_blocks_from_the_base_table_equal_the_computed_ones(catalog, tiny_family, tmp_path, monkeypatch,
+                                                                   method) -> None:
+    """At a partial budget the executor writes blocks no expert reads from the operator's base-only table
+    (`executor._BaseOnly`); the output is byte for byte the one computed with every block folded."""
+    from mergepipe_db import executor
+
+    names = ingest_family(catalog, tiny_family)
+    spec = make_spec(method, names)
+    skipped: list[int] = []
+    skippable = executor._BaseOnly.skippable
+
+    def counting(self, plan, t):  # noqa: ANN001, ANN202
+        skip = skippable(self, plan, t)
+        skipped.append(0 if skip is None else int(skip.sum()))
+        return skip
+
+    monkeypatch.setattr(executor._BaseOnly, "skippable", counting)
+    catalog.merge(spec, out=tmp_path / "table", budget="0.3", shard_bytes=40_000)
+    assert sum(skipped) > 0
+    monkeypatch.setattr(executor._BaseOnly, "skippable", lambda self, plan, t: None)
+    catalog.merge(spec, out=tmp_path / "folded", budget="0.3", shard_bytes=40_000)
+    assert_bytes_equal(load_output(tmp_path / "table"), load_output(tmp_path / "folded"))
+
+
 def test_plan_is_budget_sound_monotone_and_deterministic(catalog, tiny_family) -> None:
     names = ingest_family(catalog, tiny_family)
     spec = make_spec("task_arithmetic", names)

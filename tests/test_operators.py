@@ -800,3 +800,26 @@ def test_held_inputs_are_released_once_folded(monkeypatch, method: str) -> None:
     else:  # groups of two
         assert held == [{0}, {0, 1}, {2}, {2, 3}, {4}]
     assert_bits_equal(got, literal_merge(method, base, thetas, params))
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if m != "slerp"])
+@pytest.mark.parametrize("normalize,lam", [(None, 1.0), (True, 0.7), (False, -1.3)])
+def test_base_only_table_is_the_result_where_no_expert_was_read(method, normalize, lam) -> None:
+    """`base_only_table` (what the executor writes on blocks no expert selected) is, for every one of the
+    65,536 BF16 values of θ₀, bit for bit: the operator's own result when no expert selects anything, and,
+    where θ₀ is finite, the literal formula with θ_k = θ₀ (an inf θ₀ gives Δ = inf - inf = NaN there, not the
+    Δ = 0 of an unread block)."""
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    base = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).float().reshape(256, 256)
+    params = make_params(3, 11, method=method)
+    op = make_operator(method, params, normalize=normalize, lam=lam)
+    table = torch.from_numpy(op.base_only_table().copy()).reshape(256, 256)
+    ctx = context((256, 256), 16)
+    op.begin(base, ctx)
+    for k, p in enumerate(params):
+        op.add(ExpertInput(k, p, (), False, base=base))
+    assert_bits_equal(table, as_torch(op.finish()).clone())
+    want = literal_merge(method, base, [base.clone() for _ in params], params, normalize=normalize, lam=lam)
+    finite = torch.isfinite(base)
+    assert torch.equal(table[finite].view(torch.int32), want[finite].view(torch.int32))
+    assert make_operator("slerp", [ExpertParams("a")], t=0.5).base_only_table() is None
