@@ -466,12 +466,13 @@ class _DirectSink:
     """Sequential file writes that bypass the page cache: bytes gather in a page-aligned buffer written
     with O_DIRECT in whole pages; the last, partial page is written padded and the file then truncated to
     its exact length. On these machines a buffered write costs more kernel time than the merge's math.
-    Two buffers: one fills while a helper thread writes the other, so the caller's hashing and statistics
-    overlap the disk. A write's error is raised by a later `write` or by `finish`."""
+    Two buffers: one fills while a helper thread writes the other, and a second helper feeds it to the
+    file's hash (`hasher`, in order), so the caller's statistics, the hashing and the disk overlap. A write's
+    error is raised by a later `write` or by `finish`."""
 
     _BUF = 8 << 20
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, hasher: Any = None) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         from mergepipe_db.storage import aligned_empty
@@ -482,10 +483,12 @@ class _DirectSink:
         self._fill = 0
         self._written = 0  # bytes of the file handed to the helper so far (a multiple of the page size)
         self._helper = ThreadPoolExecutor(1, thread_name_prefix="mergepipe-direct-write")
-        self._pending: Any = None  # the Future of the other buffer's write
+        self._hasher = hasher
+        self._hash_helper = None if hasher is None else ThreadPoolExecutor(1, thread_name_prefix="mergepipe-hash")
+        self._pending: list[Any] = []  # the Futures of the other buffer's write and hash
 
     @classmethod
-    def open(cls, path: Path) -> _DirectSink | None:
+    def open(cls, path: Path, hasher: Any = None) -> _DirectSink | None:
         """A sink for the (just created, empty) file, or None where O_DIRECT is refused (tmpfs, ...)."""
         flag = getattr(os, "O_DIRECT", 0)
         if not flag or os.environ.get("MERGEPIPE_NO_DIRECT_IO") == "1":
@@ -494,7 +497,7 @@ class _DirectSink:
             fd = os.open(path, os.O_WRONLY | flag | getattr(os, "O_CLOEXEC", 0))
         except OSError:
             return None
-        return cls(fd)
+        return cls(fd, hasher)
 
     def write(self, mv: memoryview) -> None:
         src = np.frombuffer(mv, dtype=np.uint8)
@@ -507,17 +510,21 @@ class _DirectSink:
             if self._fill == self._BUF:
                 self._flush(self._BUF)
 
-    def _flush(self, n: int) -> None:
-        """Hand the current buffer's first n bytes to the helper; continue in the other buffer once its
-        own write is done."""
+    def _flush(self, n: int, n_hashed: int | None = None) -> None:
+        """Hand the current buffer's first n bytes to the helpers (the first `n_hashed` of them, default n,
+        are the file's: the rest pads to a whole page); continue in the other buffer once its own write
+        and hash are done."""
         assert self._fd is not None
-        done = self._helper.submit(self._pwrite, self._fd, self._buf, n, self._written)
+        done = [self._helper.submit(self._pwrite, self._fd, self._buf, n, self._written)]
+        if self._hash_helper is not None:
+            done.append(self._hash_helper.submit(self._hasher.update, memoryview(self._buf[:n if n_hashed is None
+                                                                                           else n_hashed])))
         self._written += n
         self._fill = 0
         self._buf = self._bufs[1] if self._buf is self._bufs[0] else self._bufs[0]
         previous, self._pending = self._pending, done
-        if previous is not None:
-            previous.result()
+        for f in previous:
+            f.result()
 
     @staticmethod
     def _pwrite(fd: int, buf: np.ndarray, n: int, offset: int) -> None:
@@ -527,9 +534,9 @@ class _DirectSink:
             done += os.pwritev(fd, [view[done:]], offset + done)
 
     def _drain(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
+        pending, self._pending = self._pending, []
+        for f in pending:
+            f.result()
 
     def finish(self, fd: int) -> None:
         """Write what is buffered (padded to whole pages), wait for the writes and cut the file to its
@@ -540,7 +547,7 @@ class _DirectSink:
         if self._fill:
             padded = -(-self._fill // ALIGN) * ALIGN
             self._buf[self._fill:padded] = 0
-            self._flush(padded)
+            self._flush(padded, self._fill)
         self._drain()
         os.ftruncate(fd, size)
 
@@ -550,6 +557,8 @@ class _DirectSink:
             with contextlib.suppress(OSError):  # closing after a failure: the first error was reported
                 self._drain()
             self._helper.shutdown(wait=True)
+            if self._hash_helper is not None:
+                self._hash_helper.shutdown(wait=True)
             os.close(fd)
 
 
@@ -585,8 +594,8 @@ class SafetensorsWriter:
         except FileExistsError:
             raise SafetensorsWriteError(f"{show_path(self.path)}: already exists") from None
         self._direct: _DirectSink | None = None
-        if direct:
-            self._direct = _DirectSink.open(self.path)
+        if direct:  # the sink's helper hashes what it writes
+            self._direct = _DirectSink.open(self.path, self._hash)
         try:
             self._write_all(memoryview(prefix))
         except BaseException:
@@ -600,7 +609,8 @@ class SafetensorsWriter:
 
     def _write_all(self, mv: memoryview) -> None:
         assert self._fd is not None
-        self._hash.update(mv)
+        if self._direct is None:
+            self._hash.update(mv)
         off = 0
         try:
             if self._direct is not None:
