@@ -43,13 +43,42 @@ WITH candidates AS (
     WHERE e.tensor_level
       AND (t.delta_l2 IS NULL OR t.delta_l2 <> 0)
 ),
-keyed AS (
+keyed AS MATERIALIZED (
     SELECT position, tensor_idx, block_idx, nbytes, block_offset, xxh3, score,
            CASE WHEN :grouped = 0 THEN score
                 WHEN block_idx = -2 THEN NULL
                 ELSE SUM(score) OVER (PARTITION BY tensor_idx, block_idx) END AS rank_key
     FROM candidates
     WHERE pruned = 0
+),
+-- The access set is a prefix of the ranking order, and so is C = {rank_key >= T} for any T (plus the factors at
+-- :grouped = 1, which rank first; a group shares its key, so stays whole; NULL keys rank last). Once C's bytes
+-- exceed the budget, every selected candidate is in C and running costs over C equal those over all
+-- candidates, so only C is sorted. T comes from a histogram of the keys in log-scale buckets: cum_bytes and
+-- cum_min are the bytes and smallest key of every bucket from the top down to this one, so {rank_key >=
+-- cum_min} holds at least cum_bytes (whatever LN's rounding); T is the cum_min of the highest bucket whose
+-- cum_bytes exceed the budget, NULL (rank everything) where none does. NaN and inf keys (which sort above every
+-- number) and keys too small for LN (zero) get buckets of their own.
+hist AS (
+    SELECT bucket, SUM(nbytes) AS bytes, MIN(rank_key) AS min_key
+    FROM (
+        SELECT nbytes, rank_key,
+               CASE WHEN rank_key > 1e300 THEN 1000000
+                    WHEN rank_key < 1e-300 THEN -1000000
+                    ELSE CAST(FLOOR(LN(rank_key) * 256) AS INTEGER) END AS bucket
+        FROM keyed
+        WHERE rank_key IS NOT NULL
+    ) k
+    GROUP BY bucket
+),
+cut AS (
+    SELECT MAX(cum_min) AS threshold
+    FROM (
+        SELECT SUM(bytes) OVER (ORDER BY bucket DESC ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS cum_bytes,
+               MIN(min_key) OVER (ORDER BY bucket DESC ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS cum_min
+        FROM hist
+    ) c
+    WHERE cum_bytes > :budget
 ),
 running AS (
     SELECT position, tensor_idx, block_idx, nbytes, block_offset, xxh3, score,
@@ -58,7 +87,8 @@ running AS (
                         tensor_idx, block_idx, position
                ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW
            ) AS running_cost
-    FROM keyed
+    FROM keyed CROSS JOIN cut
+    WHERE cut.threshold IS NULL OR COALESCE(rank_key >= cut.threshold, FALSE) OR (:grouped = 1 AND block_idx = -2)
 ),
 ranked AS MATERIALIZED (
     SELECT position, tensor_idx, block_idx, nbytes, block_offset, xxh3, score,
@@ -66,6 +96,15 @@ ranked AS MATERIALIZED (
                      THEN MAX(running_cost) OVER (PARTITION BY tensor_idx, block_idx)
                      ELSE running_cost END AS BIGINT) AS running_cost
     FROM running
+),
+-- every candidate once: those of C with their running cost, the others (outside C: never selected)
+everything AS (
+    SELECT position, tensor_idx, block_idx, nbytes, score, CASE WHEN running_cost <= :budget THEN 1 ELSE 0 END AS selected
+    FROM ranked
+    UNION ALL
+    SELECT position, tensor_idx, block_idx, nbytes, score, 0 AS selected
+    FROM keyed CROSS JOIN cut
+    WHERE NOT (cut.threshold IS NULL OR COALESCE(rank_key >= cut.threshold, FALSE) OR (:grouped = 1 AND block_idx = -2))
 )
 SELECT 0 AS kind, position, tensor_idx, block_idx, CAST(nbytes AS BIGINT) AS nbytes,
        CAST(block_offset AS BIGINT) AS block_offset, xxh3,
@@ -77,11 +116,11 @@ UNION ALL
 SELECT 1 AS kind, position, tensor_idx, CAST(NULL AS INTEGER) AS block_idx, CAST(SUM(nbytes) AS BIGINT) AS nbytes,
        CAST(NULL AS BIGINT) AS block_offset, CAST(NULL AS VARCHAR) AS xxh3,
        CAST(COUNT(*) AS BIGINT) AS n_blocks,
-       CAST(SUM(CASE WHEN running_cost <= :budget THEN 1 ELSE 0 END) AS BIGINT) AS n_selected,
-       CAST(SUM(CASE WHEN running_cost <= :budget THEN nbytes ELSE 0 END) AS BIGINT) AS selected_bytes,
-       CAST(SUM(CASE WHEN running_cost > :budget AND block_idx <> -2 THEN score ELSE 0 END) AS DOUBLE PRECISION)
+       CAST(SUM(selected) AS BIGINT) AS n_selected,
+       CAST(SUM(CASE WHEN selected = 1 THEN nbytes ELSE 0 END) AS BIGINT) AS selected_bytes,
+       CAST(SUM(CASE WHEN selected = 0 AND block_idx <> -2 THEN score ELSE 0 END) AS DOUBLE PRECISION)
            AS omitted_score,
-       CAST(SUM(CASE WHEN running_cost > :budget AND score IS NULL THEN 1 ELSE 0 END) AS BIGINT) AS omitted_unscored
-FROM ranked
+       CAST(SUM(CASE WHEN selected = 0 AND score IS NULL THEN 1 ELSE 0 END) AS BIGINT) AS omitted_unscored
+FROM everything
 GROUP BY tensor_idx, position
 ORDER BY kind, tensor_idx, position, block_idx
