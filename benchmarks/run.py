@@ -62,12 +62,14 @@ def phases() -> str:
                      m(lambda r: r["timings"]["commit"] + r["timings"]["finalize"]),
                      m(lambda r: r["wall"] - r["startup_s"] - r["work_s"])])
     text = ("## Where the time goes (K = 8, from the runs of section 4)\n\n"
-            "Seconds, medians of the same cold runs. `startup` = interpreter and imports (torch, numba, duckdb) "
-            "before the library call; `execute` = the executor, split into what the compute thread waited for "
-            "reads (`read wait`), computed (`compute`) and waited to hand a tensor to the output thread "
-            "(`write wait`); `output busy` = the output thread's own time (write + sha256 + block statistics, "
-            "overlapped with compute); `commit` = manifest, header re-check and the catalog transaction; `exit` = "
-            "process wall not inside the library call or start-up (interpreter shutdown).\n\n"
+            "Seconds, medians of the same cold runs. `startup` = interpreter and imports (numba, duckdb, "
+            "sqlalchemy; no torch) before the library call; `execute` = the executor, split into what the "
+            "compute thread waited for reads (`read wait`), computed (`compute`) and waited to hand a tensor "
+            "to the output thread (`write wait`); `output busy` = the output thread's own time (handing bytes "
+            "to the O_DIRECT sink, whose helper threads write and sha256 them, xxh3 and block statistics; "
+            "overlapped with compute); `commit` = manifest, header re-check and the catalog transaction; "
+            "`exit` = process wall not inside the library call or start-up (the job ends as the `mergepipe` "
+            "command does, without interpreter teardown).\n\n"
             + md_table(["merge", "wall", "startup", "plan", "execute", "read wait", "compute", "write wait",
                         "output busy", "commit", "exit"], rows))
     write_section("phases", text)
