@@ -14,8 +14,8 @@ Three threads, data flowing one way:
 Items are one tensor of one checkpoint, so memory is a few tensors whatever the number of experts; their
 buffers come from a `BufferPool` and go back once used, so no fresh, zero-filled pages are faulted in per
 tensor (DESIGN §6). Arrays are numpy (BF16 as uint16 bits); torch is imported only for what needs it (DARE's
-masks, slerp, LoRA factors), and then runs with one intra-op thread (`MERGEPIPE_COMPUTE_THREADS` overrides): on
-a 2-core machine the other core serves the reader and the output thread.
+masks, slerp, LoRA factors, F16 output), and then runs with one intra-op thread (`MERGEPIPE_COMPUTE_THREADS`
+overrides): on a 2-core machine the other core serves the reader and the output thread.
 """
 from __future__ import annotations
 
@@ -311,21 +311,20 @@ def execute(
     """Run `plan`, writing output shards into the (existing, empty) `staging` directory."""
     from mergepipe_db.operators import OPERATORS
 
+    layout = output_layout(plan, shard_bytes)
     needs_torch = (OPERATORS[plan.spec.method].uses_torch or any(s.kind == "lora" for s in plan.sources.values())
-                   or any(ot.dtype == "F16" for ot in output_layout(plan, shard_bytes)[0]))  # `_cast_into`
+                   or any(ot.dtype == "F16" for ot in layout[0]))  # `_cast_into`
     torch = sys.modules.get("torch")
     if needs_torch and torch is None:
         import torch
     if torch is None:
-        return _execute(plan, staging, shard_bytes=shard_bytes, progress=progress, verify_reads=verify_reads,
-                        on_tensor=on_tensor)
+        return _execute(plan, staging, layout, progress=progress, verify_reads=verify_reads, on_tensor=on_tensor)
     threads = int(os.environ.get("MERGEPIPE_COMPUTE_THREADS", "1") or 1)
     prev_threads = torch.get_num_threads()
     if threads > 0 and threads != prev_threads:
         torch.set_num_threads(threads)
     try:
-        return _execute(plan, staging, shard_bytes=shard_bytes, progress=progress, verify_reads=verify_reads,
-                        on_tensor=on_tensor)
+        return _execute(plan, staging, layout, progress=progress, verify_reads=verify_reads, on_tensor=on_tensor)
     finally:
         if torch.get_num_threads() != prev_threads:
             torch.set_num_threads(prev_threads)
@@ -519,8 +518,8 @@ class _OutputWriter(threading.Thread):
 def _execute(
     plan: Plan,
     staging: Path,
+    layout: tuple[list[OutTensor], list[str]],
     *,
-    shard_bytes: int,
     progress: bool,
     verify_reads: bool,
     on_tensor: Any,
@@ -538,7 +537,7 @@ def _execute(
         make_operator,
     )
 
-    out_tensors, shard_names = output_layout(plan, shard_bytes)
+    out_tensors, shard_names = layout  # `output_layout`
     by_shard: dict[int, list[OutTensor]] = {}
     for ot in out_tensors:
         by_shard.setdefault(ot.shard, []).append(ot)

@@ -792,11 +792,6 @@ class MergeOperator(abc.ABC):
             self._pool[name] = buf
         return buf[:n]
 
-    def _zeroed(self, name: str, n: int) -> np.ndarray:
-        buf = self._scratch(name, n)
-        buf.fill(0)
-        return buf
-
     def _delta_chunk(self, x: ExpertInput, s: int, e: int) -> np.ndarray:
         """Δ_k[s:e] (flat): a view of the given Δ, or θ_k − θ₀ into scratch."""
         d = x._delta_flat()

@@ -517,8 +517,8 @@ class _DirectSink:
         assert self._fd is not None
         done = [self._helper.submit(self._pwrite, self._fd, self._buf, n, self._written)]
         if self._hash_helper is not None:
-            done.append(self._hash_helper.submit(self._hasher.update, memoryview(self._buf[:n if n_hashed is None
-                                                                                           else n_hashed])))
+            hashed = memoryview(self._buf[:n if n_hashed is None else n_hashed])
+            done.append(self._hash_helper.submit(self._hasher.update, hashed))
         self._written += n
         self._fill = 0
         self._buf = self._bufs[1] if self._buf is self._bufs[0] else self._bufs[0]
