@@ -13,13 +13,22 @@ kernels release the GIL.
 from __future__ import annotations
 
 import numba
-import numba.typed
 import numpy as np
 
 from mergepipe_db.numba_bits import f32_to_bits, widen
 
 HIST_BINS = 1 << 15  # top 16 bits of a non-negative float32 (NaN included: 0x7FFF.... >> 16 < 2**15)
 _INF_PREFIX = 0x7F80  # top 16 bits of +inf; every NaN is at or above it
+
+
+def pack(arrays: list[np.ndarray]) -> tuple[np.ndarray, ...]:
+    """Flat arrays of one dtype as the `raws` tuple of the fused kernels, padded with empty arrays to a power
+    of two: the kernels are compiled (and cached on disk) once per dtype and padded length. A numba typed
+    List would need no padding, but building one compiles its methods in every process (~0.5 s per item
+    type here). The kernels index only the first ``selected.shape[0]`` entries."""
+    n = 1 << max(len(arrays) - 1, 0).bit_length()
+    pad = np.empty(0, arrays[0].dtype)
+    return tuple(np.ascontiguousarray(a).reshape(-1) for a in arrays) + (pad,) * (n - len(arrays))
 
 
 @numba.njit(cache=True, nogil=True)
@@ -127,18 +136,21 @@ def linear_finish(acc: np.ndarray, base: np.ndarray, bounds: np.ndarray, pending
 
 
 @numba.njit(cache=True, nogil=True)
-def linear_fused(acc: np.ndarray, base: np.ndarray, raws: numba.typed.List, slot: np.ndarray,
-                 selected: np.ndarray, bounds: np.ndarray, weights: np.ndarray, j0: int, j1: int,
-                 skip: np.ndarray) -> None:
-    """Linear steps for experts j0..j1-1 of one tensor in one tiled pass, when their stored values are at
-    hand: expert j is ``raws[slot[j]]`` on the blocks b with ``selected[slot[j], b]`` and θ₀ elsewhere (and
-    everywhere when ``slot[j] < 0``). Tile by tile the accumulator stays in L1 while the experts are folded
-    in order (``j0 == 0``: it starts at +0.0): the same operations as `linear_fold` + `linear_finish`, the
-    same bits, with one pass over the accumulator instead of one per expert. Blocks with ``skip[b]`` (no
-    expert selected them; the caller writes them from θ₀ alone) are left as they are."""
+def linear_fused(acc: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], slot: np.ndarray,
+                 selected: np.ndarray, bounds: np.ndarray, weights: np.ndarray, pending: np.ndarray, j1: int,
+                 skip: np.ndarray, divisor: np.float32, divide: bool) -> None:
+    """Linear steps for experts pending[b]..j1-1 on each block b in one tiled pass, when the stored values
+    of those with a slot are at hand: expert j is ``raws[slot[j]]`` on the blocks b with
+    ``selected[slot[j], b]`` and θ₀ elsewhere (and everywhere when ``slot[j] < 0``); with ``divide`` (the
+    last pass of a normalized merge), then acc = acc / divisor. Tile by tile the accumulator stays in L1
+    while the experts are folded in order (expert 0 starts it at +0.0): the same operations as
+    `linear_fold` + `linear_finish` and the normalizing division, the same bits, with one pass over the
+    accumulator instead of one per expert. Blocks with ``skip[b]`` (no expert selected them; the caller
+    writes them from θ₀ alone) are left as they are; the others end with pending[b] = j1."""
     for b in range(bounds.shape[0] - 1):
         if skip[b]:
             continue
+        j0 = pending[b]
         for t0 in range(bounds[b], bounds[b + 1], _TILE):
             m = min(_TILE, bounds[b + 1] - t0)
             a = acc[t0:t0 + m]
@@ -148,10 +160,14 @@ def linear_fused(acc: np.ndarray, base: np.ndarray, raws: numba.typed.List, slot
                     _linear_span(a, raws[s][t0:t0 + m], weights[j], j == 0)
                 else:
                     _linear_span(a, base[t0:t0 + m], weights[j], j == 0)
+            if divide:
+                for i in range(m):
+                    a[i] = a[i] / divisor
+        pending[b] = j1
 
 
 @numba.njit(cache=True, nogil=True)
-def delta_fused(mixed: np.ndarray, base: np.ndarray, raws: numba.typed.List, selected: np.ndarray,
+def delta_fused(mixed: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], selected: np.ndarray,
                 bounds: np.ndarray, w: np.ndarray) -> None:
     """`delta_add` for every expert k of ``raws`` in order (on the blocks with ``selected[k, b]``), tile by
     tile, so the sum and the base stay in L1: the same bits as one `delta_add` per expert."""
@@ -159,7 +175,7 @@ def delta_fused(mixed: np.ndarray, base: np.ndarray, raws: numba.typed.List, sel
         for t0 in range(bounds[b], bounds[b + 1], _TILE):
             m = min(_TILE, bounds[b + 1] - t0)
             mm, bb = mixed[t0:t0 + m], base[t0:t0 + m]
-            for k in range(len(raws)):
+            for k in range(selected.shape[0]):
                 if not selected[k, b]:
                     continue
                 x, wk = raws[k][t0:t0 + m], w[k]
@@ -397,7 +413,7 @@ def ties_finish(P: np.ndarray, S: np.ndarray, N: np.ndarray, WP: np.ndarray, WN:
 
 
 @numba.njit(cache=True, nogil=True)
-def ties_fused(out: np.ndarray, base: np.ndarray, raws: numba.typed.List, selected: np.ndarray,
+def ties_fused(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], selected: np.ndarray,
                bounds: np.ndarray, trim: np.ndarray, tau: np.ndarray, w: np.ndarray, weights: bool,
                lam: np.float32, count: np.ndarray, counts: np.ndarray, skip: np.ndarray) -> None:
     """The whole TIES fold of one tensor in one pass, when every expert's stored values are at hand:
@@ -419,7 +435,7 @@ def ties_fused(out: np.ndarray, base: np.ndarray, raws: numba.typed.List, select
             m = min(_TILE, bounds[b + 1] - t0)
             bb = base[t0:t0 + m]
             fresh = True
-            for k in range(len(raws)):
+            for k in range(selected.shape[0]):
                 if not selected[k, b]:
                     continue
                 xk = raws[k][t0:t0 + m]

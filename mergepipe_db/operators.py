@@ -122,14 +122,13 @@ class _Stash:
         return True
 
     def take(self, n_blocks: int) -> tuple[list[tuple[np.ndarray, ExpertInput]], Any, np.ndarray]:
-        """(items, typed list of their values, selected[item, block]); the stash is empty afterwards."""
-        import numba.typed
-
+        """(items, their values as `merge_kernels.pack` gives them, selected[item, block]); the stash is empty
+        afterwards."""
         items, self.items, self.nbytes = self.items, [], 0
         selected = np.zeros((len(items), n_blocks), np.bool_)
         for k, (_src, x) in enumerate(items):
             selected[k, list(x.selected_blocks)] = True
-        return items, numba.typed.List([src for src, _x in items]), selected
+        return items, _mk().pack([src for src, _x in items]), selected
 
 
 def live_ranges(bounds: np.ndarray, skip: np.ndarray | None) -> list[tuple[int, int]]:
@@ -1244,11 +1243,9 @@ class _TiesFold(_DeltaFold):
         """The fused pass over the kept inputs into P; False when the bytes of an input whose τ = 0 came
         from the sketch disagree with it (then the sums have been folded again by the streaming kernels,
         with τ found from the bytes, for `ties_finish`)."""
-        import numba.typed
-
         assert self._stash and self._ctx is not None and self._bflat is not None
         stash, self._stash = self._stash, None
-        raws = numba.typed.List([src for src, *_ in stash])
+        raws = _mk().pack([src for src, *_ in stash])
         selected = np.zeros((len(stash), self._ctx.n_blocks), np.bool_)
         for k, (_src, x, *_rest) in enumerate(stash):
             selected[k, list(x.selected_blocks)] = True
@@ -1308,19 +1305,26 @@ class Linear(MergeOperator):
         self._pending[:] = j
         self._pending[self._skip] = self.n_experts
 
-    def _fold_stash(self) -> None:
-        """Fold the kept inputs, and the experts between them that selected nothing, in one fused pass."""
-        if not self._stash:
-            return
+    def _fold_stash(self, final: bool = False) -> None:
+        """Fold the kept inputs, and the experts before and between them that selected nothing, in one fused
+        pass; `final`: every expert not folded yet, and the normalizing division (`_finish`)."""
         acc, base, ctx = self._acc, self._bflat, self._ctx
         assert acc is not None and base is not None and ctx is not None
-        items, raws, selected = self._stash.take(ctx.n_blocks)
-        j0, j1 = items[0][1].index, items[-1][1].index + 1
-        _mk().linear_finish(acc, base, self._bounds, self._pending, self._w32[:j0])
+        if not self._stash and not final:
+            return
         slot = np.full(self.n_experts, -1, np.int64)
-        for k, (_src, x) in enumerate(items):
-            slot[x.index] = k
-        _mk().linear_fused(acc, base, raws, slot, selected, self._bounds, self._w32, j0, j1, self._skip)
+        if self._stash:
+            items, raws, selected = self._stash.take(ctx.n_blocks)
+            for k, (_src, x) in enumerate(items):
+                slot[x.index] = k
+            j1 = items[-1][1].index + 1
+        else:
+            raws, selected = _mk().pack([base[:0]]), np.zeros((0, ctx.n_blocks), np.bool_)
+            j1 = self.n_experts
+        if final:
+            j1 = self.n_experts
+        _mk().linear_fused(acc, base, raws, slot, selected, self._bounds, self._w32, self._pending, j1, self._skip,
+                           np.float32(self.weight_sum), final and self.normalize)
         self._set_pending(j1)
 
     def _add(self, x: ExpertInput) -> None:
@@ -1363,11 +1367,7 @@ class Linear(MergeOperator):
     def _finish(self) -> np.ndarray:
         acc, base = self._acc, self._base
         assert acc is not None and base is not None and self._bflat is not None
-        self._fold_stash()
-        _mk().linear_finish(acc, self._bflat, self._bounds, self._pending, self._w32)
-        if self.normalize:
-            for s, e in self._live_ranges():
-                acc[s:e] /= self.weight_sum
+        self._fold_stash(final=True)
         return acc.reshape(base.shape)
 
     def _base_only(self, b: np.ndarray) -> np.ndarray:
