@@ -19,6 +19,8 @@ overrides): on a 2-core machine the other core serves the reader and the output 
 """
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import contextlib
 import os
 import queue
@@ -433,10 +435,15 @@ class _OutputJob:
     tensor: TensorInfo
 
 
+#: output tensors written and waiting for (or in) the statistics helper of `_OutputWriter`
+_STATS_BACKLOG = 2
+
+
 class _OutputWriter(threading.Thread):
-    """Writes output tensors into their shards in order (sha256 while writing, fsync at each shard's end),
-    hashes them and computes their block rows — beside the compute thread, which only hands tensors over.
-    The first error stops it; `put` and `finish` re-raise it in the caller."""
+    """Writes output tensors into their shards in order (sha256 while writing, fsync at each shard's end)
+    beside the compute thread, which only hands tensors over. A helper thread hashes each written tensor and
+    computes its block rows (`_catalogue`; CPU work, while this thread waits on the disk), in order, at most
+    `_STATS_BACKLOG` tensors behind. The first error stops both; `put` and `finish` re-raise it in the caller."""
 
     def __init__(self, staging: Path, shard_names: list[str], by_shard: dict[int, list[OutTensor]],
                  block_bytes: int, pool: BufferPool, on_tensor: Any) -> None:
@@ -448,8 +455,10 @@ class _OutputWriter(threading.Thread):
         self.tensor_xxh3: list[str] = []
         self.block_rows: list[dict[str, Any]] = []
         self.shard_sha: list[str] = []
-        self.busy = 0.0
+        self.busy = 0.0  # this thread's time per tensor (writing; waiting when the statistics fall behind)
+        self.stats_busy = 0.0  # the helper's
         self._writer: Any = None
+        self._backlog: collections.deque[concurrent.futures.Future] = collections.deque()
 
     def put(self, job: _OutputJob | None) -> None:
         while True:
@@ -473,6 +482,7 @@ class _OutputWriter(threading.Thread):
         from mergepipe_db.formats.safetensors import SafetensorsWriter
 
         current = -1
+        stats = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mergepipe-stats")
         try:
             while True:
                 job = self._q.get()
@@ -488,24 +498,26 @@ class _OutputWriter(threading.Thread):
                     entries = [(o.name, o.dtype, o.shape) for o in self._by_shard[ot.shard]]
                     self._writer = SafetensorsWriter(self._staging / self._names[ot.shard], entries,
                                                      {"format": "pt"}, exclusive=True, direct=True)
-                data = memoryview(job.data)
-                self._writer.write(ot.name, data)
-                self.tensor_xxh3.append(xxh3_hex(data))
-                base_view = None if job.base is None else memoryview(job.base)
-                self.block_rows.extend(_out_blocks(ot, data, self._bb, base_view))
-                for arr in job.give_back:
-                    self._pool.give(arr)
+                self._writer.write(ot.name, memoryview(job.data))
+                self._backlog.append(stats.submit(self._catalogue, job))
+                while len(self._backlog) > _STATS_BACKLOG:
+                    self._collect(self._backlog.popleft())
                 self.busy += time.perf_counter() - t0
                 faults.point("tensor_written")
                 if self._on_tensor is not None:
                     self._on_tensor(job.tensor)
+            t0 = time.perf_counter()
+            while self._backlog:
+                self._collect(self._backlog.popleft())
             if self._writer is not None:
-                t0 = time.perf_counter()
                 self.shard_sha.append(self._writer.close(fsync=True))
                 self._writer = None
-                self.busy += time.perf_counter() - t0
+            self.busy += time.perf_counter() - t0
         except BaseException as e:  # noqa: BLE001 - re-raised by put/finish in the compute thread
             self.error = e
+            for fut in self._backlog:
+                fut.cancel()
+            self._backlog.clear()
             if self._writer is not None:
                 with contextlib.suppress(Exception):  # already failing: the first error is the one to report
                     self._writer.close(fsync=False)
@@ -513,6 +525,25 @@ class _OutputWriter(threading.Thread):
             with contextlib.suppress(queue.Empty):
                 while True:
                     self._q.get_nowait()
+        finally:
+            stats.shutdown(wait=True)
+
+    def _catalogue(self, job: _OutputJob) -> tuple[str, list[dict[str, Any]]]:
+        """(xxh3, block rows) of a written output tensor; its buffers go back to the pool."""
+        t0 = time.perf_counter()
+        data = memoryview(job.data)
+        base_view = None if job.base is None else memoryview(job.base)
+        out = xxh3_hex(data), list(_out_blocks(job.ot, data, self._bb, base_view))
+        del data, base_view
+        for arr in job.give_back:
+            self._pool.give(arr)
+        self.stats_busy += time.perf_counter() - t0
+        return out
+
+    def _collect(self, fut: concurrent.futures.Future) -> None:
+        xxh3, rows = fut.result()
+        self.tensor_xxh3.append(xxh3)
+        self.block_rows.extend(rows)
 
 
 def _execute(
@@ -544,13 +575,8 @@ def _execute(
     spec = plan.spec
     params = [ExpertParams(key=e.checkpoint.id, weight=e.weight, density=e.density, gamma=e.gamma)
               for e in plan.experts]
-    op = make_operator(spec.method, params, normalize=spec.normalize, lam=spec.lam, t=spec.t)
-    table = _BaseOnly(op) if any(ot.dtype == "BF16" for ot in out_tensors) else None
     pool32 = _F32Pool()
     buffers = BufferPool()
-    # an operator that keeps θ_k past add() (slerp keeps its one expert until finish) gets fresh memory
-    reuse_theta = not op.tensor_granular
-
     stop = threading.Event()
     q = _ReadAhead(stop)
     counters: dict[str, int] = {}
@@ -564,6 +590,8 @@ def _execute(
     shard_sizes: list[int] = []
     total = sum(t.nbytes for t in plan.base_tensors)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="merge", disable=not progress, leave=False)
+    # the reader starts first: its reads overlap the operator's set-up (cold, loading the numba kernels takes
+    # ~1 s, before the first tensor)
     reader.start()
     output.start()
 
@@ -576,6 +604,10 @@ def _execute(
         return item
 
     try:
+        op = make_operator(spec.method, params, normalize=spec.normalize, lam=spec.lam, t=spec.t)
+        table = _BaseOnly(op) if any(ot.dtype == "BF16" for ot in out_tensors) else None
+        # an operator that keeps θ_k past add() (slerp keeps its one expert until finish) gets fresh memory
+        reuse_theta = not op.tensor_granular
         for t, ot in zip(plan.base_tensors, out_tensors):
             base_item = next_item()
             assert base_item.kind == "base" and base_item.tensor_idx == t.idx
@@ -675,6 +707,7 @@ def _execute(
                 output.finish()
         bar.close()
     timings["output"] = output.busy
+    timings["output_stats"] = output.stats_busy
     timings["read_ahead_full"] = q.full_s
 
     for name in shard_names:

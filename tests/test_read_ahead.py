@@ -94,3 +94,28 @@ def test_buffer_pool_keeps_a_bounded_amount_of_free_memory() -> None:
     pool.give(other)  # over the bound: the longest unused (small, then big) go
     assert pool.take(0, 1 << 19)[0] is not small
     assert pool.take(0, 5 << 20)[0] is other
+
+
+@pytest.mark.catalog
+def test_an_error_in_the_output_statistics_stops_the_merge_and_publishes_nothing(catalog, tiny_family, tmp_path,
+                                                                                 monkeypatch) -> None:
+    """The output writer's statistics helper runs beside it: its first error is the merge's error, no
+    thread is left behind, nothing appears at --out, and the same merge then commits."""
+    names = ingest_family(catalog, tiny_family)
+    calls: list[int] = []
+    real = executor._out_blocks
+
+    def failing(ot, *args, **kwargs):  # noqa: ANN001, ANN202
+        calls.append(ot.idx)
+        if len(calls) == 3:
+            raise RuntimeError("statistics failed")
+        return real(ot, *args, **kwargs)
+
+    monkeypatch.setattr(executor, "_out_blocks", failing)
+    with pytest.raises(RuntimeError, match="statistics failed"):
+        catalog.merge(make_spec("linear", names), out=tmp_path / "out", budget="1.0")
+    assert not (tmp_path / "out").exists()
+    assert not [t for t in threading.enumerate() if t.name.startswith(("mergepipe-output", "mergepipe-stats"))]
+    monkeypatch.setattr(executor, "_out_blocks", real)
+    catalog.merge(make_spec("linear", names), out=tmp_path / "out", budget="1.0")
+    assert_bytes_equal(load_output(tmp_path / "out"), reference_for(catalog, tiny_family, "linear", names))
