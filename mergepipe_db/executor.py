@@ -359,8 +359,10 @@ class _BaseOnly:
 
         self.table = op.base_only_table()
         self.lut = np.empty(1 << 16, np.uint16)
+        self.exceptions = np.empty((0, 2), np.uint16)
         if self.table is not None:
             merge_kernels.narrow_bf16(self.lut, self.table)  # a NaN entry's bits are not used (`cast_into`)
+            self.exceptions = merge_kernels.near_identity(self.table, self.lut)
 
     def skippable(self, plan: Plan, t: TensorInfo) -> np.ndarray | None:
         """The blocks of base tensor `t` that no expert reads (None: none, or an expert whose reads are not
@@ -390,7 +392,7 @@ class _BaseOnly:
         assert self.table is not None
         flat, base16 = merged.reshape(-1), base_bytes.view(np.uint16)
         if merge_kernels.narrow_bf16_with_table(out_bytes.view(np.uint16), flat, base16, bounds, skip, self.table,
-                                                self.lut):
+                                                self.lut, self.exceptions):
             return
         for b in np.flatnonzero(skip).tolist():
             s, e = int(bounds[b]), int(bounds[b + 1])

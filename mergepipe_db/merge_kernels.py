@@ -64,14 +64,21 @@ def narrow_bf16(out: np.ndarray, x: np.ndarray) -> bool:
 
 @numba.njit(cache=True, nogil=True)
 def narrow_bf16_with_table(out: np.ndarray, x: np.ndarray, base: np.ndarray, bounds: np.ndarray, skip: np.ndarray,
-                           table: np.ndarray, lut: np.ndarray) -> bool:
+                           table: np.ndarray, lut: np.ndarray, exceptions: np.ndarray) -> bool:
     """`narrow_bf16` of `x` on the blocks not skipped; on a block with ``skip[b]``, out = lut[base] (`base`: θ₀'s
     BF16 bits; `table`: the operator's float32 result there as a function of them; `lut`: its BF16 bits).
-    False when a NaN is met in either (the caller converts with torch)."""
+    False when a NaN is met in either (the caller converts with torch).
+
+    A non-empty `exceptions` (rows [bits, lut[bits]], as `near_identity` gives them) says that `lut` maps
+    every other pattern to itself and `table` is NaN exactly on the NaN patterns: skipped blocks are then
+    copied with those values replaced (vectorized, no table lookups) and a NaN is found from θ₀'s bits."""
     ok = True
+    fast = exceptions.shape[0] > 0
     for b in range(skip.shape[0]):
         s0, e0 = bounds[b], bounds[b + 1]
-        if skip[b]:
+        if skip[b] and fast:
+            ok &= _copy_except(out[s0:e0], base[s0:e0], exceptions)
+        elif skip[b]:
             for i in range(s0, e0):
                 v = base[i]
                 out[i] = lut[v]
@@ -79,6 +86,41 @@ def narrow_bf16_with_table(out: np.ndarray, x: np.ndarray, base: np.ndarray, bou
         elif not narrow_bf16(out[s0:e0], x[s0:e0]):
             ok = False
     return ok
+
+
+@numba.njit(cache=True, nogil=True)
+def _copy_except(out: np.ndarray, base: np.ndarray, exceptions: np.ndarray) -> bool:
+    """out = base with each exceptions[r, 0] replaced by exceptions[r, 1] (BF16 bits); False if base holds
+    a NaN (exponent all ones, mantissa non-zero)."""
+    nan = np.uint16(0)
+    for r in range(exceptions.shape[0]):
+        v, o = exceptions[r, 0], exceptions[r, 1]
+        if r == 0:
+            for i in range(base.shape[0]):
+                u = base[i]
+                out[i] = o if u == v else u
+                nan |= np.uint16((u & np.uint16(0x7FFF)) > np.uint16(0x7F80))
+        else:
+            for i in range(out.shape[0]):
+                if base[i] == v:
+                    out[i] = o
+    return nan == 0
+
+
+def near_identity(table: np.ndarray, lut: np.ndarray, max_exceptions: int = 4) -> np.ndarray:
+    """Rows [bits, lut[bits]] (uint16, at least one) of the BF16 patterns that `lut` does not map to
+    themselves, when `table` is NaN exactly on the NaN patterns and there are at most `max_exceptions` of
+    them (e.g. −0 → +0 for θ₀·w sums); an empty array otherwise (`narrow_bf16_with_table`)."""
+    bits = np.arange(1 << 16, dtype=np.uint32)
+    nan_bits = (bits & 0x7FFF) > 0x7F80
+    if not np.array_equal(np.isnan(table), nan_bits):
+        return np.empty((0, 2), np.uint16)
+    moved = np.flatnonzero((lut.astype(np.uint32) != bits) & ~nan_bits)
+    if moved.size > max_exceptions:
+        return np.empty((0, 2), np.uint16)
+    if moved.size == 0:  # the identity: one row that never matches a number (a NaN pattern, which fails anyway)
+        return np.array([[0x7FC1, 0x7FC1]], np.uint16)
+    return np.stack([moved, lut[moved]], axis=1).astype(np.uint16)
 
 
 _TILE = 2048  # elements per tile of `_catch_up`: the accumulator tile stays in L1 across the experts

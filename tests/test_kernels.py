@@ -121,3 +121,46 @@ def test_output_cast_is_torchs(dtype: str, nan: bool) -> None:
     _cast_into(out, dtype, merged.numpy())
     want = merged.to(torch_dtype(dtype)).reshape(-1).view(torch.uint8).numpy()
     assert np.array_equal(out, want)
+
+
+@pytest.mark.parametrize(("method", "weights", "normalize", "identity_like"), [
+    ("linear", [0.125] * 8, True, True), ("linear", [0.5, 0.5], False, True),
+    ("task_arithmetic", [0.3, 0.9], False, True), ("ties", [1.0, 1.0], True, True),
+    ("linear", [0.3, 0.3], False, False),  # 0.6·θ₀
+    ("linear", [0.7, 0.1, 0.3], True, False)])  # (0.7·θ₀ + 0.1·θ₀ + 0.3·θ₀) / 1.1 rounds
+def test_skipped_blocks_copied_with_exceptions_equal_the_table_lookup(method, weights, normalize,
+                                                                      identity_like) -> None:
+    """Where the base-only table is the identity but for a few patterns (−0 → +0 for sums of θ₀·w), skipped
+    blocks are copied with those replaced: the same bits, and the same NaN verdict, as looking every element
+    up in the table — over every BF16 pattern, in blocks with and without NaN."""
+    from mergepipe_db import merge_kernels
+    from mergepipe_db.operators import ExpertParams, make_operator
+
+    op = make_operator(method, [ExpertParams(key=f"{i:032x}", weight=w, density=0.5) for i, w in enumerate(weights)],
+                       normalize=normalize)
+    table = op.base_only_table()
+    lut = np.empty(1 << 16, np.uint16)
+    merge_kernels.narrow_bf16(lut, table)
+    exceptions = merge_kernels.near_identity(table, lut)
+    assert (exceptions.shape[0] > 0) == identity_like
+    if not identity_like:
+        return
+    assert [0x8000, 0x0000] in exceptions.tolist()
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    finite = bits[(bits & 0x7FFF) <= 0x7F80]
+    rng = np.random.default_rng(0)
+    base = np.concatenate([finite, rng.permutation(bits)])  # block 0 has no NaN, block 1 every pattern
+    bounds = np.array([0, finite.size, base.size], np.int64)
+    x = rng.standard_normal(base.size).astype(np.float32)
+    for skip in ([True, False], [True, True], [False, True]):
+        skip = np.array(skip)
+        got, want = np.empty(base.size, np.uint16), np.empty(base.size, np.uint16)
+        ok_got = merge_kernels.narrow_bf16_with_table(got, x, base, bounds, skip, table, lut, exceptions)
+        ok_want = merge_kernels.narrow_bf16_with_table(want, x, base, bounds, skip, table, lut,
+                                                       np.empty((0, 2), np.uint16))
+        assert ok_got == ok_want == (not skip[1])
+        if ok_want:
+            np.testing.assert_array_equal(got, want)
+        else:  # a NaN: the caller converts the whole tensor with torch; the numbers still agree
+            num = (want & 0x7FFF) <= 0x7F80
+            np.testing.assert_array_equal(got[num], want[num])
