@@ -278,21 +278,22 @@ def _tensor_sketches(conn: sa.Connection, expert_id: str) -> dict[int, tuple[np.
     """Per tensor of one checkpoint (its own tensor_idx): the sum of its block sketches (the tensor's exact
     |Δ| histogram) and whether every row block (block_idx >= 0) has one."""
     b = schema.block
-    sums: dict[int, np.ndarray] = {}
     complete: dict[int, bool] = {}
+    blobs: list[bytes] = []
+    owners: list[int] = []
     rows = conn.execute(sa.select(b.c.tensor_idx, b.c.block_idx, b.c.sketch).where(b.c.checkpoint_id == expert_id))
     for tidx, bidx, blob in rows:
         if blob is None:
             if bidx >= 0:
                 complete[tidx] = False
             continue
-        h = sketch.decode(blob)
-        if tidx in sums:
-            sums[tidx] += h
-        else:
-            sums[tidx] = h
-            complete.setdefault(tidx, True)
-    return {tidx: (h, complete[tidx]) for tidx, h in sums.items()}
+        complete.setdefault(tidx, True)
+        blobs.append(blob)
+        owners.append(tidx)
+    tensors = sorted(set(owners))
+    row_of = {t: i for i, t in enumerate(tensors)}
+    sums = sketch.decode_sum(blobs, np.array([row_of[t] for t in owners], np.int64), len(tensors))
+    return {tidx: (sums[row_of[tidx]], complete[tidx]) for tidx in tensors}
 
 
 def _trim_bound(hist: np.ndarray, complete: bool, density: float, numel: int) -> float | None:
