@@ -59,6 +59,7 @@ def phases() -> str:
                      m(lambda r: r["timings"]["plan"]), m(lambda r: r["timings"]["execute"]),
                      m(lambda r: r["timings"]["read_wait"]), m(lambda r: r["timings"]["compute"]),
                      m(lambda r: r["timings"].get("write_wait", 0.0)), m(lambda r: r["timings"].get("output", 0.0)),
+                     m(lambda r: r["timings"].get("output_stats", 0.0)),
                      m(lambda r: r["timings"]["commit"] + r["timings"]["finalize"]),
                      m(lambda r: r["wall"] - r["startup_s"] - r["work_s"])])
     text = ("## Where the time goes (K = 8, from the runs of section 4)\n\n"
@@ -66,12 +67,13 @@ def phases() -> str:
             "sqlalchemy; no torch) before the library call; `execute` = the executor, split into what the "
             "compute thread waited for reads (`read wait`), computed (`compute`) and waited to hand a tensor "
             "to the output thread (`write wait`); `output busy` = the output thread's own time (handing bytes "
-            "to the O_DIRECT sink, whose helper threads write and sha256 them, xxh3 and block statistics; "
-            "overlapped with compute); `commit` = manifest, header re-check and the catalog transaction; "
+            "to the O_DIRECT sink, whose helper threads write and sha256 them, and waiting when the statistics "
+            "fall behind; overlapped with compute); `stats` = its helper's time for each tensor's xxh3 and block "
+            "statistics (0 in runs before it existed); `commit` = manifest, header re-check and the catalog transaction; "
             "`exit` = process wall not inside the library call or start-up (the job ends as the `mergepipe` "
             "command does, without interpreter teardown).\n\n"
             + md_table(["merge", "wall", "startup", "plan", "execute", "read wait", "compute", "write wait",
-                        "output busy", "commit", "exit"], rows))
+                        "output busy", "stats", "commit", "exit"], rows))
     write_section("phases", text)
     return text
 
