@@ -326,27 +326,44 @@ def absdelta_count(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray) -> tup
 def _ties_span(S: np.ndarray, P: np.ndarray, N: np.ndarray, WP: np.ndarray, WN: np.ndarray, b: np.ndarray,
                x: np.ndarray, trim: bool, tau: np.float32, w: np.float32, weights: bool, init: bool,
                ) -> None:
-    """One expert's TIES sums on a span: T = Δ, or where(|Δ| >= τ, Δ, 0.0) with ``trim``."""
+    """One expert's TIES sums on a span: T = Δ, or where(|Δ| >= τ, Δ, 0.0) with ``trim``. The loops are
+    branch-free (every old sum is loaded, then selected away on ``init``: +0.0 + term), so they vectorize."""
+    if weights:
+        _ties_span_weighted(S, P, N, WP, WN, b, x, trim, tau, w, init)
+    else:
+        _ties_span_plain(S, P, N, b, x, trim, tau, w, init)
+
+
+@numba.njit(cache=True, nogil=True)
+def _ties_span_plain(S: np.ndarray, P: np.ndarray, N: np.ndarray, b: np.ndarray, x: np.ndarray, trim: bool,
+                     tau: np.float32, w: np.float32, init: bool) -> None:
     zero = np.float32(0.0)
+    keep_all = not trim
     for i in range(S.shape[0]):
         d = widen(x[i]) - b[i]
-        if trim:
-            d = d if abs(d) >= tau else zero
+        d = d if keep_all | (abs(d) >= tau) else zero
         dw = d * w
-        if init:  # fresh accumulators: +0.0 + term
-            S[i] = zero + dw
-            P[i] = zero + (dw if dw > zero else zero)
-            N[i] = zero + (dw if dw < zero else zero)
-            if weights:
-                WP[i] = zero + (w if dw > zero else zero)
-                WN[i] = zero + (w if dw < zero else zero)
-        else:
-            S[i] = S[i] + dw
-            P[i] = P[i] + (dw if dw > zero else zero)
-            N[i] = N[i] + (dw if dw < zero else zero)
-            if weights:
-                WP[i] = WP[i] + (w if dw > zero else zero)
-                WN[i] = WN[i] + (w if dw < zero else zero)
+        s, p, n = S[i], P[i], N[i]
+        S[i] = (zero if init else s) + dw
+        P[i] = (zero if init else p) + (dw if dw > zero else zero)
+        N[i] = (zero if init else n) + (dw if dw < zero else zero)
+
+
+@numba.njit(cache=True, nogil=True)
+def _ties_span_weighted(S: np.ndarray, P: np.ndarray, N: np.ndarray, WP: np.ndarray, WN: np.ndarray,
+                        b: np.ndarray, x: np.ndarray, trim: bool, tau: np.float32, w: np.float32, init: bool) -> None:
+    zero = np.float32(0.0)
+    keep_all = not trim
+    for i in range(S.shape[0]):
+        d = widen(x[i]) - b[i]
+        d = d if keep_all | (abs(d) >= tau) else zero
+        dw = d * w
+        s, p, n, wp, wn = S[i], P[i], N[i], WP[i], WN[i]
+        S[i] = (zero if init else s) + dw
+        P[i] = (zero if init else p) + (dw if dw > zero else zero)
+        N[i] = (zero if init else n) + (dw if dw < zero else zero)
+        WP[i] = (zero if init else wp) + (w if dw > zero else zero)
+        WN[i] = (zero if init else wn) + (w if dw < zero else zero)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -455,6 +472,37 @@ def ties_finish(P: np.ndarray, S: np.ndarray, N: np.ndarray, WP: np.ndarray, WN:
 
 
 @numba.njit(cache=True, nogil=True)
+def _ties_tile(acc: np.ndarray, b: np.ndarray, x: np.ndarray, trim: bool, tau: np.float32, w: np.float32,
+               weights: bool, init: bool) -> None:
+    """`_ties_span` on one tile whose sums S, P, N, WP, WN are the planar `_TILE`-element rows of the one
+    array `acc`: the compiler sees constant distances between them instead of five arrays that might
+    overlap, so it vectorizes the loop without runtime overlap checks."""
+    zero = np.float32(0.0)
+    keep_all = not trim
+    T = _TILE
+    if weights:
+        for i in range(b.shape[0]):
+            d = widen(x[i]) - b[i]
+            d = d if keep_all | (abs(d) >= tau) else zero
+            dw = d * w
+            s, p, n, wp, wn = acc[i], acc[T + i], acc[2 * T + i], acc[3 * T + i], acc[4 * T + i]
+            acc[i] = (zero if init else s) + dw
+            acc[T + i] = (zero if init else p) + (dw if dw > zero else zero)
+            acc[2 * T + i] = (zero if init else n) + (dw if dw < zero else zero)
+            acc[3 * T + i] = (zero if init else wp) + (w if dw > zero else zero)
+            acc[4 * T + i] = (zero if init else wn) + (w if dw < zero else zero)
+    else:
+        for i in range(b.shape[0]):
+            d = widen(x[i]) - b[i]
+            d = d if keep_all | (abs(d) >= tau) else zero
+            dw = d * w
+            s, p, n = acc[i], acc[T + i], acc[2 * T + i]
+            acc[i] = (zero if init else s) + dw
+            acc[T + i] = (zero if init else p) + (dw if dw > zero else zero)
+            acc[2 * T + i] = (zero if init else n) + (dw if dw < zero else zero)
+
+
+@numba.njit(cache=True, nogil=True)
 def ties_fused(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], selected: np.ndarray,
                bounds: np.ndarray, trim: np.ndarray, tau: np.ndarray, w: np.ndarray, weights: bool,
                lam: np.float32, count: np.ndarray, counts: np.ndarray, skip: np.ndarray) -> None:
@@ -465,11 +513,8 @@ def ties_fused(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], 
     writing five tensor-sized sums once per expert. For each k with ``count[k]``, `counts[k]` gets what
     `absdelta_count` would give on its selected blocks (from the tile just read, still in cache). Blocks with
     ``skip[b]`` (no expert selected them; the caller writes them) are left as they are."""
-    S = np.empty(_TILE, np.float32)
-    P = np.empty(_TILE, np.float32)
-    N = np.empty(_TILE, np.float32)
-    WP = np.empty(_TILE if weights else 0, np.float32)
-    WN = np.empty(_TILE if weights else 0, np.float32)
+    T = _TILE
+    acc = np.empty(5 * T, np.float32)  # the tile's S, P, N, WP, WN (`_ties_tile`)
     for b in range(bounds.shape[0] - 1):
         if skip[b]:
             continue
@@ -481,7 +526,7 @@ def ties_fused(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], 
                 if not selected[k, b]:
                     continue
                 xk = raws[k][t0:t0 + m]
-                _ties_span(S[:m], P[:m], N[:m], WP[:m], WN[:m], bb, xk, trim[k], tau[k], w[k], weights, fresh)
+                _ties_tile(acc, bb, xk, trim[k], tau[k], w[k], weights, fresh)
                 fresh = False
                 if count[k]:
                     nonzero, special = _absdelta_count_span(bb, xk)
@@ -490,7 +535,8 @@ def ties_fused(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], 
             if fresh:
                 _untouched_span(out[t0:t0 + m], bb, lam)
             else:
-                _ties_finish_span(out[t0:t0 + m], P[:m], S[:m], N[:m], WP[:m], WN[:m], bb, weights, lam)
+                _ties_finish_span(out[t0:t0 + m], acc[T:T + m], acc[:m], acc[2 * T:2 * T + m], acc[3 * T:3 * T + m],
+                                  acc[4 * T:4 * T + m], bb, weights, lam)
 
 
 def _rth_largest(bits: np.ndarray, r: int) -> float:
