@@ -69,7 +69,8 @@ def phases() -> str:
             "to the output thread (`write wait`); `output busy` = the output thread's own time (handing bytes "
             "to the O_DIRECT sink, whose helper threads write and sha256 them, and waiting when the statistics "
             "fall behind; overlapped with compute); `stats` = its helper's time for each tensor's xxh3 and block "
-            "statistics (0 in runs before it existed); `commit` = manifest, header re-check and the catalog transaction; "
+            "statistics (0 in runs before it existed); `commit` = manifest, header re-check and the catalog "
+            "transaction; "
             "`exit` = process wall not inside the library call or start-up (the job ends as the `mergepipe` "
             "command does, without interpreter teardown).\n\n"
             + md_table(["merge", "wall", "startup", "plan", "execute", "read wait", "compute", "write wait",
