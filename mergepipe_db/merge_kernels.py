@@ -326,44 +326,27 @@ def absdelta_count(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray) -> tup
 def _ties_span(S: np.ndarray, P: np.ndarray, N: np.ndarray, WP: np.ndarray, WN: np.ndarray, b: np.ndarray,
                x: np.ndarray, trim: bool, tau: np.float32, w: np.float32, weights: bool, init: bool,
                ) -> None:
-    """One expert's TIES sums on a span: T = Δ, or where(|Δ| >= τ, Δ, 0.0) with ``trim``. The loops are
-    branch-free (every old sum is loaded, then selected away on ``init``: +0.0 + term), so they vectorize."""
-    if weights:
-        _ties_span_weighted(S, P, N, WP, WN, b, x, trim, tau, w, init)
-    else:
-        _ties_span_plain(S, P, N, b, x, trim, tau, w, init)
-
-
-@numba.njit(cache=True, nogil=True)
-def _ties_span_plain(S: np.ndarray, P: np.ndarray, N: np.ndarray, b: np.ndarray, x: np.ndarray, trim: bool,
-                     tau: np.float32, w: np.float32, init: bool) -> None:
+    """One expert's TIES sums on a span: T = Δ, or where(|Δ| >= τ, Δ, 0.0) with ``trim``."""
     zero = np.float32(0.0)
-    keep_all = not trim
     for i in range(S.shape[0]):
         d = widen(x[i]) - b[i]
-        d = d if keep_all | (abs(d) >= tau) else zero
+        if trim:
+            d = d if abs(d) >= tau else zero
         dw = d * w
-        s, p, n = S[i], P[i], N[i]
-        S[i] = (zero if init else s) + dw
-        P[i] = (zero if init else p) + (dw if dw > zero else zero)
-        N[i] = (zero if init else n) + (dw if dw < zero else zero)
-
-
-@numba.njit(cache=True, nogil=True)
-def _ties_span_weighted(S: np.ndarray, P: np.ndarray, N: np.ndarray, WP: np.ndarray, WN: np.ndarray,
-                        b: np.ndarray, x: np.ndarray, trim: bool, tau: np.float32, w: np.float32, init: bool) -> None:
-    zero = np.float32(0.0)
-    keep_all = not trim
-    for i in range(S.shape[0]):
-        d = widen(x[i]) - b[i]
-        d = d if keep_all | (abs(d) >= tau) else zero
-        dw = d * w
-        s, p, n, wp, wn = S[i], P[i], N[i], WP[i], WN[i]
-        S[i] = (zero if init else s) + dw
-        P[i] = (zero if init else p) + (dw if dw > zero else zero)
-        N[i] = (zero if init else n) + (dw if dw < zero else zero)
-        WP[i] = (zero if init else wp) + (w if dw > zero else zero)
-        WN[i] = (zero if init else wn) + (w if dw < zero else zero)
+        if init:  # fresh accumulators: +0.0 + term
+            S[i] = zero + dw
+            P[i] = zero + (dw if dw > zero else zero)
+            N[i] = zero + (dw if dw < zero else zero)
+            if weights:
+                WP[i] = zero + (w if dw > zero else zero)
+                WN[i] = zero + (w if dw < zero else zero)
+        else:
+            S[i] = S[i] + dw
+            P[i] = P[i] + (dw if dw > zero else zero)
+            N[i] = N[i] + (dw if dw < zero else zero)
+            if weights:
+                WP[i] = WP[i] + (w if dw > zero else zero)
+                WN[i] = WN[i] + (w if dw < zero else zero)
 
 
 @numba.njit(cache=True, nogil=True)
