@@ -1317,12 +1317,9 @@ class Linear(MergeOperator):
             items, raws, selected = self._stash.take(ctx.n_blocks)
             for k, (_src, x) in enumerate(items):
                 slot[x.index] = k
-            j1 = items[-1][1].index + 1
-        else:
-            raws, selected = _mk().pack([base[:0]]), np.zeros((0, ctx.n_blocks), np.bool_)
-            j1 = self.n_experts
-        if final:
-            j1 = self.n_experts
+        else:  # final, nothing kept: every remaining expert is θ₀
+            items, raws, selected = [], _mk().pack([base[:0]]), np.zeros((0, ctx.n_blocks), np.bool_)
+        j1 = self.n_experts if final else items[-1][1].index + 1
         _mk().linear_fused(acc, base, raws, slot, selected, self._bounds, self._w32, self._pending, j1, self._skip,
                            np.float32(self.weight_sum), final and self.normalize)
         self._set_pending(j1)

@@ -260,6 +260,8 @@ def decode_sum(blobs: list[bytes], groups: np.ndarray, n_groups: int) -> np.ndar
     """(n_groups, NBINS) int64: row g is the sum of the histograms `decode` gives for the blobs with
     ``groups[i] == g``, checked as `decode` checks each (ValueError on the first malformed one); decoded
     together, for the thousands of block sketches of a tensor family at once."""
+    if any(not raw or raw[0] not in _VERSIONS for raw in blobs):
+        raise ValueError("malformed sketch: unknown or missing version byte")
     out = np.zeros((n_groups, NBINS), dtype=np.int64)
     for version, dt in _VERSIONS.items():
         pick = [i for i, raw in enumerate(blobs) if raw and raw[0] == version]
@@ -282,8 +284,6 @@ def decode_sum(blobs: list[bytes], groups: np.ndarray, n_groups: int) -> np.ndar
         if counts.dtype == np.uint64 and bins.size and int(counts.max()) >= 2**63:
             raise ValueError("malformed sketch: count out of range")
         np.add.at(out, (owner, bins), counts.astype(np.int64))
-    if any(not raw or raw[0] not in _VERSIONS for raw in blobs):
-        raise ValueError("malformed sketch: unknown or missing version byte")
     return out
 
 
