@@ -152,7 +152,7 @@ def linear_fold(acc: np.ndarray, base: np.ndarray, raw: np.ndarray, bounds: np.n
 
     Block b spans elements [bounds[b], bounds[b+1]); pending[b] is the first expert not yet folded into it.
     Experts that skipped a block contribute θ₀ * w_j there; they are folded in only when the block is next
-    touched (or by `linear_finish`), in order, so each element costs one pass however many experts omit it.
+    touched (or by `linear_fused`), in order, so each element costs one pass however many experts omit it.
     """
     for b in range(selected.shape[0]):
         if not selected[b]:
@@ -166,18 +166,6 @@ def linear_fold(acc: np.ndarray, base: np.ndarray, raw: np.ndarray, bounds: np.n
 
 
 @numba.njit(cache=True, nogil=True)
-def linear_finish(acc: np.ndarray, base: np.ndarray, bounds: np.ndarray, pending: np.ndarray,
-                  weights: np.ndarray) -> None:
-    """Fold every expert a block has not seen yet (θ₀ * w_j, in order)."""
-    n_experts = weights.shape[0]
-    for b in range(pending.shape[0]):
-        j = pending[b]
-        if j < n_experts:
-            _catch_up(acc[bounds[b]:bounds[b + 1]], base[bounds[b]:bounds[b + 1]], weights[j:], j == 0)
-            pending[b] = n_experts
-
-
-@numba.njit(cache=True, nogil=True)
 def linear_fused(acc: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], slot: np.ndarray,
                  selected: np.ndarray, bounds: np.ndarray, weights: np.ndarray, pending: np.ndarray, j1: int,
                  skip: np.ndarray, divisor: np.float32, divide: bool) -> None:
@@ -186,7 +174,7 @@ def linear_fused(acc: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...]
     ``selected[slot[j], b]`` and θ₀ elsewhere (and everywhere when ``slot[j] < 0``); with ``divide`` (the
     last pass of a normalized merge), then acc = acc / divisor. Tile by tile the accumulator stays in L1
     while the experts are folded in order (expert 0 starts it at +0.0): the same operations as
-    `linear_fold` + `linear_finish` and the normalizing division, the same bits, with one pass over the
+    `linear_fold`, catching up and the normalizing division, the same bits, with one pass over the
     accumulator instead of one per expert. Blocks with ``skip[b]`` (no expert selected them; the caller
     writes them from θ₀ alone) are left as they are; the others end with pending[b] = j1."""
     for b in range(bounds.shape[0] - 1):

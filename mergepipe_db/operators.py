@@ -1305,23 +1305,24 @@ class Linear(MergeOperator):
         self._pending[:] = j
         self._pending[self._skip] = self.n_experts
 
-    def _fold_stash(self, final: bool = False) -> None:
-        """Fold the kept inputs, and the experts before and between them that selected nothing, in one fused
-        pass; `final`: every expert not folded yet, and the normalizing division (`_finish`)."""
+    def _fold_stash(self, through: int | None = None, divide: bool = False) -> None:
+        """Fold the kept inputs, and the experts before and between them that selected nothing (θ₀), in one
+        fused pass: every expert up to the last kept one, or before `through`; with `divide`, then the
+        normalizing division (`_finish`)."""
         acc, base, ctx = self._acc, self._bflat, self._ctx
         assert acc is not None and base is not None and ctx is not None
-        if not self._stash and not final:
+        if not self._stash and through is None:
             return
         slot = np.full(self.n_experts, -1, np.int64)
         if self._stash:
             items, raws, selected = self._stash.take(ctx.n_blocks)
             for k, (_src, x) in enumerate(items):
                 slot[x.index] = k
-        else:  # final, nothing kept: every remaining expert is θ₀
+        else:  # nothing kept: the experts up to `through` are θ₀
             items, raws, selected = [], _mk().pack([base[:0]]), np.zeros((0, ctx.n_blocks), np.bool_)
-        j1 = self.n_experts if final else items[-1][1].index + 1
+        j1 = items[-1][1].index + 1 if through is None else through
         _mk().linear_fused(acc, base, raws, slot, selected, self._bounds, self._w32, self._pending, j1, self._skip,
-                           np.float32(self.weight_sum), final and self.normalize)
+                           np.float32(self.weight_sum), divide)
         self._set_pending(j1)
 
     def _add(self, x: ExpertInput) -> None:
@@ -1339,7 +1340,7 @@ class Linear(MergeOperator):
             _mk().linear_fold(acc, base, src, self._bounds, selected, self._pending, self._w32, x.index)
             return
         # θ_k known only through Δ_k: bring every block up to expert k, then one chunked pass over the tensor
-        _mk().linear_finish(acc, base, self._bounds, self._pending, self._w32[:x.index])
+        self._fold_stash(through=x.index)
         first = x.index == 0
         if first:
             acc.fill(0)
@@ -1364,7 +1365,7 @@ class Linear(MergeOperator):
     def _finish(self) -> np.ndarray:
         acc, base = self._acc, self._base
         assert acc is not None and base is not None and self._bflat is not None
-        self._fold_stash(final=True)
+        self._fold_stash(through=self.n_experts, divide=self.normalize)
         return acc.reshape(base.shape)
 
     def _base_only(self, b: np.ndarray) -> np.ndarray:
