@@ -201,6 +201,16 @@ def dir_files(d: Path) -> list[Path]:
     return sorted(p for p in Path(d).glob("*.safetensors"))
 
 
+def family_note(cfg: Config) -> str:
+    """One sentence naming the family a section was measured on (sections from different runs may differ)."""
+    import json
+
+    fam = json.loads((cfg.family_dir / "family.json").read_text())
+    shape = fam["shape"]
+    return (f"Family: {fam['model_bytes'] / 1e9:.2f} GB per model (Llama-shaped BF16, {shape['num_layers']} layers, "
+            f"hidden {shape['hidden_size']}, {fam['shard_bytes'] >> 20} MiB shards).")
+
+
 def machine_line() -> str:
     import platform
 

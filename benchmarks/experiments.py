@@ -17,6 +17,7 @@ from benchmarks.common import (
     REPO,
     Config,
     GiB,
+    family_note,
     fmt_t,
     gb,
     md_table,
@@ -115,6 +116,7 @@ def ingest(cfg: Config) -> str:
                   "import included); 'work' = the Catalog.ingest call alone; raw dd = `dd bs=16M` of the same files.")
     text = f"""## 1. Ingest speed
 
+{family_note(cfg)}
 {HOW} Fresh DuckDB catalog per repetition; the base is ingested (hashes + per-block sketches), then expert_00
 against it (hashes + delta statistics, reading the base again). Goal: ≥ 70 % of a raw cold `dd` read.
 
@@ -172,6 +174,7 @@ def scaling(cfg: Config) -> str:
     flat = [recs[(k, "budget")]["realized_bytes"] for k in ks]
     text = f"""## 2. Scaling with the number of experts (fixed absolute budget)
 
+{family_note(cfg)}
 {HOW} Operator: linear (weights 1/K), BF16 output. Fixed budget {b} bytes of expert reads.
 
 {md_table(["K", "mode", "expert bytes", "of full", "expert+base bytes", "read_bytes (/proc)", "wall",
@@ -239,6 +242,7 @@ def budget_sweep(cfg: Config) -> str:
                   "sums of the BF16 outputs); the linear bound is the planner's omitted-update bound / ‖θ_full‖₂.")
     text = f"""## 3. Budget sweep (K = 8)
 
+{family_note(cfg)}
 {HOW} Budgets are fractions of the full-read expert bytes. TIES density 0.5, weights 1/8, normalize.
 
 {md_table(["operator", "budget", "budget bytes", "realized expert bytes", "≤ budget", "read_bytes (/proc)", "wall",
@@ -299,6 +303,7 @@ def operators(cfg: Config) -> str:
                   "TIES/DARE-TIES, weights 1/8, seed 0.")
     text = f"""## 4. Operators at full budget and at 0.1 (K = 8)
 
+{family_note(cfg)}
 {HOW}
 
 {md_table(["operator", "wall @1.0", "wall @0.1", "speed-up", "total bytes moved ratio (reads + output write)",
@@ -327,19 +332,25 @@ def floor(cfg: Config) -> str:
             fl = io_floor(cfg, k, r["realized_bytes"], r["output_bytes"])
             raw[f"{op}-{b}"] = {"merge": r, "floor": fl}
             ratio = r["wall_med"] / fl["floor_med"]
+            strict = r["wall_med"] / fl["floor_direct_med"]
             rows.append([op, b, gb(r["base_bytes"] + r["realized_bytes"]), gb(r["output_bytes"]),
-                         fmt_t(fl["read"]), fmt_t(fl["write"]), f"{fl['floor_med']:.2f} s", fmt_t(r["wall"]),
-                         f"{ratio:.2f}×", "met" if ratio <= 1.5 else "**missed**"])
+                         fmt_t(fl["read"]), fmt_t(fl["read_direct"]), fmt_t(fl["write"]),
+                         f"{fl['floor_med']:.2f} s", f"{fl['floor_direct_med']:.2f} s", fmt_t(r["wall"]),
+                         f"{ratio:.2f}×", f"{strict:.2f}×", "met" if max(ratio, strict) <= 1.5 else "**missed**"])
     save_raw("io_floor", raw)
     text = f"""## 5. I/O floor (same run, K = 8)
 
+{family_note(cfg)}
 {HOW} Floor = cold `dd bs=16M` read of the base files plus the planned expert bytes (whole expert files at
 full budget; at 0.1 the same number of bytes read sequentially from the expert files, which is cheaper than the
 scattered ranges the merge needs), plus `dd if=/dev/zero bs=16M conv=fsync` of an output of the same size,
-timed separately and summed (no overlap). Target at full budget: merge ≤ 1.5 × floor.
+timed separately and summed (no overlap). Target at full budget: merge ≤ 1.5 × floor. The same reads with
+`iflag=direct` (O_DIRECT, as the merge reads) are timed beside them: on this VM they are faster than reads through
+the page cache, so "floor (O_DIRECT)" is the stricter reference, and "≤ 1.5×" holds only when both ratios do.
 
-{md_table(["operator", "budget", "bytes to read", "output bytes", "dd read", "dd write+fsync", "floor",
-           "merge wall", "merge / floor", "≤ 1.5×"], rows)}"""
+{md_table(["operator", "budget", "bytes to read", "output bytes", "dd read", "dd read (O_DIRECT)",
+           "dd write+fsync", "floor", "floor (O_DIRECT)", "merge wall", "merge / floor",
+           "merge / floor (O_DIRECT)", "≤ 1.5×"], rows)}"""
     write_section("io_floor", text)
     return text
 
@@ -459,6 +470,7 @@ def peers(cfg: Config) -> str:
           else ("(skipped: BENCH_SKIP_EQ set)\n" if ok else "(not run: MergeKit unavailable)\n"))
     text = f"""## 6. Peers: naive full-read script and MergeKit (K = 8)
 
+{family_note(cfg)}
 {HOW} The naive peer is `benchmarks/peers/naive_merge.py` (safetensors `get_tensor` of every tensor of every
 expert, merge in float32, `save_file`). Ratios are wall(ours)/wall(peer): < 1 means we are faster.
 {mk_line}

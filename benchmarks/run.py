@@ -101,7 +101,13 @@ def targets() -> str:
             x = fl.get(f"{op}-1.0")
             if x:
                 ratio = med(x["merge"]["wall"]) / x["floor"]["floor_med"]
-                add(f"K=8 {op} full budget ≤ 1.5 × I/O floor", f"{ratio:.2f}×", ratio <= 1.5)
+                direct = x["floor"].get("floor_direct_med")
+                if direct is None:  # raw numbers from before the O_DIRECT floor was timed
+                    add(f"K=8 {op} full budget ≤ 1.5 × I/O floor", f"{ratio:.2f}×", ratio <= 1.5)
+                    continue
+                strict = med(x["merge"]["wall"]) / direct
+                add(f"K=8 {op} full budget ≤ 1.5 × I/O floor", f"{ratio:.2f}× (against the O_DIRECT floor: "
+                    f"{strict:.2f}×)", max(ratio, strict) <= 1.5)
     if pe:
         for op in ("linear", "ties"):
             d = pe.get(op)
@@ -222,9 +228,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[bench] {n} done in {time.perf_counter() - t0:.0f} s", flush=True)
         ex.cleanup_outputs()
     if fam:
-        cfg_line = (f"Family: Llama-shaped BF16 via `mergepipe_db.testing.make_family`, {fam['model_bytes'] / 1e9:.2f}"
-                    f" GB per model, {fam['n_experts']} experts (smaller K = prefix), {fam['shard_bytes'] >> 20} MiB "
-                    f"shards, shape {fam['shape']}.")
+        cfg_line = (f"Families: Llama-shaped BF16 via `mergepipe_db.testing.make_family`, {fam['n_experts']} experts "
+                    "(smaller K = prefix); each section names the model size it was measured on (the latest run's: "
+                    f"{fam['model_bytes'] / 1e9:.2f} GB per model, shape {fam['shape']}).")
     targets()
     phases()
     assemble(cfg_line + (" **Quick mode (tiny sizes; not representative).**" if a.quick else ""))
