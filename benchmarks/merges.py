@@ -81,9 +81,8 @@ def io_floor(cfg: Config, k: int, expert_bytes: int, output_bytes: int, reps: in
              ) -> dict[str, Any]:
     """Cold `dd` read of base + `expert_bytes` of the experts' files, and `dd` write+fsync of the output size.
 
-    The issue's floor reads through the page cache (plain `dd`); the same read with O_DIRECT is timed beside
-    it, because on this VM it is faster (the merge reads with O_DIRECT), so `floor_direct` is the stricter
-    reference."""
+    The issue's floor reads through the page cache (plain `dd`); the same read with O_DIRECT (as the merge
+    reads) is timed beside it as `floor_direct`: on some machines it is the faster of the two."""
     reps = reps or cfg.reps
     read_cmd = _dd_read_cmd(cfg, k, expert_bytes, direct=False)
     direct_cmd = _dd_read_cmd(cfg, k, expert_bytes, direct=True)
