@@ -59,20 +59,20 @@ def run_merge(cfg: Config, method: str, k: int, budget: str, *, reps: int | None
 def _dd_read_cmd(cfg: Config, k: int, expert_bytes: int, direct: bool) -> list[str]:
     """`dd bs=16M` of the base files and the first `expert_bytes` of the experts' files, one after another;
     with `direct`, O_DIRECT (no page-cache copy; a partial file's byte count rounded up to 4 KiB for it)."""
-    flag = "iflag=direct " if direct else ""
-    parts = [f"dd if={f} of=/dev/null bs=16M {flag}status=none" for f in model_files(cfg, None)]
+
+    def dd(f: Path, count: int | None = None) -> str:
+        flags = (["direct"] if direct else []) + ([] if count is None else ["count_bytes"])
+        return " ".join([f"dd if={f} of=/dev/null bs=16M", *([f"iflag={','.join(flags)}"] if flags else []),
+                         *([] if count is None else [f"count={count}"]), "status=none"])
+
+    parts = [dd(f) for f in model_files(cfg, None)]
     left = expert_bytes
     for e in range(k):
         for f in model_files(cfg, e):
             if left <= 0:
                 break
             n = f.stat().st_size
-            if n <= left:
-                parts.append(f"dd if={f} of=/dev/null bs=16M {flag}status=none")
-            else:
-                count = -(-left // 4096) * 4096 if direct else left
-                flags = "iflag=direct,count_bytes" if direct else "iflag=count_bytes"
-                parts.append(f"dd if={f} of=/dev/null bs=16M {flags} count={count} status=none")
+            parts.append(dd(f) if n <= left else dd(f, -(-left // 4096) * 4096 if direct else left))
             left -= min(n, left)
     return ["bash", "-c", " && ".join(parts)]
 

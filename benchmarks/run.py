@@ -101,11 +101,7 @@ def targets() -> str:
             x = fl.get(f"{op}-1.0")
             if x:
                 ratio = med(x["merge"]["wall"]) / x["floor"]["floor_med"]
-                direct = x["floor"].get("floor_direct_med")
-                if direct is None:  # raw numbers from before the O_DIRECT floor was timed
-                    add(f"K=8 {op} full budget ≤ 1.5 × I/O floor", f"{ratio:.2f}×", ratio <= 1.5)
-                    continue
-                strict = med(x["merge"]["wall"]) / direct
+                strict = med(x["merge"]["wall"]) / x["floor"]["floor_direct_med"]
                 add(f"K=8 {op} full budget ≤ 1.5 × I/O floor", f"{ratio:.2f}× (against the O_DIRECT floor: "
                     f"{strict:.2f}×)", max(ratio, strict) <= 1.5)
     if pe:
