@@ -32,7 +32,7 @@ T = 200  # tensors per checkpoint
 
 
 def _populate(url: str, n_blocks: int) -> None:
-    from mergepipe_db import Catalog
+    from mergepipe_db import Catalog, ranking
     from mergepipe_db.db import schema
     from mergepipe_db.db.bulk import bulk_insert
 
@@ -42,7 +42,7 @@ def _populate(url: str, n_blocks: int) -> None:
     fdir = DATA / "planner-files"
     fdir.mkdir(parents=True, exist_ok=True)
     mb = 1 << 20
-    ckpts, files, tensors = [], [], []
+    ckpts, files, tensors, rows = [], [], [], []
     blocks_cols: dict[str, list[Any]] = {c.name: [] for c in schema.block.columns}
     for c in range(K + 1):
         cid = f"{c:064x}"
@@ -66,11 +66,14 @@ def _populate(url: str, n_blocks: int) -> None:
             if c == 0:
                 continue
             for b in range(bpt):
-                for col, v in (("checkpoint_id", cid), ("tensor_idx", t), ("block_idx", b), ("row_start", b * 256),
-                               ("row_stop", b * 256 + 256), ("offset", off + b * mb), ("nbytes", mb),
-                               ("xxh3", "0" * 32), ("delta_l2", rng.random() + 1e-9), ("delta_l1", 1.0),
-                               ("delta_max", 0.1), ("pos_frac", 0.5), ("sketch", None)):
-                    blocks_cols[col].append(v)
+                rows.append({"checkpoint_id": cid, "tensor_idx": t, "block_idx": b, "row_start": b * 256,
+                             "row_stop": b * 256 + 256, "offset": off + b * mb, "nbytes": mb, "xxh3": "0" * 32,
+                             "delta_l2": rng.random() + 1e-9, "delta_l1": 1.0, "delta_max": 0.1, "pos_frac": 0.5,
+                             "sketch": None})
+        for r in ranking.in_rank_order(rows):  # as ingest inserts them
+            for col in blocks_cols:
+                blocks_cols[col].append(r[col])
+        rows.clear()
     with cat.db.connect() as conn:
         bulk_insert(conn, schema.checkpoint, ckpts)
         bulk_insert(conn, schema.source_file, files)
@@ -93,6 +96,8 @@ def _populate(url: str, n_blocks: int) -> None:
             cols_sql = ", ".join(f'"{c}"' for c in names)
             with cur.copy(f"COPY mp_block ({cols_sql}) FROM STDIN") as cp:
                 cp.write(buf.getvalue())
+        for ck in ckpts:  # the ranking summaries ingest writes beside the blocks
+            ranking.write(conn, ck["id"])
     if not url.startswith("postgresql"):
         return
     with sa.create_engine(url).connect() as c:

@@ -27,7 +27,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from mergepipe_db import __version__, faults
+from mergepipe_db import __version__, faults, ranking
 from mergepipe_db.db import schema
 from mergepipe_db.db.bulk import bulk_insert
 from mergepipe_db.db.engine import Database
@@ -374,7 +374,8 @@ def _insert_output_checkpoint(conn: sa.Connection, plan: Plan, result: Execution
     ))
     bulk_insert(conn, schema.source_file, files)
     bulk_insert(conn, schema.tensor, tensors)
-    bulk_insert(conn, schema.block, blocks)
+    bulk_insert(conn, schema.block, ranking.in_rank_order(blocks))
+    ranking.write(conn, cid)
 
 
 def publish(staging: Path, out: Path) -> None:

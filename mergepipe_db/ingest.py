@@ -23,7 +23,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from mergepipe_db import __version__
+from mergepipe_db import __version__, ranking
 from mergepipe_db.blocks import DEFAULT_BLOCK_BYTES, block_byte_range, block_ranges, row_count, rows_per_block
 from mergepipe_db.db import schema
 from mergepipe_db.db.bulk import bulk_insert
@@ -468,5 +468,6 @@ def ingest(
         ))
         bulk_insert(conn, schema.source_file, file_rows)
         bulk_insert(conn, schema.tensor, tensor_rows)
-        bulk_insert(conn, schema.block, block_rows)
+        bulk_insert(conn, schema.block, ranking.in_rank_order(block_rows))
+        ranking.write(conn, cid)
     return IngestResult(cid, name, kind, len(tensor_rows), len(block_rows), total_bytes, bytes_read, True)

@@ -13,11 +13,13 @@ tensor the bin b_τ holding the trim threshold τ is known exactly, and a block 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import json
 import math
 from collections import defaultdict, deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import chain, repeat
 from operator import attrgetter
@@ -26,8 +28,9 @@ from typing import Any
 import numpy as np
 import sqlalchemy as sa
 
-from mergepipe_db import __version__, sketch
+from mergepipe_db import __version__, ranking, sketch
 from mergepipe_db.db import schema
+from mergepipe_db.db.fetch import fetch_columns, pylist
 from mergepipe_db.errors import UnsupportedDtypeError
 from mergepipe_db.resources import sql_text
 from mergepipe_db.spec import MergeSpec
@@ -413,9 +416,6 @@ def finalize(conn: sa.Connection, plan: Plan, op: Any,
     plan.plan_hash = plan_hash(plan)
 
 
-#: dialects whose DB-API cursor hands over a result as numpy arrays (`fetchnumpy`)
-_NUMPY_FETCH_DIALECTS: tuple[str, ...] = ("duckdb",)
-
 #: PostgreSQL settings for the rest of the planning transaction (`set_config(..., is_local => true)`, i.e. SET
 #: LOCAL): the ranking sorts and keeps ~150 B per candidate, so the default 4 MB work_mem spills it to disk
 #: from ~30k candidates on; JIT compilation of the ranking costs more than it saves (~0.1 s per plan)
@@ -434,30 +434,17 @@ def _prepare_ranking(conn: sa.Connection) -> None:
         conn.execute(sa.text("SELECT set_config(:name, :value, true)"), {"name": name, "value": value})
 
 
-def _fetch_columns(conn: sa.Connection, result: sa.CursorResult) -> dict[str, Any]:
-    """The rows of `result` as one sequence per column (sliceable; `_pylist` turns a slice into Python values).
-
-    DuckDB hands them over as numpy arrays straight from its result (no Python row objects; NULLs masked,
-    read only where the row kind has a value); any other database goes through the portable DB-API fetch."""
-    if conn.dialect.name in _NUMPY_FETCH_DIALECTS:
-        try:
-            cols = result.cursor.fetchnumpy()  # duckdb_engine's cursor delegates to the DuckDB connection
-        finally:
-            result.close()
-        return {k: np.ma.getdata(v) for k, v in cols.items()}
-    keys = list(result.keys())
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """The cyclic garbage collector off: a plan builds ~10^5 objects (rows, reads) that hold no cycles, and the
+    collector's passes over them would cost as much as building them."""
+    paused = gc.isenabled()
+    gc.disable()
     try:
-        rows = result.cursor.fetchall()  # plain DB-API tuples: no Row object per row (10^5 rows: ~0.3 s less)
+        yield
     finally:
-        result.close()
-    if not rows:
-        return {k: [] for k in keys}
-    return dict(zip(keys, map(list, zip(*rows))))
-
-
-def _pylist(values: Any) -> list[Any]:
-    """Python values (int, float, str) of a column slice from `_fetch_columns`."""
-    return values.tolist() if isinstance(values, np.ndarray) else list(values)
+        if paused:
+            gc.enable()
 
 
 def build_plan(
@@ -469,6 +456,12 @@ def build_plan(
     budget_spec: Any,
 ) -> Plan:
     """Run the ranking SQL for `spec` over the catalog and return the access set within the budget."""
+    with _collector_paused():
+        return _build_plan(conn, spec, base_id=base_id, expert_ids=expert_ids, budget_spec=budget_spec)
+
+
+def _build_plan(conn: sa.Connection, spec: MergeSpec, *, base_id: str, expert_ids: list[str], budget_spec: Any
+                ) -> Plan:
     base = load_checkpoint_info(conn, base_id)
     base_tensors = load_tensors(conn, base_id)
     out_dtype = spec.dtype or None  # non-arithmetic tensors are copied from the base in their own dtype
@@ -488,20 +481,30 @@ def build_plan(
             if et.dtype in ARITHMETIC and et.name in base_idx:
                 for col, v in zip(pt, (e.position, et.idx, base_idx[et.name], bounds.get((e.position, et.idx)))):
                     col.append(v)
+    tensor_level = [bool(op.tensor_granular or not e.checkpoint.has_stats) for e in experts]
+    grouped = 1 if getattr(op, "joint_election", False) else 0
+    take_all = budget_bytes >= full_bytes
+    top = None if take_all or grouped or bounds or any(tensor_level) else ranking.top_of_ranking(
+        conn, experts, pt, budget_bytes)
     for name in ("mp_plan_expert", "mp_plan_tensor"):
         conn.execute(sa.text(f"DROP TABLE IF EXISTS {name}"))
     conn.execute(sa.text(sql_text("plan_expert_table")))
     conn.execute(sa.text(sql_text("plan_tensor_table")))
     conn.execute(sa.text(sql_text("plan_expert_insert")), {
         "position": [e.position for e in experts], "checkpoint_id": [e.checkpoint.id for e in experts],
-        "coef": [abs(e.coef) for e in experts],
-        "tensor_level": [bool(op.tensor_granular or not e.checkpoint.has_stats) for e in experts]})
+        "coef": [abs(e.coef) for e in experts], "tensor_level": tensor_level,
+        "score_floor": [None if top is None else top.floors[e.position] for e in experts]})
     conn.execute(sa.text(sql_text("plan_tensor_insert")), {
         "position": pt[0], "tensor_idx": pt[1], "base_idx": pt[2], "prune_below": pt[3]})
     _prepare_ranking(conn)
-    grouped = 1 if getattr(op, "joint_election", False) else 0
-    cols = _fetch_columns(conn, conn.execute(sa.text(sql_text("plan_rank")),
-                                             {"budget": budget_bytes, "grouped": grouped}))
+    cols = None
+    if take_all:
+        cols = _take_all(conn, budget_bytes)
+    elif top is not None:
+        cols = top.rank(conn, budget_bytes)
+    if cols is None:  # every candidate ranked (sql/plan_rank.sql)
+        cols = fetch_columns(conn, conn.execute(sa.text(sql_text("plan_rank")),
+                                                 {"budget": budget_bytes, "grouped": grouped}))
     pruned = conn.execute(sa.text(sql_text("plan_pruned"))).all() if bounds else []
     for name in ("mp_plan_expert", "mp_plan_tensor"):
         conn.execute(sa.text(f"DROP TABLE IF EXISTS {name}"))
@@ -515,7 +518,7 @@ def build_plan(
     planned_bytes = 0
     full_selection: dict[tuple[int, int], bool] = {}
     bound_per_tensor: dict[int, float] = defaultdict(float)
-    summary = zip(*(_pylist(cols[c][n_reads:]) for c in (
+    summary = zip(*(pylist(cols[c][n_reads:]) for c in (
         "tensor_idx", "position", "n_blocks", "nbytes", "n_selected", "selected_bytes", "omitted_score",
         "omitted_unscored")))
     for tidx, pos, candidates, cbytes, selected, pbytes, omitted_score, omitted_unscored in summary:
@@ -548,6 +551,15 @@ def build_plan(
     return plan
 
 
+def _take_all(conn: sa.Connection, budget: int) -> dict[str, Any] | None:
+    """The plan selecting every candidate (sql/plan_take_all.sql), when their read cost fits `budget`; None when
+    it does not (a packed block costing more than its raw bytes, LoRA factors): then they are ranked."""
+    cols = fetch_columns(conn, conn.execute(sa.text(sql_text("plan_take_all"))))
+    kind = np.asarray(cols["kind"], dtype=np.int64)
+    n_reads = int(np.searchsorted(kind, 1))
+    return cols if int(np.asarray(cols["nbytes"][:n_reads], dtype=np.int64).sum()) <= budget else None
+
+
 def _reads_by_key(cols: dict[str, Any], n: int) -> dict[tuple[int, int], tuple[Read, ...]]:
     """The first `n` rows (selected reads, sorted by tensor, expert, block) grouped into the access dict."""
     if n == 0:
@@ -556,7 +568,7 @@ def _reads_by_key(cols: dict[str, Any], n: int) -> dict[tuple[int, int], tuple[R
     tidx = np.asarray(cols["tensor_idx"][:n], dtype=np.int64)
     cuts = (np.flatnonzero((pos[1:] != pos[:-1]) | (tidx[1:] != tidx[:-1])) + 1).tolist()
     pl, tl = pos.tolist(), tidx.tolist()
-    reads = _new_reads(n, *(_pylist(cols[c][:n]) for c in ("block_idx", "block_offset", "nbytes", "xxh3")))
+    reads = _new_reads(n, *(pylist(cols[c][:n]) for c in ("block_idx", "block_offset", "nbytes", "xxh3")))
     return {(pl[s], tl[s]): tuple(reads[s:e]) for s, e in zip([0, *cuts], [*cuts, n])}
 
 
@@ -568,13 +580,8 @@ def _new_reads(n: int, *columns: list[Any]) -> list[Read]:
     """``list(map(Read, *columns))``, a field at a time: the slots are set with their descriptors (no
     frozen-dataclass ``__init__`` per read, which takes ~2/3 of the time at 10^5 reads), with the cyclic
     garbage collector paused (reads hold no cycles; its passes over a large heap cost as much again)."""
-    paused = gc.isenabled()
-    gc.disable()
-    try:
+    with _collector_paused():
         reads = list(map(object.__new__, repeat(Read, n)))
         for slot, values in zip(_READ_SLOTS, columns, strict=True):
             deque(map(slot.__set__, reads, values), maxlen=0)
-    finally:
-        if paused:
-            gc.enable()
     return reads

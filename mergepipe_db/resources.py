@@ -7,6 +7,7 @@ install) they are the top-level `sql/` and `migrations/` folders.
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 
 from mergepipe_db.errors import CatalogError
@@ -22,11 +23,16 @@ def data_dir(name: str) -> Path:
     raise CatalogError(f"mergepipe_db is installed without its '{name}' folder; reinstall the package")
 
 
+_INCLUDE = re.compile(r"/\*include ([a-z_]+)\*/")
+
+
 @functools.cache
 def sql_text(name: str) -> str:
-    """The text of `sql/<name>.sql` (one statement, `:named` parameters)."""
+    """The text of `sql/<name>.sql` (one statement, `:named` parameters), with each ``/*include NAME*/`` replaced
+    by the fragment `sql/NAME.sql` (a part two statements share, such as a CTE)."""
     path = data_dir("sql") / f"{name}.sql"
     try:
-        return path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError as e:
         raise CatalogError(f"missing SQL file {path}") from e
+    return _INCLUDE.sub(lambda m: sql_text(m.group(1)).rstrip("\n"), text)

@@ -1,11 +1,6 @@
 -- The whole ranking in one statement (window functions in subqueries only, portable DuckDB/PostgreSQL).
 --
--- candidates: every (expert, block) — or (expert, whole tensor) for experts planned at tensor level — of the
--- tensors in mp_plan_tensor, scored |c_k| * ||delta||_2, with tensor_idx the base's. Blocks whose delta is
--- exactly zero (delta_l2 = 0, e.g. bytes equal to the base's) are never candidates; a block with
--- delta_max < prune_below (TIES: every element is below the trim threshold) is `pruned`, and not ranked either.
--- A block held in the packed store (mp_packed_block) costs its compressed length. A LoRA adapter's shared
--- factor is block_idx -2 with the max delta_l2 of its tensor's blocks, so it ranks just before them.
+-- candidates (sql/plan_candidates.sql): every (expert, block) of the plan's tensors, scored, with its read cost.
 -- ranked: deterministic order (score DESC NULLS LAST, tensor_idx, block_idx, position; candidates without
 -- statistics rank last, in tensor order); running_cost is the cumulative read cost in that order, so the
 -- access set for a budget B is the prefix running_cost <= B.
@@ -23,26 +18,7 @@
 --           n_selected / selected_bytes of them in the access set, and the omitted-update bound terms
 --           (block_idx -2, a LoRA factor, is a read unit, not an update: it adds nothing to the bound).
 -- Pruned blocks are counted by plan_pruned.sql (run only when some prune_below is set).
-WITH candidates AS (
-    SELECT e.position, pt.base_idx AS tensor_idx, b.block_idx, COALESCE(pk.clen, b.nbytes) AS nbytes,
-           b."offset" AS block_offset, b.xxh3, e.coef * b.delta_l2 AS score,
-           CASE WHEN b.delta_max < pt.prune_below THEN 1 ELSE 0 END AS pruned
-    FROM mp_plan_expert e
-    JOIN mp_plan_tensor pt ON pt.position = e.position
-    JOIN mp_block b ON b.checkpoint_id = e.checkpoint_id AND b.tensor_idx = pt.tensor_idx
-    LEFT JOIN mp_packed_block pk ON pk.checkpoint_id = b.checkpoint_id AND pk.tensor_idx = b.tensor_idx
-                                AND pk.block_idx = b.block_idx
-    WHERE NOT e.tensor_level
-      AND (b.delta_l2 IS NULL OR b.delta_l2 <> 0)
-    UNION ALL
-    SELECT e.position, pt.base_idx AS tensor_idx, -1 AS block_idx, t.nbytes, t."offset" AS block_offset, t.xxh3,
-           e.coef * t.delta_l2 AS score, 0 AS pruned
-    FROM mp_plan_expert e
-    JOIN mp_plan_tensor pt ON pt.position = e.position
-    JOIN mp_tensor t ON t.checkpoint_id = e.checkpoint_id AND t.tensor_idx = pt.tensor_idx
-    WHERE e.tensor_level
-      AND (t.delta_l2 IS NULL OR t.delta_l2 <> 0)
-),
+WITH /*include plan_candidates*/,
 keyed AS MATERIALIZED (
     SELECT position, tensor_idx, block_idx, nbytes, block_offset, xxh3, score,
            CASE WHEN :grouped = 0 THEN score

@@ -12,7 +12,8 @@ import sqlalchemy as sa
 from conftest import ingest_family
 from test_merge import make_spec
 
-from mergepipe_db import __version__, planner
+from mergepipe_db import __version__
+from mergepipe_db.db import fetch
 from mergepipe_db.planner import ARITHMETIC, Plan, Read, plan_hash, sha256_hex
 
 pytestmark = pytest.mark.catalog
@@ -57,7 +58,7 @@ def test_numpy_fetch_and_portable_fetch_give_the_same_plan(catalog, tiny_family,
     for method, frac in (("task_arithmetic", 0.2), ("ties", 0.5), ("slerp", 0.4), ("linear", 1.0)):
         fast = catalog.plan(make_spec(method, names), budget=frac)
         with monkeypatch.context() as m:
-            m.setattr(planner, "_NUMPY_FETCH_DIALECTS", ())
+            m.setattr(fetch, "NUMPY_FETCH_DIALECTS", ())
             slow = catalog.plan(make_spec(method, names), budget=frac)
         assert fast.plan_hash == slow.plan_hash and fast.access == slow.access
         assert fast.full_selection == slow.full_selection and fast.summary() == slow.summary()

@@ -80,6 +80,35 @@ block = sa.Table(
     sa.Column("sketch", sa.LargeBinary, nullable=True),
 )
 
+# The index a budgeted plan reads the top of each expert's ranking through (planner: ranking summaries below);
+# PostgreSQL only: DuckDB scans the column (ingest writes a checkpoint's blocks in descending delta_l2 order, so
+# its zone maps skip what lies below the threshold).
+sa.Index("ix_mp_block_rank", block.c.checkpoint_id, block.c.delta_l2).ddl_if(dialect="postgresql")
+
+# Ranking summaries (mergepipe_db/ranking.py): derived from a checkpoint's blocks in the transaction that inserts
+# them (`sql/rank_summaries_*.sql`), never changed after, like the blocks. A block is a *candidate* when its
+# delta_l2 is NULL (unscored) or non-zero.
+rank_tensor = sa.Table(
+    "mp_rank_tensor",
+    metadata,
+    sa.Column("checkpoint_id", sa.String(64), primary_key=True),
+    sa.Column("tensor_idx", sa.Integer, primary_key=True),
+    sa.Column("candidates", sa.BigInteger, nullable=False),
+    sa.Column("candidate_bytes", sa.BigInteger, nullable=False),
+    sa.Column("unscored", sa.BigInteger, nullable=False),  # candidates with delta_l2 NULL
+    sa.Column("l2_sum", sa.Double, nullable=True),  # sum of delta_l2 over the scored candidates
+)
+
+rank_bucket = sa.Table(
+    "mp_rank_bucket",
+    metadata,
+    sa.Column("checkpoint_id", sa.String(64), primary_key=True),
+    sa.Column("bucket", sa.Integer, primary_key=True),  # floor(256·ln delta_l2); NaN/huge and tiny apart
+    sa.Column("blocks", sa.BigInteger, nullable=False),
+    sa.Column("nbytes", sa.BigInteger, nullable=False),
+    sa.Column("min_l2", sa.Double, nullable=False),  # the smallest delta_l2 in the bucket (NaN counts as largest)
+)
+
 snapshot = sa.Table(
     "mp_snapshot",
     metadata,

@@ -1,0 +1,213 @@
+"""Ranking summaries: what the planner needs to rank an expert's blocks without scanning all of them.
+
+A budgeted plan keeps the prefix of the ranking (score = c_k·‖Δ_k,b‖₂ descending) whose running cost fits the
+budget B. Any score threshold T whose candidate set C(T) = {score >= T} holds more than B bytes contains that
+whole prefix, and running costs over C(T) equal those over all candidates (C(T) is itself a prefix of the
+ranking). So a plan only has to read and sort C(T), through an index range on mp_block(checkpoint_id,
+delta_l2) per expert, once T is known: that is what these summaries give, per checkpoint, written from its
+blocks in the transaction that inserts them (ingest, snapshot commit; migration 0003 for older catalogs):
+
+- mp_rank_bucket: the scored candidates in log-scale buckets of delta_l2, with their bytes and the smallest
+  delta_l2 of each. Every block of bucket (k, j) scores at least v = c_k·min_l2 (float multiplication by
+  c_k >= 0 is monotone), so taking buckets in descending v until their bytes exceed B gives a T with
+  bytes(C(T)) > B (`threshold`). The planner checks that on the rows it reads and ranks every candidate
+  instead when it does not hold.
+- mp_rank_tensor: per tensor, the candidates, their bytes, the unscored ones and the sum of delta_l2, from
+  which the per-(tensor, expert) plan summary (candidate counts, omitted-update bound) follows without
+  reading the omitted blocks.
+
+Blocks are also inserted in descending delta_l2 order (`in_rank_order`), so the top of a checkpoint's ranking
+is a contiguous run of rows: few heap pages on PostgreSQL, few row groups (zone maps) on DuckDB.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import sqlalchemy as sa
+
+from mergepipe_db.db import schema
+from mergepipe_db.db.fetch import fetch_columns
+from mergepipe_db.resources import sql_text
+
+if TYPE_CHECKING:
+    from mergepipe_db.planner import ExpertPlan
+
+#: a bound a few ulps below T / c_k: every delta_l2 with fl(c_k · delta_l2) >= T is at least this (the
+#: two roundings move the quotient by at most 2 ulps; see `index_floor`)
+_FLOOR_MARGIN = 1.0 - 2.0 ** -48
+#: T must be a normal number well inside float range for that margin to hold
+_T_MIN, _T_MAX = 1e-280, 1e280
+
+
+def write(conn: sa.Connection, checkpoint_id: str) -> None:
+    """Insert the ranking summaries of one checkpoint, from its rows in mp_block (same transaction)."""
+    for name in ("rank_tensor_insert", "rank_bucket_insert"):
+        conn.execute(sa.text(sql_text(name)), {"checkpoint_id": checkpoint_id})
+
+
+def rewrite(conn: sa.Connection, checkpoint_ids: Iterable[str]) -> None:
+    """Replace the summaries of `checkpoint_ids` (after their blocks were changed in place, e.g. by a test or a
+    repair; the catalog itself never changes a block after inserting it)."""
+    for cid in checkpoint_ids:
+        for table in (schema.rank_tensor, schema.rank_bucket):
+            conn.execute(table.delete().where(table.c.checkpoint_id == cid))
+        write(conn, cid)
+
+
+def _rank_key(row: dict[str, Any]) -> tuple[int, float]:
+    l2 = row.get("delta_l2")
+    if l2 is None:
+        return (2, 0.0)
+    if l2 != l2:  # NaN ranks first, as in SQL (it compares above every number)
+        return (0, 0.0)
+    return (1, -l2)
+
+
+def in_rank_order(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Block rows in descending delta_l2 (NaN first, NULL last; stable), the order they are inserted in."""
+    return sorted(rows, key=_rank_key)
+
+
+def threshold(lower: np.ndarray, nbytes: np.ndarray, budget: int) -> float | None:
+    """The score threshold T of a budgeted plan, from every bucket of every expert: `lower` = c_k · min_l2 (a
+    lower bound on its scores), `nbytes` its bytes. T is the largest lower bound at which the buckets at or above
+    it hold more than `budget` bytes, so bytes(C(T)) > budget. None when there is none (everything scored fits),
+    or when T is not a positive normal number well inside float range (NaN, inf, zero, subnormal, or a zero
+    coefficient): the planner then ranks every candidate."""
+    special = ~np.isfinite(lower)  # NaN and inf lower bounds: those buckets rank first
+    order = np.argsort(np.where(special, -np.inf, -lower), kind="stable")
+    running = np.cumsum(nbytes[order])
+    over = int(np.searchsorted(running, budget, side="right"))  # the first bucket past the budget
+    if over == len(order):
+        return None
+    t = float(lower[order[over]])
+    return t if _T_MIN <= t <= _T_MAX else None
+
+
+def index_floor(t: float, coef: float) -> float:
+    """A lower bound on every delta_l2 with fl(coef · delta_l2) >= t (for `threshold`'s t and coef > 0 with t /
+    coef normal): fl(coef·x) >= t gives x >= t / (coef·(1 + u)), and fl(t / coef) <= (t / coef)·(1 + u), so x >=
+    fl(t / coef)·(1 − 2u) > fl(t / coef)·(1 − 2^-48) with u = 2^-53."""
+    return (t / coef) * _FLOOR_MARGIN
+
+
+@dataclass
+class TopOfRanking:
+    """A budgeted single-block plan read from the top of each expert's ranking: the threshold T (more than the
+    budget's bytes score at least T), each expert's index floor, and the summaries of the plan's (tensor,
+    expert) pairs with candidates, sorted by base tensor_idx then position."""
+
+    threshold: float
+    floors: dict[int, float]  # position -> lower bound on the delta_l2 of its candidates scoring >= T
+    n_positions: int
+    pair_tensor: np.ndarray  # base tensor_idx of each summarized pair
+    pair_position: np.ndarray
+    candidates: np.ndarray
+    candidate_bytes: np.ndarray
+    unscored: np.ndarray
+    full_score: np.ndarray  # c_k · Σ delta_l2 over the pair's scored candidates
+
+    def rank(self, conn: sa.Connection, budget: int) -> dict[str, Any] | None:
+        """The columns sql/plan_rank.sql gives (kind 0 reads sorted by tensor, expert, block; kind 1 summary per
+        (tensor, expert)), from the top of the ranking (sql/plan_rank_top.sql); None when the top holds no more
+        than `budget` bytes or reads a pair without a summary (summaries that disagree with the blocks): then
+        the planner ranks every candidate."""
+        cols = fetch_columns(conn, conn.execute(sa.text(sql_text("plan_rank_top")),
+                                                {"threshold": self.threshold, "budget": budget}))
+        running = np.asarray(cols["running_cost"], dtype=np.int64)
+        sel = np.flatnonzero(running <= budget)
+        if sel.size == running.size:  # no candidate past the budget: C holds no more than it
+            return None
+        col = {k: np.asarray(cols[k], dtype=np.int64)[sel] for k in ("position", "tensor_idx", "block_idx",
+                                                                      "nbytes", "block_offset")}
+        order = np.lexsort((col["block_idx"], col["position"], col["tensor_idx"]))
+        col = {k: v[order] for k, v in col.items()}
+        score = np.asarray(cols["score"], dtype=np.float64)[sel][order]
+        xxh3 = np.asarray(cols["xxh3"], dtype=object)[sel[order]].tolist()
+
+        # the reads' pair (a row of the summary), and per pair: reads, their bytes, the sum of their scores
+        keys = self.pair_tensor * self.n_positions + self.pair_position
+        mine = col["tensor_idx"] * self.n_positions + col["position"]
+        pair = np.searchsorted(keys, mine)
+        if pair.size and (pair.max() >= keys.size or not np.array_equal(keys[pair], mine)):
+            return None
+        m = keys.size
+        n_sel = np.bincount(pair, minlength=m)
+        sel_bytes = np.zeros(m, np.int64)
+        np.add.at(sel_bytes, pair, col["nbytes"])
+        sel_score = np.bincount(pair, weights=score, minlength=m)
+        # the sum over the omitted scored candidates, Σ c·delta_l2 − Σ selected scores (to rounding); zero where
+        # every scored candidate is read
+        omitted = np.where(n_sel < self.candidates - self.unscored,
+                           np.maximum(0.0, self.full_score - sel_score), 0.0)
+        n = sel.size
+        reads = {k: v.tolist() for k, v in col.items()}
+        reads["xxh3"] = xxh3
+        summary = {"tensor_idx": self.pair_tensor, "position": self.pair_position, "n_blocks": self.candidates,
+                   "nbytes": self.candidate_bytes, "n_selected": n_sel, "selected_bytes": sel_bytes,
+                   "omitted_score": omitted, "omitted_unscored": self.unscored}
+        out = {k: reads.get(k, [None] * n) + (summary[k].tolist() if k in summary else [None] * m)
+               for k in {*reads, *summary}}
+        out["kind"] = [0] * n + [1] * m
+        return out
+
+
+def top_of_ranking(conn: sa.Connection, experts: list[ExpertPlan], pairs: tuple[list[Any], ...], budget: int
+                   ) -> TopOfRanking | None:
+    """The top-of-ranking plan for single-block ranking of `experts` (`pairs`: the plan's (position, expert
+    tensor_idx, base tensor_idx) columns), or None where it does not apply: an expert of another kind (LoRA:
+    factor units) or with packed blocks (their costs are compressed lengths), a coefficient that is not a
+    positive number, a tensor with scored candidates outside the plan (its buckets would count), no summaries,
+    or no threshold (everything scored fits the budget)."""
+    if any(e.checkpoint.kind not in ("full", "delta", "snapshot") or not 0 < abs(e.coef) < math.inf
+           for e in experts):
+        return None
+    ids = sorted({e.checkpoint.id for e in experts})
+    pk, rt, rb = schema.packed_block, schema.rank_tensor, schema.rank_bucket
+    if conn.execute(sa.select(pk.c.checkpoint_id).where(pk.c.checkpoint_id.in_(ids)).limit(1)).first():
+        return None
+    tensors: dict[str, list[Any]] = defaultdict(list)
+    for row in conn.execute(sa.select(rt.c.checkpoint_id, rt.c.tensor_idx, rt.c.candidates, rt.c.candidate_bytes,
+                                      rt.c.unscored, rt.c.l2_sum).where(rt.c.checkpoint_id.in_(ids))):
+        tensors[row[0]].append(row[1:])
+    b = fetch_columns(conn, conn.execute(sa.select(rb.c.checkpoint_id, rb.c.nbytes, rb.c.min_l2)
+                                         .where(rb.c.checkpoint_id.in_(ids))))
+    bucket_owner = np.asarray(b["checkpoint_id"], dtype=object)
+    bucket_bytes = np.asarray(b["nbytes"], dtype=np.int64)
+    bucket_min = np.asarray(b["min_l2"], dtype=np.float64)
+
+    base_idx = {(p, et): bt for p, et, bt in zip(*pairs[:3])}
+    rows: list[tuple[int, int, int, int, int, float]] = []
+    lower, nbytes = [], []
+    for e in experts:
+        coef = abs(e.coef)
+        if not tensors.get(e.checkpoint.id):
+            return None
+        for et, cands, cbytes, unscored, l2_sum in tensors[e.checkpoint.id]:
+            bt = base_idx.get((e.position, et))
+            if bt is None:
+                if cands > unscored:
+                    return None
+                continue
+            if cands:
+                rows.append((bt, e.position, int(cands), int(cbytes), int(unscored), coef * float(l2_sum or 0.0)))
+        mine = bucket_owner == e.checkpoint.id
+        lower.append(coef * bucket_min[mine])
+        nbytes.append(bucket_bytes[mine])
+    t = threshold(np.concatenate(lower), np.concatenate(nbytes), budget)
+    if t is None:
+        return None
+    floors = {e.position: index_floor(t, abs(e.coef)) for e in experts}
+    if not all(1e-300 < f < math.inf for f in floors.values()):
+        return None
+    rows.sort()
+    cols = [np.array(c) for c in zip(*rows)] if rows else [np.empty(0, np.int64)] * 5 + [np.empty(0)]
+    return TopOfRanking(t, floors, len(experts), cols[0].astype(np.int64), cols[1].astype(np.int64),
+                        cols[2].astype(np.int64), cols[3].astype(np.int64), cols[4].astype(np.int64),
+                        cols[5].astype(np.float64))
