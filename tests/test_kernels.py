@@ -164,3 +164,36 @@ def test_skipped_blocks_copied_with_exceptions_equal_the_table_lookup(method, we
         else:  # a NaN: the caller converts the whole tensor with torch; the numbers still agree
             num = (want & 0x7FFF) <= 0x7F80
             np.testing.assert_array_equal(got[num], want[num])
+
+
+@pytest.mark.parametrize("dtype,name", [(torch.bfloat16, "BF16"), (torch.float32, "F32"), (torch.float16, "F16")])
+def test_delta_stats_skip_zero_tiles_without_changing_a_statistic(dtype: torch.dtype, name: str) -> None:
+    """Tiles whose Δ is ±0 throughout (a merge output that rounds back to θ₀ almost everywhere) are counted into
+    bin 0 without the other passes; a tile of equal bits that holds NaN or inf (NaN − NaN, inf − inf = NaN) or
+    −0 against +0 is not skipped wrongly: every statistic equals the plain computation."""
+    g = torch.Generator().manual_seed(11)
+    tile = 2048
+    b = torch.randn(9 * tile + 100, generator=g).to(dtype)
+    e = b.clone()
+    e[3 * tile + 7] = (b[3 * tile + 7].float() + 0.5).to(dtype)  # one change in tile 3
+    e[5 * tile + 1], b[5 * tile + 1] = -0.0, 0.0  # ±0 only: Δ = 0, still bin 0
+    cases = {"few changes": (e.clone(), b.clone())}
+    nan_e, nan_b = e.clone(), b.clone()
+    nan_e[7 * tile + 5] = nan_b[7 * tile + 5] = float("nan")  # equal bits, Δ = NaN
+    cases["NaN - NaN"] = (nan_e, nan_b)
+    inf_e, inf_b = e.clone(), b.clone()
+    inf_e[8 * tile] = inf_b[8 * tile] = float("inf")  # equal bits, Δ = NaN
+    cases["inf - inf"] = (inf_e, inf_b)
+    cases["all zero"] = (b.clone(), b.clone())
+    for what, (x, y) in cases.items():
+        l2, l1, mx, pos, hist = kernels.delta_stats(x.view(torch.uint8).numpy().tobytes(),
+                                                    y.view(torch.uint8).numpy().tobytes(), name)
+        d = x.float() - y.float()
+        assert np.array_equal(hist, sketch.histogram(d.abs())), what
+        assert pos == float((d > 0).double().mean()), what
+        if torch.isnan(d).any():
+            assert np.isnan(l2) and np.isnan(mx), what
+            continue
+        assert l2 == pytest.approx(float(torch.linalg.vector_norm(d, dtype=torch.float64)), rel=1e-12), what
+        assert l1 == pytest.approx(float(d.abs().double().sum()), rel=1e-12), what
+        assert mx == float(d.abs().max()), what
