@@ -8,8 +8,9 @@ Each check yields a `Finding` of one kind:
   (gc rolls it forward);
 - ``missing``: a committed snapshot's output directory or files are gone or have another size, a catalogued
   source file is gone, or a packed block store is gone or shorter than the blobs it holds;
-- ``corrupt``: the catalog contradicts itself (snapshot without manifest, ref to nowhere) or the files
-  (manifest hash, sha256 with ``full``, a source changed since ingest).
+- ``corrupt``: the catalog contradicts itself (snapshot without manifest, ref to nowhere, ranking summaries
+  that disagree with the blocks) or the files (manifest hash, sha256 with ``full``, a source changed since
+  ingest).
 
 Read-only: fsck never changes the catalog or a file. Only ``missing`` and ``corrupt`` need a person.
 """
@@ -260,6 +261,38 @@ def _check_sources(state: _State, *, full: bool) -> list[Finding]:
     return out
 
 
+def _check_summaries(conn: sa.Connection) -> list[Finding]:
+    """Each checkpoint's ranking summaries (ranking.py) agree with its blocks: per tensor the candidates, their
+    bytes and the unscored ones; per checkpoint the scored candidates and their bytes in the buckets. The planner
+    reads plans from them; they are written with the blocks and never change, so a difference means the catalog
+    was edited by hand."""
+    b, t, k, c = schema.block, schema.rank_tensor, schema.rank_bucket, schema.checkpoint
+    candidate = sa.or_(b.c.delta_l2.is_(None), b.c.delta_l2 != 0)
+    scored = sa.case((b.c.delta_l2.is_(None), 0), else_=1)
+    blocks: dict[str, dict[int, tuple[int, int, int]]] = {}
+    scored_totals: dict[str, tuple[int, int]] = {}
+    for cid, tidx, n, nbytes, n_scored, scored_bytes in conn.execute(
+            sa.select(b.c.checkpoint_id, b.c.tensor_idx, sa.func.count(), sa.func.sum(b.c.nbytes),
+                      sa.func.sum(scored), sa.func.sum(scored * b.c.nbytes)).where(candidate)
+            .group_by(b.c.checkpoint_id, b.c.tensor_idx)):
+        blocks.setdefault(cid, {})[int(tidx)] = (int(n), int(nbytes), int(n) - int(n_scored))
+        a, z = scored_totals.get(cid, (0, 0))
+        scored_totals[cid] = (a + int(n_scored), z + int(scored_bytes))
+    tensors: dict[str, dict[int, tuple[int, int, int]]] = {}
+    for cid, tidx, n, nbytes, unscored in conn.execute(
+            sa.select(t.c.checkpoint_id, t.c.tensor_idx, t.c.candidates, t.c.candidate_bytes, t.c.unscored)):
+        tensors.setdefault(cid, {})[int(tidx)] = (int(n), int(nbytes), int(unscored))
+    buckets = {cid: (int(n), int(nbytes)) for cid, n, nbytes in conn.execute(
+        sa.select(k.c.checkpoint_id, sa.func.sum(k.c.blocks), sa.func.sum(k.c.nbytes)).group_by(k.c.checkpoint_id))}
+    out = []
+    for cid, name in conn.execute(sa.select(c.c.id, c.c.name).order_by(c.c.name)):
+        if tensors.get(cid, {}) != blocks.get(cid, {}) or buckets.get(cid, (0, 0)) != scored_totals.get(cid, (0, 0)):
+            out.append(Finding("corrupt", f"checkpoint {name!r}: its ranking summaries (mp_rank_tensor, "
+                                          f"mp_rank_bucket) disagree with its blocks; re-ingest it"))
+    n_ok = len(blocks) - len(out)
+    return out or [Finding("ok", f"ranking summaries of {n_ok} checkpoint(s) agree with their blocks")]
+
+
 def _known_parents(conn: sa.Connection) -> set[Path]:
     s, st = schema.snapshot, schema.staging
     outs = list(conn.execute(sa.select(s.c.out_path)).scalars()) + list(
@@ -282,11 +315,12 @@ def fsck(db: Database, *, full: bool = False) -> list[Finding]:
     dirs = sorted(p for parent in sorted(parents) if parent.is_dir() for p in parent.glob(f"{STAGING_PREFIX}*"))
     with db.connect() as conn:
         state = _read_state(conn)
+        summaries = _check_summaries(conn)
     owned = {sn.staging_path for sn in state.snapshots} | {it["staging_path"] for it in state.intents}
     found = _check_refs(state) + _check_snapshots(state, full=full) + _check_intents(state)
     found += [Finding("leftover", f"stray staging directory {p}: `mergepipe gc --apply` removes it", str(p))
               for p in dirs if str(p) not in owned and p.is_dir()]
-    found += _check_sources(state, full=full) + _check_stores(state)
+    found += _check_sources(state, full=full) + _check_stores(state) + summaries
     # An intent that looked interrupted may belong to a merge that finished while we looked.
     if any(f.kind == "leftover" and f.text.startswith("staging ") for f in found):
         with db.connect() as conn:

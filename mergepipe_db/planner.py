@@ -6,6 +6,11 @@ running cost fits the budget; the same statement returns the per-(tensor, expert
 use the same cost (stored bytes of the block), so budget soundness holds by construction: planned bytes ≤
 budget, and the executor checks realized == planned.
 
+Two shortcuts give the same plan without ranking every candidate: a budget that holds every candidate takes
+them all (`sql/plan_take_all.sql`), and a budgeted single-block plan ranks only the top of each expert's ranking,
+found from the ranking summaries ingest keeps (`ranking.py`, `sql/plan_rank_top.sql`). Each checks its premise
+on the rows it reads and hands over to the full ranking when it fails.
+
 TIES (density d < 1) never reads a block that provably trims to zero: from the summed block sketches of a
 tensor the bin b_τ holding the trim threshold τ is known exactly, and a block whose max |Δ| lies in a lower bin
 (``delta_max < bin_edges()[b_τ] <= τ``) is not a candidate (`ties_prune_bounds`; docs/SEMANTICS.md).

@@ -12,6 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import sqlalchemy as sa
 from conftest import ingest_family
 from crashkit import cli, one_line_error, write_spec
 
@@ -120,3 +121,19 @@ def test_an_intent_whose_pid_was_reused_is_a_leftover(catalog, tmp_path) -> None
     finally:
         later.kill()
         later.wait()
+
+
+def test_fsck_checks_the_ranking_summaries(catalog, tiny_family, tmp_path) -> None:
+    """Summaries written at ingest and commit agree with the blocks; a block edited by hand is found."""
+    names = ingest_family(catalog, tiny_family)
+    catalog.merge(write_spec(tmp_path / "spec.yml", names), out=tmp_path / "a")
+    found = [f for f in catalog.fsck() if "ranking summaries" in f.text]
+    assert [f.kind for f in found] == ["ok"] and "of 5 checkpoint(s)" in found[0].text, found
+    with catalog.db.connect() as conn:  # one candidate of e1 becomes a zero delta: no longer a candidate
+        b = schema.block
+        cid = conn.execute(sa.select(schema.checkpoint.c.id).where(schema.checkpoint.c.name == "e1")).scalar_one()
+        row = conn.execute(sa.select(b.c.tensor_idx, b.c.block_idx).where(b.c.checkpoint_id == cid,
+                                                                          b.c.delta_l2 > 0).limit(1)).one()
+        conn.execute(b.update().where(b.c.checkpoint_id == cid, b.c.tensor_idx == row.tensor_idx,
+                                      b.c.block_idx == row.block_idx).values(delta_l2=0.0))
+    assert [(f.kind, f.text.split(":")[0]) for f in problems(catalog.fsck())] == [("corrupt", "checkpoint 'e1'")]
