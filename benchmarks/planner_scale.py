@@ -105,19 +105,26 @@ def _populate(url: str, n_blocks: int) -> None:
         c.commit()
 
 
-def _spec() -> dict[str, Any]:
-    return {"merge_method": "linear", "base_model": "base",
-            "models": [{"model": f"e{k}", "parameters": {"weight": 1.0 / K}} for k in range(K)],
+#: (method, budget) planned at every size, and the further ones planned at the largest: a full budget (every
+#: candidate taken) and TIES (block rows ranked together: every candidate ranked)
+CASES = (("linear", "0.1"),)
+LARGEST_CASES = (("linear", "1.0"), ("ties", "0.1"))
+
+
+def _spec(method: str = "linear") -> dict[str, Any]:
+    params = {"weight": 1.0 / K, **({"density": 0.5} if method == "ties" else {})}
+    return {"merge_method": method, "base_model": "base",
+            "models": [{"model": f"e{k}", "parameters": dict(params)} for k in range(K)],
             "parameters": {"normalize": True}, "seed": 0}
 
 
-def _time(url: str, reps: int = 3) -> dict[str, Any]:
+def _time(url: str, reps: int = 3, method: str = "linear", budget: str = "0.1") -> dict[str, Any]:
     from mergepipe_db import Catalog
     from mergepipe_db.planner import build_plan
     from mergepipe_db.spec import load_spec, parse_budget
 
     cat = Catalog.open(url)
-    spec = load_spec(_spec())
+    spec = load_spec(_spec(method))
     with cat.db.connect() as conn:
         ids = {r[0]: r[1] for r in conn.execute(sa.text("SELECT name, id FROM mp_checkpoint"))}
     bp, cp = [], []
@@ -126,11 +133,11 @@ def _time(url: str, reps: int = 3) -> dict[str, Any]:
         with cat.db.connect() as conn:
             t0 = time.perf_counter()
             plan = build_plan(conn, spec, base_id=ids["base"], expert_ids=[ids[f"e{k}"] for k in range(K)],
-                              budget_spec=parse_budget("0.1"))
+                              budget_spec=parse_budget(budget))
             bp.append(time.perf_counter() - t0)
         n_sel = sum(len(v) for v in plan.access.values())
         t0 = time.perf_counter()
-        cat.plan(_spec(), budget="0.1")
+        cat.plan(_spec(method), budget=budget)
         cp.append(time.perf_counter() - t0)
     return {"build_plan": bp, "catalog_plan": cp, "selected": n_sel}
 
@@ -185,28 +192,35 @@ def _run(sizes: list[int], backends: tuple[str, ...], reps: int = 3) -> tuple[di
             t0 = time.perf_counter()
             _populate(url, n)
             pop = time.perf_counter() - t0
-            r = _time(url, reps)
-            r["populate_s"] = pop
-            res[f"{backend}-{n}"] = r
             bpt = max(1, n // (K * T))
-            rows.append([backend, f"{K * T * bpt:,}", f"{med(r['build_plan']):.3f} s "
-                         f"[{min(r['build_plan']):.3f}–{max(r['build_plan']):.3f}]",
-                         f"{med(r['catalog_plan']):.3f} s [{min(r['catalog_plan']):.3f}–{max(r['catalog_plan']):.3f}]",
-                         f"{r['selected']:,}", "met" if med(r["catalog_plan"]) < 1 else "**missed**"])
+            for method, budget in CASES + (LARGEST_CASES if n == max(sizes) else ()):
+                r = _time(url, reps, method, budget)
+                r["populate_s"] = pop
+                key = f"{backend}-{n}" if (method, budget) == CASES[0] else f"{backend}-{n}-{method}-{budget}"
+                res[key] = r
+                rows.append([backend, f"{K * T * bpt:,}", f"{method} @{budget}",
+                             f"{med(r['build_plan']):.3f} s [{min(r['build_plan']):.3f}–{max(r['build_plan']):.3f}]",
+                             f"{med(r['catalog_plan']):.3f} s "
+                             f"[{min(r['catalog_plan']):.3f}–{max(r['catalog_plan']):.3f}]",
+                             f"{r['selected']:,}", "met" if med(r["catalog_plan"]) < 1 else "**missed**"])
     return res, rows
 
 
 def _section(rows: list[list[Any]]) -> str:
     return f"""## 7. Planner scale
 
-Synthesized catalog rows ({K} experts × {T} tensors × n blocks per tensor, random delta_l2, 1 MiB blocks);
-linear spec, budget 0.1. `build_plan` = the planner inside one open catalog connection (temp tables, ranking
-window query, selection, summary, plan hash); `Catalog.plan` = end-to-end public call (opens the catalog, checks
-the schema, resolves names, checks the family, plans, checks source freshness). Warm, in-process, median of 3
-[min–max]. PostgreSQL: local server from `.ci/start-postgres.sh`, separate database `mergepipe_bench`.
-Target: < 1 s for 10^6 blocks.
+Synthesized catalog rows ({K} experts × {T} tensors × n blocks per tensor, random delta_l2, 1 MiB blocks,
+inserted as ingest inserts them, with their ranking summaries); linear spec (weights 1/{K}) at budget 0.1 at
+every size, and at the largest also at budget 1.0 (every candidate taken, `sql/plan_take_all.sql`) and TIES
+(density 0.5) at 0.1 (block rows ranked together: every candidate ranked, `sql/plan_rank.sql`; linear at 0.1
+reads the top of the ranking, `sql/plan_rank_top.sql`). `build_plan` = the planner inside one open catalog
+connection (temp tables, ranking query, selection, summary, plan hash); `Catalog.plan` = end-to-end public call
+(opens the catalog, checks the schema, resolves names, checks the family, plans, checks source freshness).
+Warm, in-process, median of 3 [min–max]. PostgreSQL: local server from `.ci/start-postgres.sh`, separate
+database `mergepipe_bench`. Target: < 1 s for 10^6 blocks.
 
-{md_table(["catalog", "candidate blocks", "build_plan", "Catalog.plan", "blocks selected", "< 1 s"], rows)}"""
+{md_table(["catalog", "candidate blocks", "merge", "build_plan", "Catalog.plan", "blocks selected", "< 1 s"],
+          rows)}"""
 
 
 def main(argv: list[str] | None = None) -> None:

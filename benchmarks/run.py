@@ -160,9 +160,11 @@ def targets() -> str:
     pl = _load("planner")
     if pl:
         for k, v in pl.items():
-            if k.endswith("-1000000"):
+            backend, n, *case = k.split("-")  # backend-n (linear @0.1), or backend-n-method-budget
+            if n == "1000000":
                 t = med(v["catalog_plan"])
-                add(f"planning 10^6 blocks < 1 s ({k.split('-')[0]})", f"{t:.3f} s (build_plan "
+                what = f"{backend}, {case[0]} @{case[1]}" if case else f"{backend}, linear @0.1"
+                add(f"planning 10^6 blocks < 1 s ({what})", f"{t:.3f} s (build_plan "
                     f"{med(v['build_plan']):.3f} s)", t < 1)
     from benchmarks.common import md_table
 
