@@ -502,30 +502,26 @@ def _build_plan(conn: sa.Connection, spec: MergeSpec, *, base_id: str, expert_id
     conn.execute(sa.text(sql_text("plan_tensor_insert")), {
         "position": pt[0], "tensor_idx": pt[1], "base_idx": pt[2], "prune_below": pt[3]})
     _prepare_ranking(conn)
-    cols = None
+    selection = None
     if take_all:
-        cols = _take_all(conn, budget_bytes)
+        selection = ranking.take_all(conn, budget_bytes)
     elif top is not None:
-        cols = top.rank(conn, budget_bytes)
-    if cols is None:  # every candidate ranked (sql/plan_rank.sql)
-        cols = fetch_columns(conn, conn.execute(sa.text(sql_text("plan_rank")),
-                                                 {"budget": budget_bytes, "grouped": grouped}))
+        selection = top.rank(conn, budget_bytes)
+    if selection is None:  # every candidate ranked (sql/plan_rank.sql)
+        selection = ranking.Selection.from_rows(fetch_columns(conn, conn.execute(
+            sa.text(sql_text("plan_rank")), {"budget": budget_bytes, "grouped": grouped})))
     pruned = conn.execute(sa.text(sql_text("plan_pruned"))).all() if bounds else []
     for name in ("mp_plan_expert", "mp_plan_tensor"):
         conn.execute(sa.text(f"DROP TABLE IF EXISTS {name}"))
 
-    kind = np.asarray(cols["kind"], dtype=np.int64)
-    n_reads = int(np.searchsorted(kind, 1))
-    access = _reads_by_key(cols, n_reads)
+    access = _reads_by_key(selection.reads)
 
     # Per (tensor, expert), in tensor then expert order (the bound sums in that order).
     candidate_bytes = 0
     planned_bytes = 0
     full_selection: dict[tuple[int, int], bool] = {}
     bound_per_tensor: dict[int, float] = defaultdict(float)
-    summary = zip(*(pylist(cols[c][n_reads:]) for c in (
-        "tensor_idx", "position", "n_blocks", "nbytes", "n_selected", "selected_bytes", "omitted_score",
-        "omitted_unscored")))
+    summary = zip(*(pylist(selection.summary[c]) for c in ranking.SUMMARY_COLUMNS))
     for tidx, pos, candidates, cbytes, selected, pbytes, omitted_score, omitted_unscored in summary:
         tidx, pos = int(tidx), int(pos)
         candidate_bytes += int(cbytes)
@@ -556,25 +552,18 @@ def _build_plan(conn: sa.Connection, spec: MergeSpec, *, base_id: str, expert_id
     return plan
 
 
-def _take_all(conn: sa.Connection, budget: int) -> dict[str, Any] | None:
-    """The plan selecting every candidate (sql/plan_take_all.sql), when their read cost fits `budget`; None when
-    it does not (a packed block costing more than its raw bytes, LoRA factors): then they are ranked."""
-    cols = fetch_columns(conn, conn.execute(sa.text(sql_text("plan_take_all"))))
-    kind = np.asarray(cols["kind"], dtype=np.int64)
-    n_reads = int(np.searchsorted(kind, 1))
-    return cols if int(np.asarray(cols["nbytes"][:n_reads], dtype=np.int64).sum()) <= budget else None
-
-
-def _reads_by_key(cols: dict[str, Any], n: int) -> dict[tuple[int, int], tuple[Read, ...]]:
-    """The first `n` rows (selected reads, sorted by tensor, expert, block) grouped into the access dict."""
+def _reads_by_key(reads: dict[str, Any]) -> dict[tuple[int, int], tuple[Read, ...]]:
+    """The selected reads (columns, sorted by tensor, expert, block) grouped into the access dict."""
+    n = len(reads["position"])
     if n == 0:
         return {}
-    pos = np.asarray(cols["position"][:n], dtype=np.int64)
-    tidx = np.asarray(cols["tensor_idx"][:n], dtype=np.int64)
+    pos = np.asarray(reads["position"], dtype=np.int64)
+    tidx = np.asarray(reads["tensor_idx"], dtype=np.int64)
     cuts = (np.flatnonzero((pos[1:] != pos[:-1]) | (tidx[1:] != tidx[:-1])) + 1).tolist()
     pl, tl = pos.tolist(), tidx.tolist()
-    reads = _new_reads(n, *(pylist(cols[c][:n]) for c in ("block_idx", "block_offset", "nbytes", "xxh3")))
-    return {(pl[s], tl[s]): tuple(reads[s:e]) for s, e in zip([0, *cuts], [*cuts, n])}
+    columns = (pylist(reads[c]) for c in ("block_idx", "block_offset", "nbytes", "xxh3"))
+    fields = _new_reads(n, *columns)
+    return {(pl[s], tl[s]): tuple(fields[s:e]) for s, e in zip([0, *cuts], [*cuts, n])}
 
 
 #: the slot descriptors of Read's fields, in field order

@@ -97,6 +97,73 @@ def index_floor(t: float, coef: float) -> float:
     return (t / coef) * _FLOOR_MARGIN
 
 
+READ_COLUMNS = ("position", "tensor_idx", "block_idx", "block_offset", "nbytes", "xxh3")
+SUMMARY_COLUMNS = ("tensor_idx", "position", "n_blocks", "nbytes", "n_selected", "selected_bytes", "omitted_score",
+                   "omitted_unscored")
+
+
+@dataclass
+class Selection:
+    """What a ranking gives the planner, as columns (sequences of equal length): the selected reads
+    (`READ_COLUMNS`, sorted by base tensor_idx, position, block_idx) and, per (tensor, expert) with candidates,
+    the summary (`SUMMARY_COLUMNS`, sorted by tensor_idx, position): candidates and their bytes, how many of
+    them are selected and their bytes, and the omitted-update bound terms."""
+
+    reads: dict[str, Any]
+    summary: dict[str, Any]
+
+    @classmethod
+    def from_rows(cls, cols: dict[str, Any]) -> Selection:
+        """From the rows of sql/plan_rank.sql: kind 0 (reads), then kind 1 (summary)."""
+        n = int(np.searchsorted(np.asarray(cols["kind"], dtype=np.int64), 1))
+        return cls({k: cols[k][:n] for k in READ_COLUMNS}, {k: cols[k][n:] for k in SUMMARY_COLUMNS})
+
+
+def _sorted_reads(cols: dict[str, Any], rows: np.ndarray | None = None
+                  ) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+    """The read columns of `rows` (indices into `cols`; None: all of them) sorted by tensor_idx, position,
+    block_idx, and the rows in that order (None: all, in the order given, which was sorted)."""
+    out = {k: np.asarray(cols[k], dtype=np.int64) for k in READ_COLUMNS if k != "xxh3"}
+    xxh3 = np.asarray(cols["xxh3"], dtype=object)
+    if rows is not None:
+        out = {k: v[rows] for k, v in out.items()}
+    key = (out["block_idx"], out["position"], out["tensor_idx"])
+    if _ascending(*key):
+        out["xxh3"] = xxh3 if rows is None else xxh3[rows]
+        return out, rows
+    order = np.lexsort(key)
+    rows = order if rows is None else rows[order]
+    out = {k: v[order] for k, v in out.items()}
+    out["xxh3"] = xxh3[rows]
+    return out, rows
+
+
+def _ascending(block: np.ndarray, position: np.ndarray, tensor: np.ndarray) -> bool:
+    """Whether rows are already sorted by (tensor, position, block) (a database that sorted them)."""
+    if tensor.size < 2:
+        return True
+    dt, dp, db = np.diff(tensor), np.diff(position), np.diff(block)
+    return bool(np.all((dt > 0) | ((dt == 0) & ((dp > 0) | ((dp == 0) & (db >= 0))))))
+
+
+def take_all(conn: sa.Connection, budget: int) -> Selection | None:
+    """Every candidate selected (sql/plan_take_all.sql), as sql/plan_rank.sql selects them for a budget that holds
+    all of them, without ranking; None when their read cost exceeds `budget` (packed blocks costing more than
+    their raw bytes, LoRA factors): then the planner ranks every candidate."""
+    cols = fetch_columns(conn, conn.execute(sa.text(sql_text("plan_take_all"))))
+    reads, _rows = _sorted_reads(cols)
+    if int(reads["nbytes"].sum()) > budget:
+        return None
+    t, p = reads["tensor_idx"], reads["position"]
+    starts = np.flatnonzero(np.r_[True, (t[1:] != t[:-1]) | (p[1:] != p[:-1])]) if t.size else np.empty(0, np.int64)
+    counts = np.diff(np.r_[starts, t.size])
+    nbytes = np.add.reduceat(reads["nbytes"], starts) if t.size else np.empty(0, np.int64)
+    summary = {"tensor_idx": t[starts], "position": p[starts], "n_blocks": counts, "nbytes": nbytes,
+               "n_selected": counts, "selected_bytes": nbytes, "omitted_score": np.zeros(starts.size),
+               "omitted_unscored": np.zeros(starts.size, np.int64)}
+    return Selection(reads, summary)
+
+
 @dataclass
 class TopOfRanking:
     """A budgeted single-block plan read from the top of each expert's ranking: the threshold T (more than the
@@ -113,9 +180,8 @@ class TopOfRanking:
     unscored: np.ndarray
     full_score: np.ndarray  # c_k · Σ delta_l2 over the pair's scored candidates
 
-    def rank(self, conn: sa.Connection, budget: int) -> dict[str, Any] | None:
-        """The columns sql/plan_rank.sql gives (kind 0 reads sorted by tensor, expert, block; kind 1 summary per
-        (tensor, expert)), from the top of the ranking (sql/plan_rank_top.sql); None when the top holds no more
+    def rank(self, conn: sa.Connection, budget: int) -> Selection | None:
+        """The selection from the top of the ranking (sql/plan_rank_top.sql); None when the top holds no more
         than `budget` bytes or reads a pair without a summary (summaries that disagree with the blocks): then
         the planner ranks every candidate."""
         cols = fetch_columns(conn, conn.execute(sa.text(sql_text("plan_rank_top")),
@@ -124,38 +190,28 @@ class TopOfRanking:
         sel = np.flatnonzero(running <= budget)
         if sel.size == running.size:  # no candidate past the budget: C holds no more than it
             return None
-        col = {k: np.asarray(cols[k], dtype=np.int64)[sel] for k in ("position", "tensor_idx", "block_idx",
-                                                                      "nbytes", "block_offset")}
-        order = np.lexsort((col["block_idx"], col["position"], col["tensor_idx"]))
-        col = {k: v[order] for k, v in col.items()}
-        score = np.asarray(cols["score"], dtype=np.float64)[sel][order]
-        xxh3 = np.asarray(cols["xxh3"], dtype=object)[sel[order]].tolist()
+        reads, rows = _sorted_reads(cols, sel)
+        score = np.asarray(cols["score"], dtype=np.float64)[rows]
 
         # the reads' pair (a row of the summary), and per pair: reads, their bytes, the sum of their scores
         keys = self.pair_tensor * self.n_positions + self.pair_position
-        mine = col["tensor_idx"] * self.n_positions + col["position"]
+        mine = reads["tensor_idx"] * self.n_positions + reads["position"]
         pair = np.searchsorted(keys, mine)
         if pair.size and (pair.max() >= keys.size or not np.array_equal(keys[pair], mine)):
             return None
         m = keys.size
         n_sel = np.bincount(pair, minlength=m)
         sel_bytes = np.zeros(m, np.int64)
-        np.add.at(sel_bytes, pair, col["nbytes"])
+        np.add.at(sel_bytes, pair, reads["nbytes"])
         sel_score = np.bincount(pair, weights=score, minlength=m)
         # the sum over the omitted scored candidates, Σ c·delta_l2 − Σ selected scores (to rounding); zero where
         # every scored candidate is read
         omitted = np.where(n_sel < self.candidates - self.unscored,
                            np.maximum(0.0, self.full_score - sel_score), 0.0)
-        n = sel.size
-        reads = {k: v.tolist() for k, v in col.items()}
-        reads["xxh3"] = xxh3
         summary = {"tensor_idx": self.pair_tensor, "position": self.pair_position, "n_blocks": self.candidates,
                    "nbytes": self.candidate_bytes, "n_selected": n_sel, "selected_bytes": sel_bytes,
                    "omitted_score": omitted, "omitted_unscored": self.unscored}
-        out = {k: reads.get(k, [None] * n) + (summary[k].tolist() if k in summary else [None] * m)
-               for k in {*reads, *summary}}
-        out["kind"] = [0] * n + [1] * m
-        return out
+        return Selection(reads, summary)
 
 
 def top_of_ranking(conn: sa.Connection, experts: list[ExpertPlan], pairs: tuple[list[Any], ...], budget: int

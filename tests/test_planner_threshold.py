@@ -101,7 +101,7 @@ _SCORES = {
 def test_prefilter_keeps_every_plan(catalog, tiny_family, monkeypatch, method, scores) -> None:
     # this is about sql/plan_rank.sql: the top-of-ranking and take-all plans (tests/test_planner_top.py) are off
     monkeypatch.setattr(ranking, "top_of_ranking", lambda *a: None)
-    monkeypatch.setattr(planner, "_take_all", lambda *a: None)
+    monkeypatch.setattr(ranking, "take_all", lambda *a: None)
     names = ingest_family(catalog, tiny_family)
     if _SCORES[scores] is not None:
         with catalog.db.connect() as conn:

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_planner_threshold import _SCORES, _state
 
-from mergepipe_db import planner, ranking
+from mergepipe_db import ranking
 from mergepipe_db.db import schema
 from mergepipe_db.spec import Budget
 
@@ -35,7 +35,7 @@ class _Paths:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.taken: list[str] = []
-        rank, take_all = ranking.TopOfRanking.rank, planner._take_all
+        rank, take_all = ranking.TopOfRanking.rank, ranking.take_all
 
         def spy_rank(top, conn, budget):  # noqa: ANN001, ANN202
             out = rank(top, conn, budget)
@@ -48,13 +48,13 @@ class _Paths:
             return out
 
         monkeypatch.setattr(ranking.TopOfRanking, "rank", spy_rank)
-        monkeypatch.setattr(planner, "_take_all", spy_take_all)
+        monkeypatch.setattr(ranking, "take_all", spy_take_all)
 
 
 def _ranked_everything(catalog, spec, budget, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(ranking, "top_of_ranking", lambda *a: None)
-        m.setattr(planner, "_take_all", lambda *a: None)
+        m.setattr(ranking, "take_all", lambda *a: None)
         return catalog.plan(spec, budget=budget)
 
 
