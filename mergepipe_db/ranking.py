@@ -18,6 +18,10 @@ blocks in the transaction that inserts them (ingest, snapshot commit; migration 
 
 Blocks are also inserted in descending delta_l2 order (`in_rank_order`), so the top of a checkpoint's ranking
 is a contiguous run of rows: few heap pages on PostgreSQL, few row groups (zone maps) on DuckDB.
+
+Every way of ranking hands the planner a `Selection`: the top of the ranking (`TopOfRanking`), every candidate
+taken when the budget holds them all (`take_all`), or every candidate ranked (sql/plan_rank.sql, read by
+`Selection.from_rows`).
 """
 
 from __future__ import annotations
