@@ -27,6 +27,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from mergepipe_db import ranking, sketch
 from mergepipe_db.db import schema
 from mergepipe_db.db.engine import Database
 from mergepipe_db.maintenance import _pid_alive
@@ -263,9 +264,9 @@ def _check_sources(state: _State, *, full: bool) -> list[Finding]:
 
 def _check_summaries(conn: sa.Connection) -> list[Finding]:
     """Each checkpoint's ranking summaries (ranking.py) agree with its blocks: per tensor the candidates, their
-    bytes and the unscored ones; per checkpoint the scored candidates and their bytes in the buckets. The planner
-    reads plans from them; they are written with the blocks and never change, so a difference means the catalog
-    was edited by hand."""
+    bytes, the unscored ones and the summed sketch; per checkpoint the scored candidates and their bytes in the
+    buckets. The planner reads plans from them; they are written with the blocks and never change, so a
+    difference means the catalog was edited by hand."""
     b, t, k, c = schema.block, schema.rank_tensor, schema.rank_bucket, schema.checkpoint
     candidate = sa.or_(b.c.delta_l2.is_(None), b.c.delta_l2 != 0)
     scored = sa.case((b.c.delta_l2.is_(None), 0), else_=1)
@@ -284,11 +285,19 @@ def _check_summaries(conn: sa.Connection) -> list[Finding]:
         tensors.setdefault(cid, {})[int(tidx)] = (int(n), int(nbytes), int(unscored))
     buckets = {cid: (int(n), int(nbytes)) for cid, n, nbytes in conn.execute(
         sa.select(k.c.checkpoint_id, sa.func.sum(k.c.blocks), sa.func.sum(k.c.nbytes)).group_by(k.c.checkpoint_id))}
+    ts = schema.tensor_sketch
+    stored_sketches: dict[str, dict[int, tuple[bytes, bool]]] = {}
+    for cid, tidx, blob, complete in conn.execute(sa.select(ts.c.checkpoint_id, ts.c.tensor_idx, ts.c.sketch,
+                                                            ts.c.complete)):
+        stored_sketches.setdefault(cid, {})[int(tidx)] = (bytes(blob), bool(complete))
     out = []
-    for cid, name in conn.execute(sa.select(c.c.id, c.c.name).order_by(c.c.name)):
-        if tensors.get(cid, {}) != blocks.get(cid, {}) or buckets.get(cid, (0, 0)) != scored_totals.get(cid, (0, 0)):
+    for cid, name in conn.execute(sa.select(c.c.id, c.c.name).order_by(c.c.name)).all():
+        summed = {tidx: (sketch.encode(hist), complete)
+                  for tidx, (hist, complete) in ranking.tensor_sketches_from_blocks(conn, cid).items()}
+        if (tensors.get(cid, {}) != blocks.get(cid, {}) or buckets.get(cid, (0, 0)) != scored_totals.get(cid, (0, 0))
+                or stored_sketches.get(cid, {}) != summed):
             out.append(Finding("corrupt", f"checkpoint {name!r}: its ranking summaries (mp_rank_tensor, "
-                                          f"mp_rank_bucket) disagree with its blocks; re-ingest it"))
+                                          f"mp_rank_bucket, mp_tensor_sketch) disagree with its blocks; re-ingest it"))
     n_ok = len(blocks) - len(out)
     return out or [Finding("ok", f"ranking summaries of {n_ok} checkpoint(s) agree with their blocks")]
 

@@ -16,6 +16,9 @@ blocks in the transaction that inserts them (ingest, snapshot commit; migration 
   which the per-(tensor, expert) plan summary (candidate counts, omitted-update bound) follows without
   reading the omitted blocks.
 
+mp_tensor_sketch holds, per tensor, the sum of its block sketches (`sketch.py`): TIES takes its trim
+threshold's bin from it, without decoding a sketch per block (10^6 of them hold ~250 MB).
+
 Blocks are also inserted in descending delta_l2 order (`in_rank_order`), so the top of a checkpoint's ranking
 is a contiguous run of rows: few heap pages on PostgreSQL, few row groups (zone maps) on DuckDB.
 
@@ -35,8 +38,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import sqlalchemy as sa
 
+from mergepipe_db import sketch
 from mergepipe_db.db import schema
-from mergepipe_db.db.fetch import fetch_columns
+from mergepipe_db.db.fetch import fetch_columns, pylist
 from mergepipe_db.resources import sql_text
 
 if TYPE_CHECKING:
@@ -50,16 +54,41 @@ _T_MIN, _T_MAX = 1e-280, 1e280
 
 
 def write(conn: sa.Connection, checkpoint_id: str) -> None:
-    """Insert the ranking summaries of one checkpoint, from its rows in mp_block (same transaction)."""
+    """Insert the ranking summaries and tensor sketches of one checkpoint, from its rows in mp_block (same
+    transaction)."""
     for name in ("rank_tensor_insert", "rank_bucket_insert"):
         conn.execute(sa.text(sql_text(name)), {"checkpoint_id": checkpoint_id})
+    write_tensor_sketches(conn, checkpoint_id)
+
+
+def write_tensor_sketches(conn: sa.Connection, checkpoint_id: str) -> None:
+    """Insert mp_tensor_sketch rows of one checkpoint: per tensor, the sum of its block sketches."""
+    rows = [{"checkpoint_id": checkpoint_id, "tensor_idx": tidx, "sketch": sketch.encode(hist), "complete": complete}
+            for tidx, (hist, complete) in sorted(tensor_sketches_from_blocks(conn, checkpoint_id).items())]
+    if rows:
+        conn.execute(schema.tensor_sketch.insert(), rows)
+
+
+def tensor_sketches_from_blocks(conn: sa.Connection, checkpoint_id: str) -> dict[int, tuple[np.ndarray, bool]]:
+    """Per tensor of one checkpoint (its own tensor_idx) with at least one block sketch: the sum of its block
+    sketches (the tensor's exact |Δ| histogram) and whether every row block (block_idx >= 0) has one."""
+    b = schema.block
+    incomplete = set(conn.execute(
+        sa.select(b.c.tensor_idx).where(b.c.checkpoint_id == checkpoint_id, b.c.sketch.is_(None),
+                                        b.c.block_idx >= 0).group_by(b.c.tensor_idx)).scalars())
+    cols = fetch_columns(conn, conn.execute(sa.select(b.c.tensor_idx, b.c.sketch).where(
+        b.c.checkpoint_id == checkpoint_id, b.c.sketch.is_not(None))))
+    owners = np.asarray(cols["tensor_idx"], dtype=np.int64)
+    tensors = np.unique(owners)
+    sums = sketch.decode_sum(pylist(cols["sketch"]), np.searchsorted(tensors, owners), len(tensors))
+    return {int(t): (sums[i], int(t) not in incomplete) for i, t in enumerate(tensors.tolist())}
 
 
 def rewrite(conn: sa.Connection, checkpoint_ids: Iterable[str]) -> None:
     """Replace the summaries of `checkpoint_ids` (after their blocks were changed in place, e.g. by a test or a
     repair; the catalog itself never changes a block after inserting it)."""
     for cid in checkpoint_ids:
-        for table in (schema.rank_tensor, schema.rank_bucket):
+        for table in (schema.rank_tensor, schema.rank_bucket, schema.tensor_sketch):
             conn.execute(table.delete().where(table.c.checkpoint_id == cid))
         write(conn, cid)
 

@@ -38,7 +38,7 @@ def _snapshot_of_tables(catalog: Catalog) -> dict[str, int]:
 
 
 def test_migrations_have_one_head_and_match_the_schema(catalog: Catalog) -> None:
-    assert catalog.db.head_revision() == "0003"
+    assert catalog.db.head_revision() == "0004"
     with catalog.db.connect() as conn:
         for table in schema.metadata.sorted_tables:
             cols = {r[0] for r in conn.execute(sa.text(

@@ -137,3 +137,17 @@ def test_fsck_checks_the_ranking_summaries(catalog, tiny_family, tmp_path) -> No
         conn.execute(b.update().where(b.c.checkpoint_id == cid, b.c.tensor_idx == row.tensor_idx,
                                       b.c.block_idx == row.block_idx).values(delta_l2=0.0))
     assert [(f.kind, f.text.split(":")[0]) for f in problems(catalog.fsck())] == [("corrupt", "checkpoint 'e1'")]
+
+
+def test_fsck_checks_the_tensor_sketches(catalog, tiny_family, tmp_path) -> None:
+    """mp_tensor_sketch holds the sum of the block sketches: a block sketch removed by hand is found."""
+    ingest_family(catalog, tiny_family)
+    assert not problems(catalog.fsck())
+    with catalog.db.connect() as conn:
+        b = schema.block
+        cid = conn.execute(sa.select(schema.checkpoint.c.id).where(schema.checkpoint.c.name == "e2")).scalar_one()
+        row = conn.execute(sa.select(b.c.tensor_idx, b.c.block_idx).where(
+            b.c.checkpoint_id == cid, b.c.sketch.is_not(None), b.c.block_idx >= 0).limit(1)).one()
+        conn.execute(b.update().where(b.c.checkpoint_id == cid, b.c.tensor_idx == row.tensor_idx,
+                                      b.c.block_idx == row.block_idx).values(sketch=None))
+    assert [(f.kind, f.text.split(":")[0]) for f in problems(catalog.fsck())] == [("corrupt", "checkpoint 'e2'")]

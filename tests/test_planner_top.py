@@ -1,8 +1,9 @@
 """The top-of-ranking plan (mergepipe_db/ranking.py, sql/plan_rank_top.sql) and the take-all plan
 (sql/plan_take_all.sql) change nothing: every plan equals the one that ranks every candidate (sql/plan_rank.sql),
 at budgets on every bucket edge and in between, with NULL, NaN, inf, subnormal, tiny, huge and all-equal scores
-and unequal coefficients. And the ranking summaries they rest on agree with the blocks, after ingest, after a
-merge's commit and after the migration that writes them for older catalogs."""
+and unequal coefficients. And the ranking summaries they rest on (and the tensor sketches TIES plans from) agree
+with the blocks, after ingest, after a merge's commit and after the migrations that write them for older
+catalogs."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_planner_threshold import _SCORES, _state
 
-from mergepipe_db import ranking
+from mergepipe_db import ranking, sketch
 from mergepipe_db.db import schema
 from mergepipe_db.spec import Budget
 
@@ -142,6 +143,28 @@ def _summaries(catalog) -> tuple[list[tuple], list[tuple]]:
     return [tuple(r) for r in t], [tuple(r) for r in b]
 
 
+def _tensor_sketches(catalog) -> dict[tuple[str, int], tuple[list[int], bool]]:
+    with catalog.db.connect() as conn:
+        rows = conn.execute(sa.select(schema.tensor_sketch)).all()
+    return {(r.checkpoint_id, r.tensor_idx): (sketch.decode(r.sketch).tolist(), bool(r.complete)) for r in rows}
+
+
+def _independent_tensor_sketches(catalog) -> dict[tuple[str, int], tuple[list[int], bool]]:
+    """Per checkpoint and tensor with a block sketch: the block histograms added up one by one, and whether every
+    row block has a sketch."""
+    with catalog.db.connect() as conn:
+        rows = conn.execute(sa.text("SELECT checkpoint_id, tensor_idx, block_idx, sketch FROM mp_block")).all()
+    sums: dict = {}
+    missing: set = set()
+    for cid, tidx, bidx, blob in rows:
+        if blob is None:
+            if bidx >= 0:
+                missing.add((cid, tidx))
+            continue
+        sums[(cid, tidx)] = sums.get((cid, tidx), 0) + sketch.decode(blob)
+    return {k: (v.tolist(), k not in missing) for k, v in sums.items()}
+
+
 def _independent_summaries(catalog) -> tuple[dict, dict]:
     """Per checkpoint and tensor (candidates, bytes, unscored, Σ delta_l2), and per checkpoint (scored candidates,
     their bytes, min delta_l2), from the block rows in Python."""
@@ -175,20 +198,34 @@ def test_summaries_agree_with_the_blocks_after_ingest_and_commit(catalog, tiny_f
         assert min(r[4] for r in mine) == mn
         edges = sorted(mine, key=lambda r: r[1])  # buckets are ordered ranges of delta_l2
         assert all(a[4] <= b[4] for a, b in zip(edges, edges[1:]))
+    sketches = _tensor_sketches(catalog)
+    assert len({k[0] for k in sketches}) == len(names) + 1  # the experts and the snapshot (a base has no Δ)
+    assert all(c for _h, c in sketches.values())
+    assert sketches == _independent_tensor_sketches(catalog)
 
 
 def test_migration_writes_the_summaries_of_an_older_catalog(catalog, tiny_family) -> None:
     ingest_family(catalog, tiny_family)
-    before = _summaries(catalog)
-    assert before[0] and before[1]
-    with catalog.db.connect(check_schema=False) as conn:  # back to 0002: no summaries, no index
+    before = _summaries(catalog), _tensor_sketches(catalog)
+    assert before[0][0] and before[0][1] and before[1]
+    with catalog.db.connect(check_schema=False) as conn:  # back to 0002: no summaries, no index, no sketches
         if conn.dialect.name == "postgresql":
             conn.execute(sa.text("DROP INDEX ix_mp_block_rank"))
-        conn.execute(sa.text("DROP TABLE mp_rank_tensor"))
-        conn.execute(sa.text("DROP TABLE mp_rank_bucket"))
+        for table in ("mp_rank_tensor", "mp_rank_bucket", "mp_tensor_sketch"):
+            conn.execute(sa.text(f"DROP TABLE {table}"))
         conn.execute(sa.text("UPDATE alembic_version SET version_num = '0002'"))
-    assert catalog.db.upgrade() == ("0002", "0003")
-    assert _summaries(catalog) == before
+    assert catalog.db.upgrade() == ("0002", "0004")
+    assert (_summaries(catalog), _tensor_sketches(catalog)) == before
+
+
+def test_migration_0004_writes_the_tensor_sketches_of_a_0003_catalog(catalog, tiny_family) -> None:
+    ingest_family(catalog, tiny_family)
+    before = _tensor_sketches(catalog)
+    with catalog.db.connect(check_schema=False) as conn:
+        conn.execute(sa.text("DROP TABLE mp_tensor_sketch"))
+        conn.execute(sa.text("UPDATE alembic_version SET version_num = '0003'"))
+    assert catalog.db.upgrade() == ("0003", "0004")
+    assert _tensor_sketches(catalog) == before == _independent_tensor_sketches(catalog)
 
 
 @settings(max_examples=300, deadline=None)

@@ -86,8 +86,8 @@ block = sa.Table(
 sa.Index("ix_mp_block_rank", block.c.checkpoint_id, block.c.delta_l2).ddl_if(dialect="postgresql")
 
 # Ranking summaries (mergepipe_db/ranking.py): derived from a checkpoint's blocks in the transaction that inserts
-# them (`sql/rank_summaries_*.sql`), never changed after, like the blocks. A block is a *candidate* when its
-# delta_l2 is NULL (unscored) or non-zero.
+# them (`ranking.write`, `sql/rank_*_insert.sql`), never changed after, like the blocks. A block is a *candidate*
+# when its delta_l2 is NULL (unscored) or non-zero.
 rank_tensor = sa.Table(
     "mp_rank_tensor",
     metadata,
@@ -107,6 +107,17 @@ rank_bucket = sa.Table(
     sa.Column("blocks", sa.BigInteger, nullable=False),
     sa.Column("nbytes", sa.BigInteger, nullable=False),
     sa.Column("min_l2", sa.Double, nullable=False),  # the smallest delta_l2 in the bucket (NaN counts as largest)
+)
+
+# Per tensor of a checkpoint with block sketches: their sum (the tensor's exact |Δ| histogram, `sketch.encode`),
+# and whether every row block (block_idx >= 0) has one. TIES plans from these without decoding block sketches.
+tensor_sketch = sa.Table(
+    "mp_tensor_sketch",
+    metadata,
+    sa.Column("checkpoint_id", sa.String(64), primary_key=True),
+    sa.Column("tensor_idx", sa.Integer, primary_key=True),
+    sa.Column("sketch", sa.LargeBinary, nullable=False),
+    sa.Column("complete", sa.Boolean, nullable=False),
 )
 
 snapshot = sa.Table(
