@@ -38,6 +38,7 @@ def _populate(url: str, n_blocks: int) -> None:
 
     cat = Catalog.open(url)
     rng = random.Random(0)
+    sketches = _sketch_templates(rng)
     bpt = max(1, n_blocks // (K * T))
     fdir = DATA / "planner-files"
     fdir.mkdir(parents=True, exist_ok=True)
@@ -66,10 +67,11 @@ def _populate(url: str, n_blocks: int) -> None:
             if c == 0:
                 continue
             for b in range(bpt):
+                blob, delta_max = sketches[rng.randrange(len(sketches))]
                 rows.append({"checkpoint_id": cid, "tensor_idx": t, "block_idx": b, "row_start": b * 256,
                              "row_stop": b * 256 + 256, "offset": off + b * mb, "nbytes": mb, "xxh3": "0" * 32,
-                             "delta_l2": rng.random() + 1e-9, "delta_l1": 1.0, "delta_max": 0.1, "pos_frac": 0.5,
-                             "sketch": None})
+                             "delta_l2": rng.random() + 1e-9, "delta_l1": 1.0, "delta_max": delta_max,
+                             "pos_frac": 0.5, "sketch": blob})
         for r in ranking.in_rank_order(rows):  # as ingest inserts them
             for col in blocks_cols:
                 blocks_cols[col].append(r[col])
@@ -88,11 +90,11 @@ def _populate(url: str, n_blocks: int) -> None:
             raw.unregister("_bench_blocks")
         else:
             cur = conn.connection.driver_connection.cursor()
-            names = [c for c in blocks_cols if c != "sketch"]
+            names = list(blocks_cols)
             buf = io.StringIO()
             cols = [blocks_cols[c] for c in names]
             for row in zip(*cols):
-                buf.write("\t".join(str(v) for v in row) + "\n")
+                buf.write("\t".join("\\\\x" + v.hex() if isinstance(v, bytes) else str(v) for v in row) + "\n")
             cols_sql = ", ".join(f'"{c}"' for c in names)
             with cur.copy(f"COPY mp_block ({cols_sql}) FROM STDIN") as cp:
                 cp.write(buf.getvalue())
@@ -109,6 +111,25 @@ def _populate(url: str, n_blocks: int) -> None:
 #: candidate taken) and TIES (block rows ranked together: every candidate ranked)
 CASES = (("linear", "0.1"),)
 LARGEST_CASES = (("linear", "1.0"), ("ties", "0.1"))
+
+
+def _sketch_templates(rng: random.Random, n: int = 32) -> list[tuple[bytes, float]]:
+    """Block sketches as ingest writes them for a 256 × 2048 BF16 block (524,288 |Δ|: ~40 log-scale bins around
+    2^-10, as fine-tuning deltas), with the block's max |Δ| (the upper edge of its top bin), n of them."""
+    import numpy as np
+
+    from mergepipe_db import sketch
+
+    edges = sketch.bin_edges()
+    out = []
+    for _ in range(n):
+        centre = rng.randrange(100, 130)
+        weights = np.exp(-0.5 * ((np.arange(sketch.NBINS) - centre) / 6.0) ** 2)
+        weights[:1] = 0.0
+        hist = np.random.default_rng(rng.randrange(1 << 30)).multinomial(256 * 2048, weights / weights.sum())
+        top = int(np.flatnonzero(hist).max())
+        out.append((sketch.encode(hist.astype(np.int64)), float(edges[min(top + 1, sketch.NBINS - 1)])))
+    return out
 
 
 def _spec(method: str = "linear") -> dict[str, Any]:
