@@ -20,10 +20,14 @@ T_START = time.perf_counter()
 
 
 def main(argv: list[str]) -> None:
+    cmd = argv[0]
+    if cmd == "merge":  # as `mergepipe merge` does before it imports the catalog
+        from mergepipe_db import warmup
+
+        warmup.start()
     from mergepipe_db import Catalog
     from mergepipe_db.cli import exit_now
 
-    cmd = argv[0]
     cat = Catalog.open(argv[1])
     t0 = time.perf_counter()
     startup = t0 - T_START

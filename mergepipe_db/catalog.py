@@ -179,10 +179,10 @@ class Catalog:
               seed: int | None = None, ref: str | None = None, shard_bytes: int | None = None,
               progress: bool = False, verify_reads: bool = False) -> MergeResult:
         """Plan, execute and commit a merge; the output appears at `out` only once committed."""
-        from mergepipe_db.executor import warm_kernels
+        from mergepipe_db import warmup
 
         t_start = time.perf_counter()
-        warm_kernels()  # while the merge is planned
+        warmup.start()  # the kernels load while the merge is planned
         out_path, ref_name = self._check_outputs(out, ref, shard_bytes)
         t0 = time.perf_counter()
         plan, expected = self._plan(spec, budget=budget, seed=seed, progress=progress, ref=ref_name)
@@ -196,11 +196,11 @@ class Catalog:
         planning. Refuses (ReplayError) when an input's content no longer matches the manifest; every
         expert range read is checked against the catalog's xxh3. With `verify`, a VerifyError names every
         output tensor whose hash differs from the record."""
-        from mergepipe_db.executor import warm_kernels
+        from mergepipe_db import warmup
         from mergepipe_db.replay import load_manifest, plan_from_manifest, verify_outputs
 
         t_start = time.perf_counter()
-        warm_kernels()
+        warmup.start()
         out_path, ref_name = self._check_outputs(out, ref, shard_bytes)
         manifest = load_manifest(self.db, source)
         t0 = time.perf_counter()

@@ -301,30 +301,6 @@ def _selected(et: TensorInfo, reads: tuple[Read, ...]) -> tuple[tuple[int, ...],
     return blocks, rows
 
 
-_warmup_lock = threading.Lock()
-_warmup: threading.Thread | None = None
-
-
-def warm_kernels() -> None:
-    """Load the compiled merge kernels on a background thread: importing numba, setting up its target and
-    loading a first kernel from its on-disk cache take ~1 s (more with a cold page cache). Started when a
-    merge begins, that overlaps its planning and catalog work; otherwise the executor's first tensor waits
-    for it while the reader, its read-ahead full, leaves the disk idle. Once per process; a failure is left
-    for the executor to meet."""
-    global _warmup
-    with _warmup_lock:
-        if _warmup is None:
-            _warmup = threading.Thread(target=_load_kernels, name="mergepipe-kernels", daemon=True)
-            _warmup.start()
-
-
-def _load_kernels() -> None:
-    with contextlib.suppress(Exception):
-        from mergepipe_db import merge_kernels
-
-        merge_kernels.narrow_bf16(np.empty(1, np.uint16), np.zeros(1, np.float32))  # as `_BaseOnly` calls it
-
-
 def execute(
     plan: Plan,
     staging: Path,
