@@ -27,6 +27,12 @@ def run_demo(workdir: Path, *, catalog: str | None, method: str, budget: str, ex
     print(f"[1/3] generating a {preset} Llama-shaped family: base + {experts} experts in {family_dir}")
     fam = make_family(family_dir, n_experts=experts, preset=preset, shard_bytes=shard, progress=progress)
     url = catalog or os.environ.get("MERGEPIPE_CATALOG") or str(workdir / "catalog.duckdb")
+    if url == str(workdir / "catalog.duckdb") and Path(url).is_file():
+        # the demo's own catalog, left by an earlier version: brought up to date (a catalog named with
+        # --catalog or MERGEPIPE_CATALOG is the user's, and upgraded only by `mergepipe db upgrade`)
+        before, after = Catalog.lazy(url).upgrade()
+        if before != after:
+            print(f"      upgraded the demo catalog {url} from schema {before} to {after}")
     cat = Catalog.open(url)
     print(f"[2/3] ingesting into {cat.db.display()}")
     # 64 KiB blocks: the demo models are small, so finer blocks make the budget's choices visible.
