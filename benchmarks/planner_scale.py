@@ -230,8 +230,9 @@ def _run(sizes: list[int], backends: tuple[str, ...], reps: int = 3) -> tuple[di
 def _section(rows: list[list[Any]]) -> str:
     return f"""## 7. Planner scale
 
-Synthesized catalog rows ({K} experts × {T} tensors × n blocks per tensor, random delta_l2, 1 MiB blocks,
-inserted as ingest inserts them, with their ranking summaries); linear spec (weights 1/{K}) at budget 0.1 at
+Synthesized catalog rows ({K} experts × {T} tensors × n blocks per tensor, random delta_l2, 1 MiB blocks with
+sketches like ingest's of BF16 fine-tuning deltas (~40 non-empty bins), inserted as ingest inserts them, with
+their ranking summaries and tensor sketches); linear spec (weights 1/{K}) at budget 0.1 at
 every size, and at the largest also at budget 1.0 (every candidate taken, `sql/plan_take_all.sql`) and TIES
 (density 0.5) at 0.1 (block rows ranked together: every candidate ranked, `sql/plan_rank.sql`; linear at 0.1
 reads the top of the ranking, `sql/plan_rank_top.sql`). `build_plan` = the planner inside one open catalog
