@@ -63,8 +63,9 @@ def phases() -> str:
                      m(lambda r: r["timings"]["commit"] + r["timings"]["finalize"]),
                      m(lambda r: r["wall"] - r["startup_s"] - r["work_s"])])
     text = ("## Where the time goes (K = 8, from the runs of section 4)\n\n"
-            "Seconds, medians of the same cold runs. `startup` = interpreter and imports (numba, duckdb, "
-            "sqlalchemy; no torch) before the library call; `execute` = the executor, split into what the "
+            "Seconds, medians of the same cold runs. `startup` = interpreter, imports (duckdb, sqlalchemy; no "
+            "torch) and opening the catalog, before the library call, with numba loading beside them since run I "
+            "(`mergepipe_db/warmup.py`); `execute` = the executor, split into what the "
             "compute thread waited for reads (`read wait`), computed (`compute`) and waited to hand a tensor "
             "to the output thread (`write wait`); `output busy` = the output thread's own time (handing bytes "
             "to the O_DIRECT sink, whose helper threads write and sha256 them, and waiting when the statistics "
