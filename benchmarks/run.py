@@ -63,7 +63,7 @@ def phases() -> str:
                      m(lambda r: r["timings"]["commit"] + r["timings"]["finalize"]),
                      m(lambda r: r["wall"] - r["startup_s"] - r["work_s"])])
     text = ("## Where the time goes (K = 8, from the runs of section 4)\n\n"
-            "Seconds, medians of the same cold runs. `startup` = interpreter, imports (duckdb, sqlalchemy; no "
+            "Seconds, medians of the same cold runs. `startup` = imports (duckdb, sqlalchemy; no "
             "torch) and opening the catalog, before the library call, with numba loading beside them since run I "
             "(`mergepipe_db/warmup.py`); `execute` = the executor, split into what the "
             "compute thread waited for reads (`read wait`), computed (`compute`) and waited to hand a tensor "
@@ -72,7 +72,7 @@ def phases() -> str:
             "fall behind; overlapped with compute); `stats` = its helper's time for each tensor's xxh3 and block "
             "statistics (0 in runs before it existed); `commit` = manifest, header re-check and the catalog "
             "transaction; "
-            "`exit` = process wall not inside the library call or start-up (the job ends as the `mergepipe` "
+            "`exit` = process wall not inside the library call or start-up: interpreter start and end (the job ends as the `mergepipe` "
             "command does, without interpreter teardown).\n\n"
             + md_table(["merge", "wall", "startup", "plan", "execute", "read wait", "compute", "write wait",
                         "output busy", "stats", "commit", "exit"], rows))
