@@ -72,8 +72,8 @@ def phases() -> str:
             "fall behind; overlapped with compute); `stats` = its helper's time for each tensor's xxh3 and block "
             "statistics (0 in runs before it existed); `commit` = manifest, header re-check and the catalog "
             "transaction; "
-            "`exit` = process wall not inside the library call or start-up: interpreter start and end (the job ends as the `mergepipe` "
-            "command does, without interpreter teardown).\n\n"
+            "`exit` = process wall not inside the library call or start-up: interpreter start and end (the "
+            "job ends as the `mergepipe` command does, without interpreter teardown).\n\n"
             + md_table(["merge", "wall", "startup", "plan", "execute", "read wait", "compute", "write wait",
                         "output busy", "stats", "commit", "exit"], rows))
     write_section("phases", text)
