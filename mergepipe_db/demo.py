@@ -26,8 +26,9 @@ def run_demo(workdir: Path, *, catalog: str | None, method: str, budget: str, ex
     shard = 4 << 20 if preset != "bench" else 512 << 20
     print(f"[1/3] generating a {preset} Llama-shaped family: base + {experts} experts in {family_dir}")
     fam = make_family(family_dir, n_experts=experts, preset=preset, shard_bytes=shard, progress=progress)
-    url = catalog or os.environ.get("MERGEPIPE_CATALOG") or str(workdir / "catalog.duckdb")
-    if url == str(workdir / "catalog.duckdb") and Path(url).is_file():
+    own = str(workdir / "catalog.duckdb")
+    url = catalog or os.environ.get("MERGEPIPE_CATALOG") or own
+    if url == own and Path(url).is_file():
         # the demo's own catalog, left by an earlier version: brought up to date (a catalog named with
         # --catalog or MERGEPIPE_CATALOG is the user's, and upgraded only by `mergepipe db upgrade`)
         before, after = Catalog.lazy(url).upgrade()
