@@ -156,7 +156,7 @@ def _time(url: str, reps: int = 3, method: str = "linear", budget: str = "0.1") 
             plan = build_plan(conn, spec, base_id=ids["base"], expert_ids=[ids[f"e{k}"] for k in range(K)],
                               budget_spec=parse_budget(budget))
             bp.append(time.perf_counter() - t0)
-        n_sel = sum(len(v) for v in plan.access.values())
+        n_sel = sum(e.blocks_selected for e in plan.experts)  # blocks, also where a tensor is read whole
         t0 = time.perf_counter()
         cat.plan(_spec(method), budget=budget)
         cp.append(time.perf_counter() - t0)
@@ -233,7 +233,10 @@ def _section(rows: list[list[Any]]) -> str:
 Synthesized catalog rows ({K} experts × {T} tensors × n blocks per tensor, random delta_l2, 1 MiB blocks with
 sketches like ingest's of BF16 fine-tuning deltas (~40 non-empty bins), inserted as ingest inserts them, with
 their ranking summaries and tensor sketches); linear spec (weights 1/{K}) at budget 0.1 at
-every size, and at the largest also at budget 1.0 (every candidate taken, `sql/plan_take_all.sql`) and TIES
+every size, and at the largest also at budget 1.0 (every candidate taken: a tensor whose every block is a
+candidate is read whole, from the ranking summaries (`ranking.whole_tensors`), the others' blocks come from
+`sql/plan_take_all.sql`; here every block is a candidate, so the plan is 1,600 whole-tensor reads and no block
+row is fetched; "blocks selected" counts the blocks they cover) and TIES
 (density 0.5) at 0.1 (block rows ranked together: every candidate ranked, `sql/plan_rank.sql`; linear at 0.1
 reads the top of the ranking, `sql/plan_rank_top.sql`). `build_plan` = the planner inside one open catalog
 connection (temp tables, ranking query, selection, summary, plan hash); `Catalog.plan` = end-to-end public call

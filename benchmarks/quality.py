@@ -289,17 +289,20 @@ def candidates(cat: Any, full_plan: Any) -> list[Cand]:
 
     score = |c_k| · delta_l2 from the catalog's `blocks` view, as in sql/plan_rank.sql.
     """
+    from mergepipe_db.planner import Read
+
     names = [e.checkpoint.name for e in full_plan.experts]
     quoted = ", ".join("'" + n.replace("'", "''") + "'" for n in names)
-    _, rows = cat.sql(f"SELECT checkpoint, tensor, block_idx, delta_l2 FROM blocks WHERE checkpoint IN ({quoted})")
-    l2 = {(r[0], r[1], int(r[2])): float(r[3]) for r in rows}
+    _, rows = cat.sql(f"SELECT checkpoint, tensor, block_idx, delta_l2, \"offset\", nbytes, xxh3 FROM blocks "
+                      f"WHERE checkpoint IN ({quoted})")
+    blocks = {(r[0], r[1], int(r[2])): (float(r[3]), Read(int(r[2]), int(r[4]), int(r[5]), r[6])) for r in rows}
     tname = {t.idx: t.name for t in full_plan.base_tensors}
     out = []
-    for (pos, tidx), reads in full_plan.access.items():
+    for pos, tidx in full_plan.access:
         e = full_plan.experts[pos]
-        for r in reads:
-            assert r.block_idx >= 0, "block-level plan expected"
-            out.append(Cand(pos, tidx, r, abs(e.coef) * l2[(e.checkpoint.name, tname[tidx], r.block_idx)]))
+        for b in full_plan.selected_blocks(pos, tidx):  # a tensor read whole: each of its blocks
+            l2, read = blocks[(e.checkpoint.name, tname[tidx], b)]
+            out.append(Cand(pos, tidx, read, abs(e.coef) * l2))
     out.sort(key=lambda c: (-c.score, c.tidx, c.read.block_idx, c.pos))
     return out
 
@@ -332,7 +335,7 @@ def access_key(sel: list[Cand]) -> set[tuple[int, int, int]]:
 
 
 def plan_access_key(plan: Any) -> set[tuple[int, int, int]]:
-    return {(pos, tidx, r.block_idx) for (pos, tidx), reads in plan.access.items() for r in reads}
+    return {(pos, tidx, b) for pos, tidx in plan.access for b in plan.selected_blocks(pos, tidx)}
 
 
 def plan_with_access(plan: Any, sel: list[Cand], all_cands: list[Cand], sketch_plan: Any | None) -> Any:

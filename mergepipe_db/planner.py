@@ -7,9 +7,10 @@ use the same cost (stored bytes of the block), so budget soundness holds by cons
 budget, and the executor checks realized == planned.
 
 Two shortcuts give the same plan without ranking every candidate: a budget that holds every candidate takes
-them all (`sql/plan_take_all.sql`), and a budgeted single-block plan ranks only the top of each expert's ranking,
-found from the ranking summaries ingest keeps (`ranking.py`, `sql/plan_rank_top.sql`). Each checks its premise
-on the rows it reads and hands over to the full ranking when it fails.
+them all (a tensor whose every block is a candidate as one whole-tensor read, `ranking.whole_tensors`; the
+other tensors' blocks from `sql/plan_take_all.sql`), and a budgeted single-block plan ranks only the top of
+each expert's ranking, found from the ranking summaries ingest keeps (`ranking.py`, `sql/plan_rank_top.sql`).
+Each checks its premise on the rows it reads and hands over to the full ranking when it fails.
 
 TIES (density d < 1) never reads a block that provably trims to zero: from the summed block sketches of a
 tensor the bin b_τ holding the trim threshold τ is known exactly, and a block whose max |Δ| lies in a lower bin
@@ -118,6 +119,15 @@ class Plan:
     sources: dict[int, Any] = field(default_factory=dict)  # position -> sources.ExpertSource (delta/LoRA/packed)
     pruned_bytes: int = 0  # TIES: read cost of nonzero-delta blocks that trim to zero (never candidates)
     pruned_blocks: int = 0
+
+    def selected_blocks(self, position: int, tensor_idx: int) -> tuple[int, ...]:
+        """The block indices expert `position` reads of base tensor `tensor_idx` (all of its blocks for a
+        whole-tensor read; a LoRA factor unit is block -2)."""
+        reads = self.access.get((position, tensor_idx), ())
+        if any(r.block_idx == -1 for r in reads):
+            name = next(t.name for t in self.base_tensors if t.idx == tensor_idx)
+            return tuple(range(self.experts[position].tensors[name].n_blocks))
+        return tuple(r.block_idx for r in reads)
 
     def access_mask(self) -> list[list[Any]]:
         """Compact access set: [position, tensor name, [[first_block, stop_block], ...]] sorted."""
@@ -477,6 +487,11 @@ def _build_plan(conn: sa.Connection, spec: MergeSpec, *, base_id: str, expert_id
     take_all = budget_bytes >= full_bytes
     top = None if take_all or grouped or bounds or any(tensor_level) else ranking.top_of_ranking(
         conn, experts, pt, budget_bytes)
+    # a budget that takes everything reads whole tensors where every block is a candidate: no row per block
+    whole = ranking.whole_tensors(conn, experts, pt, {t.idx: (t.n_blocks, t.rows_per_block) for t in base_tensors},
+                                  tensor_level) if take_all else None
+    if whole is not None and whole.nbytes > budget_bytes:
+        whole = None
     for name in ("mp_plan_expert", "mp_plan_tensor"):
         conn.execute(sa.text(f"DROP TABLE IF EXISTS {name}"))
     conn.execute(sa.text(sql_text("plan_expert_table")))
@@ -485,12 +500,16 @@ def _build_plan(conn: sa.Connection, spec: MergeSpec, *, base_id: str, expert_id
         "position": [e.position for e in experts], "checkpoint_id": [e.checkpoint.id for e in experts],
         "coef": [abs(e.coef) for e in experts], "tensor_level": tensor_level,
         "score_floor": [None if top is None else top.floors[e.position] for e in experts]})
-    conn.execute(sa.text(sql_text("plan_tensor_insert")), {
-        "position": pt[0], "tensor_idx": pt[1], "base_idx": pt[2], "prune_below": pt[3]})
+    _insert_plan_tensors(conn, pt, None if whole is None else whole.rest)
     _prepare_ranking(conn)
     selection = None
     if take_all:
-        selection = ranking.take_all(conn, budget_bytes)
+        selection = ranking.take_all(conn, budget_bytes - (whole.nbytes if whole else 0))
+        if selection is not None and whole is not None:
+            selection = ranking.merge_selections(whole.selection, selection)
+        elif whole is not None:  # rank every candidate, of the whole tensors too
+            _insert_plan_tensors(conn, pt, [not r for r in whole.rest])
+            _prepare_ranking(conn)
     elif top is not None:
         selection = top.rank(conn, budget_bytes)
     if selection is None:  # every candidate ranked (sql/plan_rank.sql)
@@ -536,6 +555,14 @@ def _build_plan(conn: sa.Connection, spec: MergeSpec, *, base_id: str, expert_id
     )
     finalize(conn, plan, op, sketch_cache)
     return plan
+
+
+def _insert_plan_tensors(conn: sa.Connection, pairs: tuple[list[Any], ...], keep: list[bool] | None) -> None:
+    """Insert the plan's (expert, tensor) pairs into mp_plan_tensor: all of them, or those `keep` marks."""
+    cols = pairs if keep is None else tuple([v for v, k in zip(col, keep) if k] for col in pairs)
+    if cols[0]:
+        conn.execute(sa.text(sql_text("plan_tensor_insert")), {
+            "position": cols[0], "tensor_idx": cols[1], "base_idx": cols[2], "prune_below": cols[3]})
 
 
 def _reads_by_key(reads: dict[str, Any]) -> dict[tuple[int, int], tuple[Read, ...]]:

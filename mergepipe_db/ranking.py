@@ -197,6 +197,83 @@ def take_all(conn: sa.Connection, budget: int) -> Selection | None:
     return Selection(reads, summary)
 
 
+def _column(values: Any, dtype: Any) -> np.ndarray:
+    return values if isinstance(values, np.ndarray) else np.asarray(values, dtype=dtype)
+
+
+def merge_selections(a: Selection, b: Selection) -> Selection:
+    """One selection holding the reads and summary rows of both (disjoint (tensor, expert) pairs), sorted."""
+    def joined(x: dict[str, Any], y: dict[str, Any], keys: tuple[str, ...], order: tuple[str, ...]
+               ) -> dict[str, Any]:
+        cols = {k: np.concatenate([_column(x[k], object if k == "xxh3" else None),
+                                   _column(y[k], object if k == "xxh3" else None)]) for k in keys}
+        rows = np.lexsort(tuple(cols[k] for k in reversed(order)))
+        return {k: v[rows] for k, v in cols.items()}
+
+    return Selection(joined(a.reads, b.reads, READ_COLUMNS, ("tensor_idx", "position", "block_idx")),
+                     joined(a.summary, b.summary, SUMMARY_COLUMNS, ("tensor_idx", "position")))
+
+
+@dataclass
+class WholeTensors:
+    """The (tensor, expert) pairs of a take-all plan whose every block is a candidate, each read as its whole
+    tensor (one read unit, block_idx -1), and `rest`: per plan pair, whether it is still read block by block."""
+
+    selection: Selection
+    nbytes: int
+    rest: list[bool]
+
+
+def whole_tensors(conn: sa.Connection, experts: list[ExpertPlan], pairs: tuple[list[Any], ...],
+                  base_blocks: dict[int, tuple[int, int]], tensor_level: list[bool]) -> WholeTensors | None:
+    """The pairs of a budget that takes every candidate which need no block rows: every block of the expert's
+    tensor is a candidate (mp_rank_tensor: candidates == n_blocks, their bytes == the tensor's), nothing is
+    pruned, and the expert's blocks are the base's (`base_blocks`: base tensor_idx -> (n_blocks,
+    rows_per_block)). Taking every block of such a tensor reads exactly its bytes, so the plan reads them as
+    one whole-tensor unit: the access mask, plan hash, bytes and summary are those of its block reads, without
+    fetching (PostgreSQL) or building (Python) a row per block. Experts of another kind (LoRA factor units),
+    planned at tensor level, or with packed blocks (costed by compressed length) keep their block rows.
+    None when no pair qualifies."""
+    by_pos = {e.position: e for e in experts
+              if not tensor_level[e.position] and e.checkpoint.has_stats
+              and e.checkpoint.kind in ("full", "delta", "snapshot")}
+    ids = sorted({e.checkpoint.id for e in by_pos.values()})
+    if not ids:
+        return None
+    pk, rt = schema.packed_block, schema.rank_tensor
+    packed = set(conn.execute(sa.select(pk.c.checkpoint_id).where(pk.c.checkpoint_id.in_(ids)).distinct()).scalars())
+    summaries = {(cid, int(t)): (int(n), int(nb)) for cid, t, n, nb in conn.execute(
+        sa.select(rt.c.checkpoint_id, rt.c.tensor_idx, rt.c.candidates, rt.c.candidate_bytes)
+        .where(rt.c.checkpoint_id.in_(sorted(set(ids) - packed))))}
+    tensors = {pos: {t.idx: t for t in e.tensors.values()} for pos, e in by_pos.items()}
+    reads: dict[str, list[Any]] = {k: [] for k in READ_COLUMNS}
+    counts, sizes, rest = [], [], []
+    for pos, et_idx, bt_idx, prune_below in zip(*pairs[:4]):
+        e = by_pos.get(pos)
+        found = None if e is None or prune_below is not None else summaries.get((e.checkpoint.id, et_idx))
+        et = tensors[pos][et_idx] if found is not None else None
+        if et is None or found != (et.n_blocks, et.nbytes) or base_blocks.get(bt_idx) != (et.n_blocks,
+                                                                                           et.rows_per_block):
+            rest.append(True)
+            continue
+        rest.append(False)
+        for k, v in zip(READ_COLUMNS, (pos, bt_idx, -1, et.offset, et.nbytes, et.xxh3)):
+            reads[k].append(v)
+        counts.append(et.n_blocks)
+        sizes.append(et.nbytes)
+    if all(rest):
+        return None
+    n = len(counts)
+    cols = {k: np.asarray(v, dtype=object if k == "xxh3" else np.int64) for k, v in reads.items()}
+    order = np.lexsort((cols["position"], cols["tensor_idx"]))
+    cols = {k: v[order] for k, v in cols.items()}
+    c, s = np.asarray(counts, np.int64)[order], np.asarray(sizes, np.int64)[order]
+    summary = {"tensor_idx": cols["tensor_idx"], "position": cols["position"], "n_blocks": c, "nbytes": s,
+               "n_selected": c, "selected_bytes": s, "omitted_score": np.zeros(n),
+               "omitted_unscored": np.zeros(n, np.int64)}
+    return WholeTensors(Selection(cols, summary), int(s.sum()), rest)
+
+
 @dataclass
 class TopOfRanking:
     """A budgeted single-block plan read from the top of each expert's ranking: the threshold T (more than the

@@ -148,7 +148,7 @@ def test_access_sets_are_nested_prefixes(catalog, tiny_family) -> None:
     previous: set = set()
     for frac in (0.05, 0.2, 0.6, 1.0):
         p = catalog.plan(spec, budget=frac)
-        current = {(pos, t, r.block_idx) for (pos, t), reads in p.access.items() for r in reads}
+        current = {(pos, t, b) for pos, t in p.access for b in p.selected_blocks(pos, t)}
         assert previous <= current
         previous = current
 

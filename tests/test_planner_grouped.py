@@ -19,9 +19,9 @@ def _spec(method: str, names: list[str]) -> dict:
 def _candidates(full_plan) -> dict[tuple[int, int], set[int]]:
     """(tensor_idx, block_idx) -> experts with a candidate there (the full-budget access set)."""
     out: dict[tuple[int, int], set[int]] = {}
-    for (pos, tidx), reads in full_plan.access.items():
-        for r in reads:
-            out.setdefault((tidx, r.block_idx), set()).add(pos)
+    for pos, tidx in full_plan.access:
+        for b in full_plan.selected_blocks(pos, tidx):  # a full budget reads some tensors whole
+            out.setdefault((tidx, b), set()).add(pos)
     return out
 
 

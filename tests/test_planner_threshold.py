@@ -34,9 +34,24 @@ def _unfiltered(name: str) -> str:
 
 
 def _state(plan) -> str:
-    """Everything the plan says but its bounds (repr: NaN compares equal)."""
+    """Everything the plan says but its bounds (repr: NaN compares equal). Reads as the byte ranges they cover
+    (adjacent ones joined): a tensor every block of which is read may be one whole-tensor read unit."""
     summary = {k: v for k, v in plan.summary().items() if k != "bound"}
-    return repr((plan.plan_hash, plan.access, plan.full_selection, summary, sorted(plan.bound_per_tensor or {})))
+    return repr((plan.plan_hash, _byte_ranges(plan), plan.full_selection, summary,
+                 sorted(plan.bound_per_tensor or {})))
+
+
+def _byte_ranges(plan) -> dict:
+    out = {}
+    for key, reads in sorted(plan.access.items()):
+        ranges: list[list[int]] = []
+        for r in reads:
+            if ranges and ranges[-1][1] == r.offset:
+                ranges[-1][1] += r.nbytes
+            else:
+                ranges.append([r.offset, r.offset + r.nbytes])
+        out[key] = ranges
+    return out
 
 
 def _same_bound(a: float | None, b: float | None) -> bool:
