@@ -122,6 +122,15 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
+def packed_checkpoints(conn: sa.Connection, checkpoint_ids: list[str]) -> set[str]:
+    """Those of `checkpoint_ids` with blocks in the store (one query)."""
+    if not checkpoint_ids:
+        return set()
+    pk = schema.packed_block
+    return set(conn.execute(sa.select(pk.c.checkpoint_id).where(pk.c.checkpoint_id.in_(sorted(set(checkpoint_ids))))
+                            .distinct()).scalars())
+
+
 def load_index(conn: sa.Connection, checkpoint_id: str) -> PackedIndex:
     pk, bl = schema.packed_block, schema.blob
     rows = conn.execute(

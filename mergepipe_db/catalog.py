@@ -157,7 +157,7 @@ class Catalog:
         plan: Plan | None = None
         version: int | None = None
         with self.db.connect() as conn:
-            found = [_find_model(conn, r) for r in refs]
+            found = _find_models(conn, refs)
             if all(f is not None for f in found):
                 ids = [f[0] for f in found if f is not None]
                 _check_family(conn, ids[0], ids[1:], s)
@@ -356,6 +356,21 @@ def _find_model(conn: sa.Connection, ref: str) -> tuple[str, str] | None:
         return None
     name = conn.execute(sa.select(schema.checkpoint.c.name).where(schema.checkpoint.c.id == found)).scalar_one()
     return found, name
+
+
+def _find_models(conn: sa.Connection, refs: list[str]) -> list[tuple[str, str] | None]:
+    """`_find_model` of each of `refs`, names and refs looked up together (three queries, not two per model)."""
+    c, r = schema.checkpoint, schema.ref
+    by_name = {name: (cid, name) for cid, name in conn.execute(sa.select(c.c.id, c.c.name)
+                                                               .where(c.c.name.in_(sorted(set(refs)))))}
+    pending = sorted({x for x in refs if x not in by_name})
+    by_ref: dict[str, tuple[str, str]] = {}
+    if pending:
+        snapshots = dict(conn.execute(sa.select(r.c.name, r.c.snapshot_id).where(r.c.name.in_(pending))).all())
+        names = dict(conn.execute(sa.select(c.c.id, c.c.name).where(c.c.id.in_(sorted(set(snapshots.values())))))
+                     .all()) if snapshots else {}
+        by_ref = {ref: (sid, names[sid]) for ref, sid in snapshots.items() if sid in names}
+    return [by_name.get(x) or by_ref.get(x) or _find_model(conn, x) for x in refs]
 
 
 def _lookup(conn: sa.Connection, ref: str) -> str | None:

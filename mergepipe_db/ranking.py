@@ -240,8 +240,10 @@ def whole_tensors(conn: sa.Connection, experts: list[ExpertPlan], pairs: tuple[l
     ids = sorted({e.checkpoint.id for e in by_pos.values()})
     if not ids:
         return None
-    pk, rt = schema.packed_block, schema.rank_tensor
-    packed = set(conn.execute(sa.select(pk.c.checkpoint_id).where(pk.c.checkpoint_id.in_(ids)).distinct()).scalars())
+    from mergepipe_db.blockstore import packed_checkpoints
+
+    rt = schema.rank_tensor
+    packed = packed_checkpoints(conn, ids)
     summaries = {(cid, int(t)): (int(n), int(nb)) for cid, t, n, nb in conn.execute(
         sa.select(rt.c.checkpoint_id, rt.c.tensor_idx, rt.c.candidates, rt.c.candidate_bytes)
         .where(rt.c.checkpoint_id.in_(sorted(set(ids) - packed))))}

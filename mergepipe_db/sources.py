@@ -549,9 +549,11 @@ def attach_sources(conn: Any, plan: Any) -> None:
     from mergepipe_db import blockstore
 
     changed = False
+    with_packed = blockstore.packed_checkpoints(conn, [e.checkpoint.id for e in plan.experts
+                                                       if e.checkpoint.kind == "full"])
     for e in plan.experts:
         kind = e.checkpoint.kind
-        packed = blockstore.load_index(conn, e.checkpoint.id) if kind == "full" else None
+        packed = blockstore.load_index(conn, e.checkpoint.id) if e.checkpoint.id in with_packed else None
         if kind == "lora":
             cfg = e.checkpoint.config or {}
             plan.sources[e.position] = ExpertSource("lora", e, lora=cfg.get("lora", {}))

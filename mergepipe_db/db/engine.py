@@ -138,7 +138,10 @@ class Database:
         return SCHEMA_HEAD
 
     def current_revision(self, conn: Connection) -> str | None:
-        if not sa.inspect(conn).has_table("alembic_version"):
+        # information_schema directly: SQLAlchemy's inspector costs ~40 ms per connection on DuckDB
+        found = conn.execute(sa.text("SELECT COUNT(*) FROM information_schema.tables WHERE table_name = "
+                                     "'alembic_version' AND table_schema = current_schema()")).scalar()
+        if not found:
             return None
         row = conn.execute(sa.text("SELECT version_num FROM alembic_version")).first()
         return None if row is None else str(row[0])
