@@ -115,3 +115,17 @@ def test_verify_reads_checks_a_whole_tensor_read(catalog, tiny_family, tmp_path)
     with pytest.raises(IntegrityError, match=f"tensor {et.name!r}, whole tensor"):
         catalog.merge(spec, out=tmp_path / "out", verify_reads=True)
     assert not (tmp_path / "out").exists()
+
+
+def test_when_take_all_fails_every_candidate_is_ranked_whole_tensors_included(catalog, tiny_family,
+                                                                              monkeypatch) -> None:
+    """take_all refuses (a read cost above the budget): the pairs taken whole go back to the ranking."""
+    names = ingest_family(catalog, tiny_family)
+    spec = make_spec("linear", names)
+    whole = catalog.plan(spec, budget="1.0")
+    with monkeypatch.context() as m:
+        m.setattr(ranking, "take_all", lambda *a: None)
+        ranked = catalog.plan(spec, budget="1.0")
+    assert all(r.block_idx >= 0 for reads in ranked.access.values() for r in reads)
+    assert _state(ranked) == _state(whole)
+    assert ranked.planned_bytes == whole.planned_bytes == whole.candidate_bytes

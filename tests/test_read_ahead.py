@@ -119,3 +119,31 @@ def test_an_error_in_the_output_statistics_stops_the_merge_and_publishes_nothing
     monkeypatch.setattr(executor, "_out_blocks", real)
     catalog.merge(make_spec("linear", names), out=tmp_path / "out", budget="1.0")
     assert_bytes_equal(load_output(tmp_path / "out"), reference_for(catalog, tiny_family, "linear", names))
+
+
+def test_an_error_reading_the_base_stops_the_merge_and_publishes_nothing(catalog, tiny_family, tmp_path,
+                                                                        monkeypatch) -> None:
+    """The base is read ahead on a thread of its own (`_BaseAhead`): its error is the merge's error, no reader
+    thread is left behind, nothing appears at --out, and the same merge then commits."""
+    from mergepipe_db import storage
+
+    names = ingest_family(catalog, tiny_family)
+    base_files = {str(p.resolve()) for p in tiny_family.base.glob("*.safetensors")}
+    calls: list[str] = []
+    real = storage.RangeReader.read_aligned
+
+    def failing(self, path, *args, **kwargs):  # noqa: ANN001, ANN202
+        if str(Path(path).resolve()) in base_files:
+            calls.append(path)
+            if len(calls) == 3:
+                raise OSError(5, "base read failed")
+        return real(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(storage.RangeReader, "read_aligned", failing)
+    with pytest.raises(OSError, match="base read failed"):
+        catalog.merge(make_spec("ties", names), out=tmp_path / "out", budget="0.5")
+    assert len(calls) == 3 and not (tmp_path / "out").exists()
+    assert not [t for t in threading.enumerate() if t.name in ("mergepipe-base", "mergepipe-output")]
+    monkeypatch.setattr(storage.RangeReader, "read_aligned", real)
+    catalog.merge(make_spec("linear", names), out=tmp_path / "out", budget="1.0")
+    assert_bytes_equal(load_output(tmp_path / "out"), reference_for(catalog, tiny_family, "linear", names))
