@@ -490,8 +490,6 @@ def _build_plan(conn: sa.Connection, spec: MergeSpec, *, base_id: str, expert_id
     # a budget that takes everything reads whole tensors where every block is a candidate: no row per block
     whole = ranking.whole_tensors(conn, experts, pt, {t.idx: (t.n_blocks, t.rows_per_block) for t in base_tensors},
                                   tensor_level) if take_all else None
-    if whole is not None and whole.nbytes > budget_bytes:
-        whole = None
     for name in ("mp_plan_expert", "mp_plan_tensor"):
         conn.execute(sa.text(f"DROP TABLE IF EXISTS {name}"))
     conn.execute(sa.text(sql_text("plan_expert_table")))
@@ -507,7 +505,7 @@ def _build_plan(conn: sa.Connection, spec: MergeSpec, *, base_id: str, expert_id
         selection = ranking.take_all(conn, budget_bytes - (whole.nbytes if whole else 0))
         if selection is not None and whole is not None:
             selection = ranking.merge_selections(whole.selection, selection)
-        elif whole is not None:  # rank every candidate, of the whole tensors too
+        elif whole is not None:  # the rest does not fit beside them: rank every candidate, whole tensors too
             _insert_plan_tensors(conn, pt, [not r for r in whole.rest])
             _prepare_ranking(conn)
     elif top is not None:

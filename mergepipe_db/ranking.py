@@ -39,6 +39,7 @@ import numpy as np
 import sqlalchemy as sa
 
 from mergepipe_db import sketch
+from mergepipe_db.blockstore import packed_checkpoints
 from mergepipe_db.db import schema
 from mergepipe_db.db.fetch import fetch_columns, pylist
 from mergepipe_db.resources import sql_text
@@ -51,6 +52,8 @@ if TYPE_CHECKING:
 _FLOOR_MARGIN = 1.0 - 2.0 ** -48
 #: T must be a normal number well inside float range for that margin to hold
 _T_MIN, _T_MAX = 1e-280, 1e280
+#: checkpoint kinds whose block rows are ranked one block at a time (a LoRA adapter's factor units are not)
+_BLOCK_KINDS = ("full", "delta", "snapshot")
 
 
 def write(conn: sa.Connection, checkpoint_id: str) -> None:
@@ -197,16 +200,11 @@ def take_all(conn: sa.Connection, budget: int) -> Selection | None:
     return Selection(reads, summary)
 
 
-def _column(values: Any, dtype: Any) -> np.ndarray:
-    return values if isinstance(values, np.ndarray) else np.asarray(values, dtype=dtype)
-
-
 def merge_selections(a: Selection, b: Selection) -> Selection:
     """One selection holding the reads and summary rows of both (disjoint (tensor, expert) pairs), sorted."""
     def joined(x: dict[str, Any], y: dict[str, Any], keys: tuple[str, ...], order: tuple[str, ...]
                ) -> dict[str, Any]:
-        cols = {k: np.concatenate([_column(x[k], object if k == "xxh3" else None),
-                                   _column(y[k], object if k == "xxh3" else None)]) for k in keys}
+        cols = {k: np.concatenate([x[k], y[k]]) for k in keys}  # numpy columns (`_sorted_reads`, `take_all`)
         rows = np.lexsort(tuple(cols[k] for k in reversed(order)))
         return {k: v[rows] for k, v in cols.items()}
 
@@ -236,12 +234,10 @@ def whole_tensors(conn: sa.Connection, experts: list[ExpertPlan], pairs: tuple[l
     None when no pair qualifies."""
     by_pos = {e.position: e for e in experts
               if not tensor_level[e.position] and e.checkpoint.has_stats
-              and e.checkpoint.kind in ("full", "delta", "snapshot")}
+              and e.checkpoint.kind in _BLOCK_KINDS}
     ids = sorted({e.checkpoint.id for e in by_pos.values()})
     if not ids:
         return None
-    from mergepipe_db.blockstore import packed_checkpoints
-
     rt = schema.rank_tensor
     packed = packed_checkpoints(conn, ids)
     summaries = {(cid, int(t)): (int(n), int(nb)) for cid, t, n, nb in conn.execute(
@@ -333,12 +329,11 @@ def top_of_ranking(conn: sa.Connection, experts: list[ExpertPlan], pairs: tuple[
     factor units) or with packed blocks (their costs are compressed lengths), a coefficient that is not a
     positive number, a tensor with scored candidates outside the plan (its buckets would count), no summaries,
     or no threshold (everything scored fits the budget)."""
-    if any(e.checkpoint.kind not in ("full", "delta", "snapshot") or not 0 < abs(e.coef) < math.inf
-           for e in experts):
+    if any(e.checkpoint.kind not in _BLOCK_KINDS or not 0 < abs(e.coef) < math.inf for e in experts):
         return None
     ids = sorted({e.checkpoint.id for e in experts})
-    pk, rt, rb = schema.packed_block, schema.rank_tensor, schema.rank_bucket
-    if conn.execute(sa.select(pk.c.checkpoint_id).where(pk.c.checkpoint_id.in_(ids)).limit(1)).first():
+    rt, rb = schema.rank_tensor, schema.rank_bucket
+    if packed_checkpoints(conn, ids):
         return None
     tensors: dict[str, list[Any]] = defaultdict(list)
     for row in conn.execute(sa.select(rt.c.checkpoint_id, rt.c.tensor_idx, rt.c.candidates, rt.c.candidate_bytes,
