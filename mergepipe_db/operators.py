@@ -635,7 +635,7 @@ class MergeOperator(abc.ABC):
     uses_theta: ClassVar[bool] = False
     #: needs tensor-global thresholds (ties, breadcrumbs): a partial read takes them from the sketch
     needs_full_tensor_stats: ClassVar[bool] = False
-    #: plan block rows of all experts together (ties, dare_ties; sql/plan_rank.sql :grouped)
+    #: plan block rows of all experts together (ties, dare_ties; sql/plan_rank_grouped.sql)
     joint_election: ClassVar[bool] = False
     normalize_default: ClassVar[bool] = False
     #: imports torch for its results (DARE's masks, slerp's norms): the executor sets its thread count first

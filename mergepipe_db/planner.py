@@ -2,7 +2,9 @@
 
 The ranking is SQL (`sql/plan_rank.sql`, one statement): score each candidate (expert, block) by c_k·‖Δ_k,b‖₂,
 rank with deterministic tie-breaks (score, tensor order, block index, expert order) and keep the prefix whose
-running cost fits the budget; the same statement returns the per-(tensor, expert) summary. Planner and executor
+running cost fits the budget; the same statement returns the per-(tensor, expert) summary. Operators with a
+joint sign election (ties, dare_ties) rank block rows instead, every expert's candidate of one (tensor, block)
+as one unit (`sql/plan_rank_grouped.sql`). Planner and executor
 use the same cost (stored bytes of the block), so budget soundness holds by construction: planned bytes ≤
 budget, and the executor checks realized == planned.
 
@@ -34,7 +36,7 @@ from typing import Any
 import numpy as np
 import sqlalchemy as sa
 
-from mergepipe_db import __version__, ranking, sketch
+from mergepipe_db import __version__, blockstore, ranking, sketch
 from mergepipe_db.db import schema
 from mergepipe_db.db.fetch import fetch_columns, pylist
 from mergepipe_db.errors import UnsupportedDtypeError
@@ -419,8 +421,11 @@ def finalize(conn: sa.Connection, plan: Plan, op: Any,
 
 #: PostgreSQL settings for the rest of the planning transaction (`set_config(..., is_local => true)`, i.e. SET
 #: LOCAL): the ranking sorts and keeps ~150 B per candidate, so the default 4 MB work_mem spills it to disk
-#: from ~30k candidates on; JIT compilation of the ranking costs more than it saves (~0.1 s per plan)
-_PG_PLAN_SETTINGS: tuple[tuple[str, str], ...] = (("work_mem", "256MB"), ("jit", "off"))
+#: from ~30k candidates on; JIT compilation of the ranking costs more than it saves (~0.1 s per plan); no
+#: input of a planning join comes sorted, yet PostgreSQL's cost model picks a merge join to match the chosen
+#: block rows with 10^6 candidates (plan_rank_grouped.sql), sorting all of them: 1.6 s, where hashing the
+#: few chosen rows takes 0.15 s
+_PG_PLAN_SETTINGS: tuple[tuple[str, str], ...] = (("work_mem", "256MB"), ("jit", "off"), ("enable_mergejoin", "off"))
 
 
 def _prepare_ranking(conn: sa.Connection) -> None:
@@ -483,13 +488,15 @@ def _build_plan(conn: sa.Connection, spec: MergeSpec, *, base_id: str, expert_id
                 for col, v in zip(pt, (e.position, et.idx, base_idx[et.name], bounds.get((e.position, et.idx)))):
                     col.append(v)
     tensor_level = [bool(op.tensor_granular or not e.checkpoint.has_stats) for e in experts]
-    grouped = 1 if getattr(op, "joint_election", False) else 0
+    grouped = bool(getattr(op, "joint_election", False))
+    assert not (grouped and op.additive)  # plan_rank_grouped.sql sums no bound terms
+    packed = blockstore.packed_checkpoints(conn, [e.checkpoint.id for e in experts])
     take_all = budget_bytes >= full_bytes
     top = None if take_all or grouped or bounds or any(tensor_level) else ranking.top_of_ranking(
-        conn, experts, pt, budget_bytes)
+        conn, experts, pt, budget_bytes, packed)
     # a budget that takes everything reads whole tensors where every block is a candidate: no row per block
     whole = ranking.whole_tensors(conn, experts, pt, {t.idx: (t.n_blocks, t.rows_per_block) for t in base_tensors},
-                                  tensor_level) if take_all else None
+                                  tensor_level, packed) if take_all else None
     for name in ("mp_plan_expert", "mp_plan_tensor"):
         conn.execute(sa.text(f"DROP TABLE IF EXISTS {name}"))
     conn.execute(sa.text(sql_text("plan_expert_table")))
@@ -497,6 +504,7 @@ def _build_plan(conn: sa.Connection, spec: MergeSpec, *, base_id: str, expert_id
     conn.execute(sa.text(sql_text("plan_expert_insert")), {
         "position": [e.position for e in experts], "checkpoint_id": [e.checkpoint.id for e in experts],
         "coef": [abs(e.coef) for e in experts], "tensor_level": tensor_level,
+        "packed": [e.checkpoint.id in packed for e in experts],
         "score_floor": [None if top is None else top.floors[e.position] for e in experts]})
     _insert_plan_tensors(conn, pt, None if whole is None else whole.rest)
     _prepare_ranking(conn)
@@ -510,10 +518,16 @@ def _build_plan(conn: sa.Connection, spec: MergeSpec, *, base_id: str, expert_id
             _prepare_ranking(conn)
     elif top is not None:
         selection = top.rank(conn, budget_bytes)
-    if selection is None:  # every candidate ranked (sql/plan_rank.sql)
+    pruned = None
+    if selection is None and grouped:  # every block row ranked (sql/plan_rank_grouped.sql), pruned ones counted
+        selection, pruned_cols = ranking.Selection.from_grouped_rows(fetch_columns(conn, conn.execute(
+            sa.text(sql_text("plan_rank_grouped")), {"budget": budget_bytes})))
+        pruned = list(zip(*(pylist(pruned_cols[c]) for c in ("tensor_idx", "position", "n_blocks", "nbytes"))))
+    elif selection is None:  # every candidate ranked (sql/plan_rank.sql)
         selection = ranking.Selection.from_rows(fetch_columns(conn, conn.execute(
-            sa.text(sql_text("plan_rank")), {"budget": budget_bytes, "grouped": grouped})))
-    pruned = conn.execute(sa.text(sql_text("plan_pruned"))).all() if bounds else []
+            sa.text(sql_text("plan_rank")), {"budget": budget_bytes})))
+    if pruned is None:
+        pruned = conn.execute(sa.text(sql_text("plan_pruned"))).all() if bounds else []
     for name in ("mp_plan_expert", "mp_plan_tensor"):
         conn.execute(sa.text(f"DROP TABLE IF EXISTS {name}"))
 

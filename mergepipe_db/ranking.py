@@ -24,7 +24,8 @@ is a contiguous run of rows: few heap pages on PostgreSQL, few row groups (zone 
 
 Every way of ranking hands the planner a `Selection`: the top of the ranking (`TopOfRanking`), every candidate
 taken when the budget holds them all (`take_all`), or every candidate ranked (sql/plan_rank.sql, read by
-`Selection.from_rows`).
+`Selection.from_rows`; block rows for operators with a joint sign election, sql/plan_rank_grouped.sql, read by
+`Selection.from_grouped_rows`).
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ import numpy as np
 import sqlalchemy as sa
 
 from mergepipe_db import sketch
-from mergepipe_db.blockstore import packed_checkpoints
 from mergepipe_db.db import schema
 from mergepipe_db.db.fetch import fetch_columns, pylist
 from mergepipe_db.resources import sql_text
@@ -154,6 +154,33 @@ class Selection:
         n = int(np.searchsorted(np.asarray(cols["kind"], dtype=np.int64), 1))
         return cls({k: cols[k][:n] for k in READ_COLUMNS}, {k: cols[k][n:] for k in SUMMARY_COLUMNS})
 
+    @classmethod
+    def from_grouped_rows(cls, cols: dict[str, Any]) -> tuple[Selection, dict[str, np.ndarray]]:
+        """From the rows of sql/plan_rank_grouped.sql: the selection, and the pruned candidates per (tensor,
+        expert) (columns tensor_idx, position, n_blocks, nbytes). The summary's selected counts and bytes are
+        those of the reads of each (tensor, expert); its bound terms are zero (block-row operators are not
+        additive: the planner computes no bound for them)."""
+        kind = np.asarray(cols["kind"], dtype=np.int64)
+        n_reads, n_ranked = (int(v) for v in np.searchsorted(kind, [1, 2]))
+        reads, _rows = _sorted_reads({k: cols[k][:n_reads] for k in READ_COLUMNS})
+
+        def pairs(lo: int, hi: int) -> dict[str, np.ndarray]:
+            return {k: np.asarray(cols[k][lo:hi], dtype=np.int64) for k in ("tensor_idx", "position", "n_blocks",
+                                                                              "nbytes")}
+
+        ranked, pruned = pairs(n_reads, n_ranked), pairs(n_ranked, kind.size)
+        # each read's (tensor, expert) row of the summary: both are sorted by tensor_idx, position
+        n_pos = int(max(ranked["position"].max(initial=-1), reads["position"].max(initial=-1))) + 1
+        keys = ranked["tensor_idx"] * n_pos + ranked["position"]
+        row = np.searchsorted(keys, reads["tensor_idx"] * n_pos + reads["position"])
+        m = keys.size
+        selected_bytes = np.zeros(m, np.int64)
+        np.add.at(selected_bytes, row, reads["nbytes"])
+        summary = {**ranked, "n_selected": np.bincount(row, minlength=m).astype(np.int64),
+                   "selected_bytes": selected_bytes, "omitted_score": np.zeros(m),
+                   "omitted_unscored": np.zeros(m, np.int64)}
+        return cls(reads, summary), pruned
+
 
 def _sorted_reads(cols: dict[str, Any], rows: np.ndarray | None = None
                   ) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
@@ -223,15 +250,16 @@ class WholeTensors:
 
 
 def whole_tensors(conn: sa.Connection, experts: list[ExpertPlan], pairs: tuple[list[Any], ...],
-                  base_blocks: dict[int, tuple[int, int]], tensor_level: list[bool]) -> WholeTensors | None:
+                  base_blocks: dict[int, tuple[int, int]], tensor_level: list[bool], packed: set[str]
+                  ) -> WholeTensors | None:
     """The pairs of a budget that takes every candidate which need no block rows: every block of the expert's
     tensor is a candidate (mp_rank_tensor: candidates == n_blocks, their bytes == the tensor's), nothing is
     pruned, and the expert's blocks are the base's (`base_blocks`: base tensor_idx -> (n_blocks,
     rows_per_block)). Taking every block of such a tensor reads exactly its bytes, so the plan reads them as
     one whole-tensor unit: the access mask, plan hash, bytes and summary are those of its block reads, without
     fetching (PostgreSQL) or building (Python) a row per block. Experts of another kind (LoRA factor units),
-    planned at tensor level, or with packed blocks (costed by compressed length) keep their block rows.
-    None when no pair qualifies."""
+    planned at tensor level, or with packed blocks (`packed`: the checkpoints with blocks in the store, costed
+    by compressed length) keep their block rows. None when no pair qualifies."""
     by_pos = {e.position: e for e in experts
               if not tensor_level[e.position] and e.checkpoint.has_stats
               and e.checkpoint.kind in _BLOCK_KINDS}
@@ -239,7 +267,6 @@ def whole_tensors(conn: sa.Connection, experts: list[ExpertPlan], pairs: tuple[l
     if not ids:
         return None
     rt = schema.rank_tensor
-    packed = packed_checkpoints(conn, ids)
     summaries = {(cid, int(t)): (int(n), int(nb)) for cid, t, n, nb in conn.execute(
         sa.select(rt.c.checkpoint_id, rt.c.tensor_idx, rt.c.candidates, rt.c.candidate_bytes)
         .where(rt.c.checkpoint_id.in_(sorted(set(ids) - packed))))}
@@ -322,18 +349,18 @@ class TopOfRanking:
         return Selection(reads, summary)
 
 
-def top_of_ranking(conn: sa.Connection, experts: list[ExpertPlan], pairs: tuple[list[Any], ...], budget: int
-                   ) -> TopOfRanking | None:
+def top_of_ranking(conn: sa.Connection, experts: list[ExpertPlan], pairs: tuple[list[Any], ...], budget: int,
+                   packed: set[str]) -> TopOfRanking | None:
     """The top-of-ranking plan for single-block ranking of `experts` (`pairs`: the plan's (position, expert
     tensor_idx, base tensor_idx) columns), or None where it does not apply: an expert of another kind (LoRA:
-    factor units) or with packed blocks (their costs are compressed lengths), a coefficient that is not a
+    factor units) or with packed blocks (in `packed`: their costs are compressed lengths), a coefficient that is not a
     positive number, a tensor with scored candidates outside the plan (its buckets would count), no summaries,
     or no threshold (everything scored fits the budget)."""
     if any(e.checkpoint.kind not in _BLOCK_KINDS or not 0 < abs(e.coef) < math.inf for e in experts):
         return None
     ids = sorted({e.checkpoint.id for e in experts})
     rt, rb = schema.rank_tensor, schema.rank_bucket
-    if packed_checkpoints(conn, ids):
+    if packed & set(ids):
         return None
     tensors: dict[str, list[Any]] = defaultdict(list)
     for row in conn.execute(sa.select(rt.c.checkpoint_id, rt.c.tensor_idx, rt.c.candidates, rt.c.candidate_bytes,

@@ -1,34 +1,25 @@
--- The whole ranking in one statement (window functions in subqueries only, portable DuckDB/PostgreSQL).
+-- The whole ranking of single blocks in one statement (window functions in subqueries only, portable
+-- DuckDB/PostgreSQL). Operators with a joint sign election rank block rows instead (plan_rank_grouped.sql).
 --
 -- candidates (sql/plan_candidates.sql): every (expert, block) of the plan's tensors, scored, with its read cost.
 -- ranked: deterministic order (score DESC NULLS LAST, tensor_idx, block_idx, position; candidates without
 -- statistics rank last, in tensor order); running_cost is the cumulative read cost in that order, so the
 -- access set for a budget B is the prefix running_cost <= B.
--- :grouped = 1 (operators with a joint sign election, ties / dare_ties) ranks block rows instead: the
--- candidates of every expert for one (tensor, block) form a group, scored by the sum of their scores, read
--- all together or not at all (a group's running cost is the cost up to its last member); LoRA factors
--- (block_idx -2) come first, so a selected block always has its factor.
--- The leading sort key (factors first) is written out in the window's ORDER BY, not as a column of keyed: at
--- :grouped = 0 it is then a constant the planner drops (PostgreSQL compares a constant first key on every
--- comparison otherwise, and its sort takes twice as long).
 --
 -- The result has two kinds of rows, sorted by kind, tensor_idx, position, block_idx:
 --   kind 0, one per selected read: block_idx, nbytes (read cost), block_offset, xxh3;
 --   kind 1, one per (tensor, expert) with candidates: nbytes = candidate bytes, n_blocks = candidates,
 --           n_selected / selected_bytes of them in the access set, and the omitted-update bound terms
 --           (block_idx -2, a LoRA factor, is a read unit, not an update: it adds nothing to the bound).
--- Pruned blocks are counted by plan_pruned.sql (run only when some prune_below is set).
+-- Nothing is pruned here (pruning is TIES's, which ranks block rows).
 WITH /*include plan_candidates*/,
 keyed AS MATERIALIZED (
-    SELECT position, tensor_idx, block_idx, nbytes, block_offset, xxh3, score,
-           CASE WHEN :grouped = 0 THEN score
-                WHEN block_idx = -2 THEN NULL
-                ELSE SUM(score) OVER (PARTITION BY tensor_idx, block_idx) END AS rank_key
+    SELECT position, tensor_idx, block_idx, nbytes, block_offset, xxh3, score, score AS rank_key
     FROM candidates
     WHERE pruned = 0
 ),
--- The access set is a prefix of the ranking order, and so is C = {rank_key >= T} for any T (plus the factors at
--- :grouped = 1, which rank first; a group shares its key, so stays whole; NULL keys rank last). Once C's bytes
+-- The access set is a prefix of the ranking order, and so is C = {rank_key >= T} for any T (NULL keys rank
+-- last). Once C's bytes
 -- exceed the budget, every selected candidate is in C and running costs over C equal those over all
 -- candidates, so only C is sorted. T comes from a histogram of the keys in log-scale buckets: cum_bytes and
 -- cum_min are the bytes and smallest key of every bucket from the top down to this one, so {rank_key >=
@@ -59,18 +50,14 @@ cut AS (
 running AS (
     SELECT position, tensor_idx, block_idx, nbytes, block_offset, xxh3, score,
            SUM(nbytes) OVER (
-               ORDER BY CASE WHEN :grouped = 1 AND block_idx = -2 THEN 0 ELSE 1 END, rank_key DESC NULLS LAST,
-                        tensor_idx, block_idx, position
+               ORDER BY rank_key DESC NULLS LAST, tensor_idx, block_idx, position
                ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW
            ) AS running_cost
     FROM keyed CROSS JOIN cut
-    WHERE cut.threshold IS NULL OR COALESCE(rank_key >= cut.threshold, FALSE) OR (:grouped = 1 AND block_idx = -2)
+    WHERE cut.threshold IS NULL OR COALESCE(rank_key >= cut.threshold, FALSE)
 ),
 ranked AS MATERIALIZED (
-    SELECT position, tensor_idx, block_idx, nbytes, block_offset, xxh3, score,
-           CAST(CASE WHEN :grouped = 1 AND block_idx <> -2
-                     THEN MAX(running_cost) OVER (PARTITION BY tensor_idx, block_idx)
-                     ELSE running_cost END AS BIGINT) AS running_cost
+    SELECT position, tensor_idx, block_idx, nbytes, block_offset, xxh3, score, CAST(running_cost AS BIGINT) AS running_cost
     FROM running
 ),
 -- every candidate once: those of C with their running cost, the others (outside C: never selected)
@@ -80,7 +67,7 @@ everything AS (
     UNION ALL
     SELECT position, tensor_idx, block_idx, nbytes, score, 0 AS selected
     FROM keyed CROSS JOIN cut
-    WHERE NOT (cut.threshold IS NULL OR COALESCE(rank_key >= cut.threshold, FALSE) OR (:grouped = 1 AND block_idx = -2))
+    WHERE NOT (cut.threshold IS NULL OR COALESCE(rank_key >= cut.threshold, FALSE))
 )
 SELECT 0 AS kind, position, tensor_idx, block_idx, CAST(nbytes AS BIGINT) AS nbytes,
        CAST(block_offset AS BIGINT) AS block_offset, xxh3,

@@ -4,8 +4,14 @@ divisor while the others are kept. Budget soundness holds; full-budget exactness
 
 from __future__ import annotations
 
+import itertools
+import math
+
 import pytest
+import sqlalchemy as sa
 from conftest import ingest_family
+
+from mergepipe_db.spec import Budget
 
 pytestmark = pytest.mark.catalog
 
@@ -54,3 +60,75 @@ def test_linear_still_ranks_single_blocks(catalog, tiny_family) -> None:
             got.setdefault((tidx, r.block_idx), set()).add(pos)
     assert any(experts != groups[key] for key, experts in got.items())  # some row read for one expert only
 
+
+
+# --- the grouped ranking against a plainly written one ------------------------------------------------------
+
+_SCORES = {
+    "as_ingested": None,
+    # NULL (no statistics), NaN and inf (sort above every number), subnormal, tiny, huge and equal scores
+    "special": "CASE WHEN block_idx % 7 = 0 THEN NULL WHEN block_idx % 7 = 1 THEN :nan "
+               "WHEN block_idx % 7 = 2 THEN :inf WHEN block_idx % 7 = 3 THEN 5e-310 "
+               "WHEN block_idx % 7 = 4 THEN 1e-200 WHEN block_idx % 7 = 5 THEN 1e250 ELSE 0.25 END",
+    "all_equal": "0.5",
+    "no_statistics": "NULL",
+}
+
+
+def _units_in_rank_order(catalog, plan) -> list[tuple[tuple[int, int], int, set[int]]]:
+    """Block rows ranked as docs/SEMANTICS.md says, written plainly: every expert's candidate (nonzero delta)
+    of a (tensor, block), taken together; key = the sum of their scores c_k·delta_l2 (NULL ones left out;
+    NULL if all are), ranked NaN first, then descending, NULL last, ties by tensor then block. Returns
+    ((tensor_idx, block_idx), cost, experts) in that order. Nothing may be pruned (density 1)."""
+    assert plan.pruned_blocks == 0
+    base_idx = {t.name: t.idx for t in plan.base_tensors}
+    with catalog.db.connect() as conn:
+        tensors = conn.execute(sa.text("SELECT checkpoint_id, tensor_idx, name FROM mp_tensor")).all()
+        names = {(c, t): n for c, t, n in tensors}
+        rows = conn.execute(sa.text("SELECT checkpoint_id, tensor_idx, block_idx, nbytes, delta_l2 FROM mp_block "
+                                    "WHERE delta_l2 IS NULL OR delta_l2 <> 0")).all()
+    units: dict[tuple[int, int], list[tuple[int, int, float | None]]] = {}
+    for e in plan.experts:
+        coef = abs(e.coef)
+        for cid, tidx, bidx, nbytes, l2 in rows:
+            if cid == e.checkpoint.id and names[(cid, tidx)] in base_idx:
+                key = (base_idx[names[(cid, tidx)]], bidx)
+                units.setdefault(key, []).append((e.position, nbytes, None if l2 is None else coef * l2))
+
+    def order(item):
+        (tidx, bidx), members = item
+        scores = [s for _p, _n, s in members if s is not None]
+        key = sum(scores) if scores else None
+        rank = (0, 0.0) if key is not None and math.isnan(key) else (1, -key) if key is not None else (2, 0.0)
+        return (*rank, tidx, bidx)
+
+    return [(key, sum(n for _p, n, _s in members), {p for p, _n, _s in members})
+            for key, members in sorted(units.items(), key=order)]
+
+
+@pytest.mark.parametrize("method", ["ties", "dare_ties"])
+@pytest.mark.parametrize("scores", list(_SCORES))
+def test_grouped_selection_is_the_prefix_of_the_unit_ranking(catalog, tiny_family, method, scores) -> None:
+    names = ingest_family(catalog, tiny_family)
+    if _SCORES[scores] is not None:
+        with catalog.db.connect() as conn:
+            conn.execute(sa.text(f"UPDATE mp_block SET delta_l2 = {_SCORES[scores]} "  # noqa: S608 (test constants)
+                                 "WHERE delta_l2 IS NULL OR delta_l2 <> 0"), {"nan": math.nan, "inf": math.inf})
+            conn.commit()
+    spec = _spec(method, names)
+    for m in spec["models"]:
+        m["parameters"]["density"] = 1.0  # no TIES pruning: the plain ranking above knows nothing of it
+    units = _units_in_rank_order(catalog, catalog.plan(spec, budget="1.0"))
+    running = list(itertools.accumulate(cost for _k, cost, _e in units))
+    budgets = sorted({b for r in running for b in (r - 1, r, r + 1) if b >= 2})
+    if len(budgets) > 30:
+        budgets = budgets[:: len(budgets) // 30 + 1] + budgets[-3:]
+    for b in budgets:
+        plan = catalog.plan(spec, budget=Budget(nbytes=b))
+        want = {(p, tidx, bidx) for ((tidx, bidx), _c, experts), r in zip(units, running) if r <= b for p in experts}
+        got = {(p, tidx, blk) for (p, tidx) in plan.access for blk in plan.selected_blocks(p, tidx)}
+        assert got == want, b
+        assert plan.planned_bytes == max([r for r in running if r <= b], default=0) <= b
+        for (pos, tidx), full in plan.full_selection.items():  # the summary agrees with the reads
+            candidates = sum(1 for (t, _b), _c, experts in units if t == tidx and pos in experts)
+            assert full == (len(plan.selected_blocks(pos, tidx)) == candidates)

@@ -1,7 +1,7 @@
 """The ranking's threshold pre-filter (sql/plan_rank.sql: only candidates with rank_key >= T are sorted) changes
 nothing: every plan equals the one ranked over all candidates (the statement with the histogram cut disabled),
-at budgets on the histogram's bucket edges, with NULL, NaN, inf, subnormal and all-equal scores, for linear
-(single blocks) and ties (block rows, :grouped = 1)."""
+at budgets on the histogram's bucket edges, with NULL, NaN, inf, subnormal and all-equal scores. Block-row
+operators (ties) rank without a pre-filter (sql/plan_rank_grouped.sql; tests/test_planner_grouped.py)."""
 
 from __future__ import annotations
 
@@ -111,7 +111,7 @@ _SCORES = {
 }
 
 
-@pytest.mark.parametrize("method", ["linear", "ties"])
+@pytest.mark.parametrize("method", ["linear", "task_arithmetic"])
 @pytest.mark.parametrize("scores", list(_SCORES))
 def test_prefilter_keeps_every_plan(catalog, tiny_family, monkeypatch, method, scores) -> None:
     # this is about sql/plan_rank.sql: the top-of-ranking and take-all plans (tests/test_planner_top.py) are off
