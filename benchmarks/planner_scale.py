@@ -237,7 +237,8 @@ every size, and at the largest also at budget 1.0 (every candidate taken: a tens
 candidate is read whole, from the ranking summaries (`ranking.whole_tensors`), the others' blocks come from
 `sql/plan_take_all.sql`; here every block is a candidate, so the plan is 1,600 whole-tensor reads and no block
 row is fetched; "blocks selected" counts the blocks they cover) and TIES
-(density 0.5) at 0.1 (block rows ranked together: every candidate ranked, `sql/plan_rank.sql`; linear at 0.1
+(density 0.5) at 0.1 (block rows ranked together: every candidate's block row summed, then the 125,000 rows
+ranked, `sql/plan_rank_grouped.sql`; linear at 0.1
 reads the top of the ranking, `sql/plan_rank_top.sql`). `build_plan` = the planner inside one open catalog
 connection (temp tables, ranking query, selection, summary, plan hash); `Catalog.plan` = end-to-end public call
 (opens the catalog, checks the schema, resolves names, checks the family, plans, checks source freshness).
