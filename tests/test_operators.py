@@ -567,6 +567,23 @@ def test_partial_ties_with_sketch_in_all_regimes(seed: int) -> None:
     assert_bits_equal(got, lit_ties_combine(base, trimmed, [p.weight for p in params], True, 1.0))
 
 
+@pytest.mark.parametrize("n", [0, 1, 2, 623, 624, 625, 1248, 1249, 6 * 12, 256 * 2048 + 7])
+def test_mt19937_uniforms_are_torch_rand_bit_for_bit(n) -> None:
+    """DARE's uniforms come from mergepipe_db.mt19937, not torch: the same bits as torch.rand for a generator
+    given manual_seed(s), for seeds over the whole 63-bit range (torch keeps the low 32 bits) and sizes
+    around MT19937's 624-word state."""
+    from mergepipe_db.mt19937 import torch_rand_into
+
+    rng = np.random.default_rng(n)
+    for seed in [0, 1, 2**32 - 1, 2**32, 2**63 - 1, *rng.integers(0, 2**63 - 1, size=6).tolist()]:
+        g = torch.Generator(device="cpu")
+        g.manual_seed(seed)
+        want = torch.rand(n, generator=g, dtype=torch.float32).numpy()
+        got = np.full(n, np.nan, np.float32)
+        torch_rand_into(seed, got)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), seed
+
+
 def test_dare_mask_is_deterministic_and_block_local() -> None:
     shape, rpb = (50, 12), 6
     ctx = context(shape, rpb, seed=5)

@@ -1,0 +1,68 @@
+"""DARE's uniforms without torch's serial loop: ``torch.rand(n, generator=g)`` for a CPU generator seeded with
+``g.manual_seed(s)``, bit for bit, at several times its speed (numba, GIL released).
+
+torch's CPU generator is MT19937 seeded with the low 32 bits of s (``init_genrand``, the reference
+algorithm's, also numpy's legacy ``RandomState``), and its float32 uniform is the low 24 bits of one 32-bit
+output times 2^-24 (ATen's ``uniform_real_distribution<float>``: exact, no rounding). torch draws it one
+element at a time through the generator's virtual call (~0.45 G/s here); this draws the 624-word state a block
+at a time with loops LLVM vectorizes. docs/SEMANTICS.md defines the masks by torch's formula, and the tests
+compare against it (tests/test_operators.py) over seeds and sizes.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+_N, _M = 624, 397
+_UPPER, _LOWER, _MATRIX_A = np.uint32(0x80000000), np.uint32(0x7FFFFFFF), np.uint32(0x9908B0DF)
+_ONE, _LOW24 = np.uint32(1), np.uint32(0xFFFFFF)
+_INIT_MUL = np.uint32(1812433253)
+_SCALE = np.float32(2.0 ** -24)
+
+
+@numba.njit(cache=True, nogil=True)
+def _seed_state(state: np.ndarray, seed: np.uint32) -> None:
+    """init_genrand: state[0] = seed, state[j] = 1812433253 * (state[j-1] ^ (state[j-1] >> 30)) + j (mod 2^32)."""
+    state[0] = seed
+    for j in range(1, _N):
+        prev = state[j - 1]
+        state[j] = np.uint32(_INIT_MUL * (prev ^ (prev >> np.uint32(30))) + np.uint32(j))
+
+
+@numba.njit(cache=True, nogil=True)
+def _twist(state: np.ndarray) -> None:
+    """The next 624 words (MT19937's generation step, in the reference order: each word reads the already
+    twisted word 227 places back once k >= 227)."""
+    for k in range(_N - _M):
+        y = (state[k] & _UPPER) | (state[k + 1] & _LOWER)
+        state[k] = state[k + _M] ^ (y >> _ONE) ^ (_MATRIX_A * (state[k + 1] & _ONE))
+    for k in range(_N - _M, _N - 1):
+        y = (state[k] & _UPPER) | (state[k + 1] & _LOWER)
+        state[k] = state[k + _M - _N] ^ (y >> _ONE) ^ (_MATRIX_A * (state[k + 1] & _ONE))
+    y = (state[_N - 1] & _UPPER) | (state[0] & _LOWER)
+    state[_N - 1] = state[_M - 1] ^ (y >> _ONE) ^ (_MATRIX_A * (state[0] & _ONE))
+
+
+@numba.njit(cache=True, nogil=True)
+def _uniforms(seed: np.uint32, out: np.ndarray) -> None:
+    state = np.empty(_N, np.uint32)
+    _seed_state(state, seed)
+    n = out.shape[0]
+    for pos in range(0, n, _N):
+        _twist(state)
+        chunk = out[pos:pos + _N]
+        for i in range(chunk.shape[0]):
+            y = state[i]
+            y ^= y >> np.uint32(11)
+            y ^= (y << np.uint32(7)) & np.uint32(0x9D2C5680)
+            y ^= (y << np.uint32(15)) & np.uint32(0xEFC60000)
+            y ^= y >> np.uint32(18)
+            chunk[i] = np.float32(y & _LOW24) * _SCALE
+
+
+def torch_rand_into(seed: int, out: np.ndarray) -> None:
+    """Fill the flat float32 array `out` with ``torch.rand(out.size)`` of a generator given
+    ``manual_seed(seed)`` (0 <= seed < 2^64)."""
+    assert out.dtype == np.float32 and out.ndim == 1
+    _uniforms(np.uint32(seed & 0xFFFFFFFF), out)
