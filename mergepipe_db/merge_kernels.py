@@ -15,6 +15,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from mergepipe_db import mt19937
 from mergepipe_db.numba_bits import f32_to_bits, widen
 
 HIST_BINS = 1 << 15  # top 16 bits of a non-negative float32 (NaN included: 0x7FFF.... >> 16 < 2**15)
@@ -503,6 +504,58 @@ def ties_fused(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], 
                     nonzero, special = _absdelta_count_span(bb, xk)
                     counts[k, 0] += nonzero
                     counts[k, 1] += special
+            if fresh:
+                _untouched_span(out[t0:t0 + m], bb, lam)
+            else:
+                _ties_finish_span(out[t0:t0 + m], acc[T:T + m], acc[:m], acc[2 * T:2 * T + m], acc[3 * T:3 * T + m],
+                                  acc[4 * T:4 * T + m], bb, weights, lam)
+
+
+@numba.njit(cache=True, nogil=True)
+def dare_ties_fused(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], selected: np.ndarray,
+                    bounds: np.ndarray, dens: np.ndarray, seeds: np.ndarray, w: np.ndarray, weights: bool,
+                    lam: np.float32, skip: np.ndarray) -> None:
+    """The whole dare_ties fold of one tensor in one pass, as `ties_fused` does for ties: tile by tile, for
+    experts k = 0..K-1 in order (those with ``selected[k, b]``), T = where(u < d_k, Δ_k / d_k, 0.0) with u
+    drawn from the block's stream (`seeds[k, b]`; `mt19937`), or T = Δ_k where d_k >= 1 (no mask is drawn),
+    then `ties_dare_span`'s sums, kept in L1, and
+    `ties_finish`'s formula into `out`. Same operations, same order: the same bits as folding the experts one
+    by one with `ties_dare_span`, without a block of uniforms and five tensor-sized sums per expert."""
+    T = _TILE
+    K = selected.shape[0]
+    zero = np.float32(0.0)
+    inf = np.float32(np.inf)
+    acc = np.empty(5 * T, np.float32)
+    t = np.empty(T, np.float32)
+    u = np.empty(T, np.float32)
+    z = np.zeros(T, np.float32)
+    states = np.empty((K, mt19937.STATE_WORDS), np.uint32)
+    bufs = np.empty((K, mt19937.STATE_WORDS), np.float32)
+    pos = np.zeros(K, np.int64)
+    for b in range(bounds.shape[0] - 1):
+        if skip[b]:
+            continue
+        for k in range(K):
+            if selected[k, b] and dens[k] < np.float32(1.0):
+                pos[k] = mt19937.stream_start(states[k], seeds[k, b])
+        for t0 in range(bounds[b], bounds[b + 1], T):
+            m = min(T, bounds[b + 1] - t0)
+            bb = base[t0:t0 + m]
+            fresh = True
+            for k in range(K):
+                if not selected[k, b]:
+                    continue
+                xk = raws[k][t0:t0 + m]
+                d = dens[k]
+                if d < np.float32(1.0):
+                    pos[k] = mt19937.stream_fill(u[:m], states[k], bufs[k], pos[k])
+                    for i in range(m):
+                        q = (widen(xk[i]) - bb[i]) / d
+                        t[i] = q if u[i] < d else zero
+                    _ties_tile(acc, z[:m], t[:m], False, inf, w[k], weights, fresh)
+                else:  # no mask drawn: T = Δ (`ties_add`)
+                    _ties_tile(acc, bb, xk, False, inf, w[k], weights, fresh)
+                fresh = False
             if fresh:
                 _untouched_span(out[t0:t0 + m], bb, lam)
             else:

@@ -45,20 +45,58 @@ def _twist(state: np.ndarray) -> None:
 
 
 @numba.njit(cache=True, nogil=True)
+def _temper_into(state: np.ndarray, out: np.ndarray) -> None:
+    """The uniforms of the first out.shape[0] words of a freshly twisted state: MT19937's tempering, then the
+    low 24 bits times 2^-24."""
+    for i in range(out.shape[0]):
+        y = state[i]
+        y ^= y >> np.uint32(11)
+        y ^= (y << np.uint32(7)) & np.uint32(0x9D2C5680)
+        y ^= (y << np.uint32(15)) & np.uint32(0xEFC60000)
+        y ^= y >> np.uint32(18)
+        out[i] = np.float32(y & _LOW24) * _SCALE
+
+
+@numba.njit(cache=True, nogil=True)
 def _uniforms(seed: np.uint32, out: np.ndarray) -> None:
     state = np.empty(_N, np.uint32)
     _seed_state(state, seed)
-    n = out.shape[0]
-    for pos in range(0, n, _N):
+    for pos in range(0, out.shape[0], _N):
         _twist(state)
-        chunk = out[pos:pos + _N]
-        for i in range(chunk.shape[0]):
-            y = state[i]
-            y ^= y >> np.uint32(11)
-            y ^= (y << np.uint32(7)) & np.uint32(0x9D2C5680)
-            y ^= (y << np.uint32(15)) & np.uint32(0xEFC60000)
-            y ^= y >> np.uint32(18)
-            chunk[i] = np.float32(y & _LOW24) * _SCALE
+        _temper_into(state, out[pos:pos + _N])
+
+
+# A stream drawn piecewise (the fused DARE-TIES kernel draws each expert's uniforms one tile at a time): the
+# state, the uniforms of its current words (`buf`, 624) and how many of them are used. numba compiles these
+# into `merge_kernels.dare_ties_fused`, whose on-disk cache does not notice edits here: after changing this
+# file, delete mergepipe_db/__pycache__/merge_kernels.*.nb* (a fresh install has no cache).
+
+@numba.njit(cache=True, nogil=True)
+def stream_start(state: np.ndarray, seed: np.int64) -> int:
+    """Seed a stream as ``manual_seed(seed)`` does (0 <= seed < 2^63); returns its position (every word of
+    `buf` used)."""
+    _seed_state(state, np.uint32(seed & np.int64(0xFFFFFFFF)))
+    return _N
+
+
+@numba.njit(cache=True, nogil=True)
+def stream_fill(out: np.ndarray, state: np.ndarray, buf: np.ndarray, pos: int) -> int:
+    """The stream's next out.shape[0] uniforms into `out`; returns the new position."""
+    i = 0
+    n = out.shape[0]
+    while i < n:
+        if pos == _N:
+            _twist(state)
+            _temper_into(state, buf)
+            pos = 0
+        take = min(_N - pos, n - i)
+        out[i:i + take] = buf[pos:pos + take]
+        i += take
+        pos += take
+    return pos
+
+
+STATE_WORDS = _N
 
 
 def torch_rand_into(seed: int, out: np.ndarray) -> None:

@@ -1148,13 +1148,32 @@ class _TiesFold(_DeltaFold):
     def _fold_kept(self, src: np.ndarray, x: ExpertInput, trim: bool, tau: float, w: float, zero_check: int
                    ) -> None:
         """Fold one kept input with the streaming kernels. A τ = 0 from the sketch not yet checked is checked
-        first; if the bytes disagree, τ is found from them (`_fold_ties_trim`, checking at once)."""
+        first; if the bytes disagree, τ is found from them (`_fold_ties_trim`, checking at once). A DARE input
+        (dare_ties, d < 1) is folded block by block (`_DeltaFold._fold_dare`)."""
         assert self._bflat is not None and self._ctx is not None
+        if self._draws_mask(x):
+            super()._fold_dare(x)
+            return
         if zero_check and not _mk().kth_largest_is_zero(self._bflat, src, x.element_ranges_array(self._ctx),
                                                          zero_check):
             self._fold_ties_trim(x, x._element_ranges(self._ctx))
             return
         self._stream(src, x, trim, tau, w)
+
+    def _draws_mask(self, x: ExpertInput) -> bool:
+        return self.sparsification == "random" and self.densities[x.index] < 1
+
+    def _fold_dare(self, x: ExpertInput) -> None:
+        """dare_ties: keep the input for the fused pass (`merge_kernels.dare_ties_fused`, which draws each
+        block's uniforms a tile at a time) while it fits, else fold it block by block."""
+        src = x.fast_source()
+        if src is not None and self._P is not None and self._bflat is not None and self._fits_stash(src):
+            assert self._stash is not None
+            self._stash.append((src, x, False, math.inf, self.weights[x.index], 0))
+            self._stash_bytes += src.nbytes
+            return
+        self._flush_stash()
+        super()._fold_dare(x)
 
     def _dare_block_fast(self, src: np.ndarray, b: int, s0: int, e0: int, u: np.ndarray, d: float,
                          w: float) -> bool:
@@ -1248,6 +1267,9 @@ class _TiesFold(_DeltaFold):
         selected = np.zeros((len(stash), self._ctx.n_blocks), np.bool_)
         for k, (_src, x, *_rest) in enumerate(stash):
             selected[k, list(x.selected_blocks)] = True
+        if self.sparsification == "random":
+            self._finish_dare_fused(P, stash, raws, selected)
+            return True
         checks = np.array([c for *_a, c in stash], np.int64)
         counts = np.zeros((len(stash), 2), np.int64)  # [nonzero finite |Δ|, inf or NaN] where checked
         _mk().ties_fused(P, self._bflat, raws, selected, self._bounds,
@@ -1262,6 +1284,22 @@ class _TiesFold(_DeltaFold):
         for item, wrong in zip(stash, bad):
             self._fold_kept(*item[:5], item[5] if wrong else 0)
         return False
+
+    def _finish_dare_fused(self, P: np.ndarray, stash: list[Any], raws: tuple[np.ndarray, ...],
+                           selected: np.ndarray) -> None:
+        """dare_ties's fused pass: each input's density (>= 1: no mask) and its blocks' generator seeds."""
+        ctx = self._ctx
+        assert ctx is not None and self._bflat is not None
+        dens = np.array([self.densities[x.index] for _src, x, *_rest in stash], np.float32)
+        seeds = np.zeros(selected.shape, np.int64)
+        for k, (_src, x, *_rest) in enumerate(stash):
+            if self._draws_mask(x):
+                key = self.experts[x.index].key
+                for b in x.selected_blocks:
+                    seeds[k, b] = _block_seed(ctx.seed, key, ctx.name, b)
+        _mk().dare_ties_fused(P, self._bflat, raws, selected, self._bounds, dens, seeds,
+                              np.array([item[4] for item in stash], np.float32), self.normalize,
+                              np.float32(self.lam), self._skip)
 
     def _end(self) -> None:
         self._P = None

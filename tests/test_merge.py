@@ -80,10 +80,10 @@ _REPORT_TORCH = ("import sys; from mergepipe_db import cli; rc = cli.main(sys.ar
                  "cli.exit_now(rc)")
 
 
-@pytest.mark.parametrize("method", ["linear", "task_arithmetic", "ties"])
+@pytest.mark.parametrize("method", ["linear", "task_arithmetic", "ties", "dare_ties", "dare_linear"])
 def test_fused_merges_never_import_torch(catalog, catalog_url, tiny_family, tmp_path, method) -> None:
     """A `mergepipe merge` of full BF16 checkpoints with the fused operators runs without importing torch
-    (~2 s of a merge's start-up), and still writes the naive full-read merge, byte for byte; the JSON result
+    (~2 s of a merge's start-up; DARE draws torch.rand's uniforms with its own generator), and still writes the naive full-read merge, byte for byte; the JSON result
     on stdout is complete though the process skips the interpreter's teardown (`cli.exit_now`)."""
     import yaml
 

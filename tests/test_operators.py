@@ -792,6 +792,28 @@ def test_ties_streaming_and_partly_fused_paths_match(monkeypatch, fuse_bytes: in
         assert_bits_equal(got, literal_merge("ties", base, thetas_read, params))
 
 
+@pytest.mark.parametrize("fuse_bytes", [0, 40_000, 1 << 30])
+@pytest.mark.parametrize("special", [False, True])
+def test_dare_ties_streaming_and_fused_paths_match(monkeypatch, fuse_bytes: int, special: bool) -> None:
+    """dare_ties folds its experts in one fused pass that draws each block's uniforms a tile at a time
+    (`merge_kernels.dare_ties_fused`) while their bytes fit `_FUSE_BYTES`, else block by block: streamed
+    (0), partly fused (40 kB) or fused (1 GiB), with a density-1 expert (no mask) among them, inf and NaN
+    deltas, and blocks of 4 × 700 elements (the generator's 624-word state and the 2,048-element tile
+    boundaries fall inside blocks): the literal result, bit for bit."""
+    from mergepipe_db import operators
+
+    monkeypatch.setattr(operators, "_FUSE_BYTES", fuse_bytes)
+    shape, rpb = (22, 700), 4
+    base, thetas = make_data(shape, 3, 97, special=special)
+    params = [ExpertParams("a", 0.5, 0.4), ExpertParams("b", 0.3, 1.0), ExpertParams("c", -0.2, 0.7)]
+    ctx = context(shape, rpb, seed=11)
+    for selected in (None, [[0, 1, 5], [], [1, 2, 4]]):
+        got = stream("dare_ties", base, thetas, params, ctx, selected=selected, full=True if selected else None)
+        thetas_read = [omit_rows(base, th, ctx, sel) for th, sel in zip(thetas, selected or [None] * 3)]
+        assert_bits_equal(got, literal_merge("dare_ties", base, thetas_read, params, seed=11,
+                                             rows_per_block=rpb))
+
+
 @pytest.mark.parametrize("method", ["linear", "task_arithmetic", "ties"])
 def test_held_inputs_are_released_once_folded(monkeypatch, method: str) -> None:
     """An operator reports as held only the inputs still waiting for a fused pass: the executor gives the
