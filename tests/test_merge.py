@@ -83,7 +83,8 @@ _REPORT_TORCH = ("import sys; from mergepipe_db import cli; rc = cli.main(sys.ar
 @pytest.mark.parametrize("method", ["linear", "task_arithmetic", "ties", "dare_ties", "dare_linear"])
 def test_fused_merges_never_import_torch(catalog, catalog_url, tiny_family, tmp_path, method) -> None:
     """A `mergepipe merge` of full BF16 checkpoints with the fused operators runs without importing torch
-    (~2 s of a merge's start-up; DARE draws torch.rand's uniforms with its own generator), and still writes the naive full-read merge, byte for byte; the JSON result
+    (~2 s of a merge's start-up; DARE draws torch.rand's uniforms with its own generator), and still writes
+    the naive full-read merge, byte for byte; the JSON result
     on stdout is complete though the process skips the interpreter's teardown (`cli.exit_now`)."""
     import yaml
 
