@@ -64,6 +64,41 @@ def test_delta_stats_any_length(n: int) -> None:
     assert mx == float(d.abs().max()) and pos == float((d > 0).double().mean())
 
 
+@pytest.mark.parametrize("name", ["BF16", "F32"])
+def test_delta_stats_sparse_and_dense_tiles_count_the_same(name: str) -> None:
+    """A tile with at most a quarter of its |Δ| nonzero bins and counts only those, packed (the common case of a
+    merge output at a low budget); the others bin every element. Tiles on both sides of that threshold, whose
+    nonzero Δ span the bins (subnormal, huge, inf, NaN, −0 against +0), give the plain computation's statistics."""
+    tile = 2048
+    rng = np.random.default_rng(17)
+    dtype = torch.bfloat16 if name == "BF16" else torch.float32
+    nonzero = [0, 1, 200, tile // 4, tile // 4 + 1, tile // 2, tile, 37]  # per tile; the last one partial
+    n = tile * (len(nonzero) - 1) + 100
+    b = torch.from_numpy(rng.standard_normal(n).astype(np.float32)).to(dtype)
+    e = b.clone()
+    specials = torch.tensor([1e-40, -3e38, float("inf"), float("nan"), 1e-3, -7.0], dtype=torch.float32)
+    for t, k in enumerate(nonzero):
+        lo, hi = t * tile, min((t + 1) * tile, n)
+        idx = torch.from_numpy(rng.choice(hi - lo, size=min(k, hi - lo), replace=False) + lo)
+        if len(idx):
+            scale = torch.from_numpy(np.exp(rng.uniform(-30, 5, len(idx))).astype(np.float32))
+            e[idx] = (b[idx].float() + scale * torch.sign(torch.randn(len(idx)))).to(dtype)
+            e[idx[: len(specials)]] = specials[: len(idx)].to(dtype)
+    e[3], b[3] = -0.0, 0.0
+    for x, y, what in ((e, b, "with inf/NaN"), (torch.where(e.isfinite(), e, b), b, "finite")):
+        l2, l1, mx, pos, hist = kernels.delta_stats(x.view(torch.uint8).numpy().tobytes(),
+                                                    y.view(torch.uint8).numpy().tobytes(), name)
+        d = x.float() - y.float()
+        assert np.array_equal(hist, sketch.histogram(d.abs())), what
+        assert pos == float((d > 0).double().mean()), what
+        if what == "finite":
+            assert l2 == pytest.approx(float(torch.linalg.vector_norm(d, dtype=torch.float64)), rel=1e-12)
+            assert l1 == pytest.approx(float(d.abs().double().sum()), rel=1e-12)
+            assert mx == float(d.abs().max())
+        else:
+            assert np.isnan(l2) and np.isnan(mx)
+
+
 def test_same_bytes_agrees_with_bytes_equality() -> None:
     rng = np.random.default_rng(3)
     a = rng.integers(0, 256, (1 << 16) + 5, dtype=np.uint8)
