@@ -1038,30 +1038,46 @@ class _AdditiveFold(_DeltaFold):
 
     def _begin(self) -> None:
         assert self._base is not None
+        # written on the blocks not skipped (the caller writes the others) by the first fused pass, or zeroed
+        # by `_settle` before a streamed fold
         self._mixed = self._scratch("out", self._base.size)
-        for s, e in self._live_ranges():  # skipped blocks are written by the caller
-            self._mixed[s:e] = 0.0
+        self._started = False
         self._stash = _Stash()
 
-    def _fold_stash(self) -> None:
-        """Fold the kept inputs (in order) in one fused pass."""
+    def _fold_stash(self, finish: bool = False) -> None:
+        """Fold the kept inputs (in order) in one fused pass, which starts the sum if nothing has yet; with
+        `finish`, it also ends each element as `_finish` does."""
         if not self._stash:
             return
         assert self._mixed is not None and self._ctx is not None and self._bflat is not None
         items, raws, selected = self._stash.take(self._ctx.n_blocks)
         w = np.array([self.weights[x.index] for _src, x in items], np.float32)
-        _mk().delta_fused(self._mixed, self._bflat, raws, selected, block_bounds(self._ctx), w)
+        _mk().delta_fused(self._mixed, self._bflat, raws, selected, block_bounds(self._ctx), w, self._skip,
+                          not self._started, finish, self.normalize, np.float32(self.weight_sum),
+                          np.float32(self.lam))
+        self._started = True
+
+    def _settle(self) -> None:
+        """Fold the kept inputs, or start the sum at zero: `_mixed` then holds Σ T_k·w_k so far (experts are
+        folded in order)."""
+        if self._stash:
+            self._fold_stash()
+        elif not self._started:
+            assert self._mixed is not None
+            for s, e in self._live_ranges():
+                self._mixed[s:e] = 0.0
+            self._started = True
 
     def _combine(self, s: int, e: int, D: np.ndarray, finite: bool | None) -> None:
         assert self._mixed is not None
-        self._fold_stash()  # experts are folded in order
+        self._settle()
         self._mixed[s:e] += D
 
     def _dare_block_fast(self, src: np.ndarray, b: int, s0: int, e0: int, u: np.ndarray, d: float,
                          w: float) -> bool:
         if self._mixed is None or self._bflat is None:
             return False
-        self._fold_stash()
+        self._settle()
         _mk().dare_delta_span(self._mixed[s0:e0], self._bflat[s0:e0], src[s0:e0], u,
                               np.float32(d), np.float32(w))
         return True
@@ -1072,6 +1088,7 @@ class _AdditiveFold(_DeltaFold):
             return False
         if self._stash.offer(src, x, self._fold_stash):
             return True
+        self._settle()
         w = np.float32(self.weights[x.index])
         _mk().delta_add(self._mixed, self._bflat, src, x.element_ranges_array(self._ctx), w)
         return True
@@ -1079,7 +1096,10 @@ class _AdditiveFold(_DeltaFold):
     def _finish(self) -> np.ndarray:
         mixed, base = self._mixed, self._base
         assert mixed is not None and base is not None
-        self._fold_stash()
+        if self._stash:  # the last fused pass ends each element
+            self._fold_stash(finish=True)
+            return mixed.reshape(base.shape)
+        self._settle()
         bflat = base.reshape(-1)
         for s, e in self._live_ranges():
             m = mixed[s:e]
