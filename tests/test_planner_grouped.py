@@ -10,6 +10,7 @@ import math
 import pytest
 import sqlalchemy as sa
 from conftest import ingest_family
+from planner_scores import SCORES, set_scores
 
 from mergepipe_db.spec import Budget
 
@@ -64,15 +65,6 @@ def test_linear_still_ranks_single_blocks(catalog, tiny_family) -> None:
 
 # --- the grouped ranking against a plainly written one ------------------------------------------------------
 
-_SCORES = {
-    "as_ingested": None,
-    # NULL (no statistics), NaN and inf (sort above every number), subnormal, tiny, huge and equal scores
-    "special": "CASE WHEN block_idx % 7 = 0 THEN NULL WHEN block_idx % 7 = 1 THEN :nan "
-               "WHEN block_idx % 7 = 2 THEN :inf WHEN block_idx % 7 = 3 THEN 5e-310 "
-               "WHEN block_idx % 7 = 4 THEN 1e-200 WHEN block_idx % 7 = 5 THEN 1e250 ELSE 0.25 END",
-    "all_equal": "0.5",
-    "no_statistics": "NULL",
-}
 
 
 def _units_in_rank_order(catalog, plan) -> list[tuple[tuple[int, int], int, set[int]]]:
@@ -107,14 +99,10 @@ def _units_in_rank_order(catalog, plan) -> list[tuple[tuple[int, int], int, set[
 
 
 @pytest.mark.parametrize("method", ["ties", "dare_ties"])
-@pytest.mark.parametrize("scores", list(_SCORES))
+@pytest.mark.parametrize("scores", list(SCORES))
 def test_grouped_selection_is_the_prefix_of_the_unit_ranking(catalog, tiny_family, method, scores) -> None:
     names = ingest_family(catalog, tiny_family)
-    if _SCORES[scores] is not None:
-        with catalog.db.connect() as conn:
-            conn.execute(sa.text(f"UPDATE mp_block SET delta_l2 = {_SCORES[scores]} "  # noqa: S608 (test constants)
-                                 "WHERE delta_l2 IS NULL OR delta_l2 <> 0"), {"nan": math.nan, "inf": math.inf})
-            conn.commit()
+    set_scores(catalog, scores)
     spec = _spec(method, names)
     for m in spec["models"]:
         m["parameters"]["density"] = 1.0  # no TIES pruning: the plain ranking above knows nothing of it

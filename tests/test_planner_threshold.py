@@ -10,6 +10,7 @@ import math
 import pytest
 import sqlalchemy as sa
 from conftest import ingest_family
+from planner_scores import SCORES, set_scores
 
 from mergepipe_db import planner, ranking
 from mergepipe_db.resources import sql_text
@@ -100,29 +101,16 @@ def _check_same(catalog, spec, budgets, monkeypatch) -> None:
             assert _same_bound(fast.bound_per_tensor[t], v), (b, t)  # type: ignore[index]
 
 
-_SCORES = {
-    "as_ingested": None,
-    # a few scores equal, NULL (no statistics), NaN and inf (sort above every number), subnormal, tiny, huge
-    "special": "CASE WHEN block_idx % 7 = 0 THEN NULL WHEN block_idx % 7 = 1 THEN :nan "
-               "WHEN block_idx % 7 = 2 THEN :inf WHEN block_idx % 7 = 3 THEN 5e-310 "
-               "WHEN block_idx % 7 = 4 THEN 1e-200 WHEN block_idx % 7 = 5 THEN 1e250 ELSE 0.25 END",
-    "all_equal": "0.5",
-    "no_statistics": "NULL",
-}
 
 
 @pytest.mark.parametrize("method", ["linear", "task_arithmetic"])
-@pytest.mark.parametrize("scores", list(_SCORES))
+@pytest.mark.parametrize("scores", list(SCORES))
 def test_prefilter_keeps_every_plan(catalog, tiny_family, monkeypatch, method, scores) -> None:
     # this is about sql/plan_rank.sql: the top-of-ranking and take-all plans (tests/test_planner_top.py) are off
     monkeypatch.setattr(ranking, "top_of_ranking", lambda *a: None)
     monkeypatch.setattr(ranking, "take_all", lambda *a: None)
     names = ingest_family(catalog, tiny_family)
-    if _SCORES[scores] is not None:
-        with catalog.db.connect() as conn:
-            conn.execute(sa.text(f"UPDATE mp_block SET delta_l2 = {_SCORES[scores]} "  # noqa: S608 (test constants)
-                                 "WHERE delta_l2 IS NULL OR delta_l2 <> 0"), {"nan": math.nan, "inf": math.inf})
-            conn.commit()
+    set_scores(catalog, scores)
     spec = _spec(method, names)
     full = catalog.plan(spec, budget="1.0")
     budgets = _edge_budgets(catalog, full)

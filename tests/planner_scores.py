@@ -1,0 +1,29 @@
+"""Block scores that stress the planner's ranking, shared by the planner tests: each case rewrites every
+candidate block's delta_l2 (blocks whose delta is exactly zero stay non-candidates)."""
+
+from __future__ import annotations
+
+import math
+
+import sqlalchemy as sa
+
+SCORES = {
+    "as_ingested": None,
+    # a few scores equal, NULL (no statistics), NaN and inf (sort above every number), subnormal, tiny, huge
+    "special": "CASE WHEN block_idx % 7 = 0 THEN NULL WHEN block_idx % 7 = 1 THEN :nan "
+               "WHEN block_idx % 7 = 2 THEN :inf WHEN block_idx % 7 = 3 THEN 5e-310 "
+               "WHEN block_idx % 7 = 4 THEN 1e-200 WHEN block_idx % 7 = 5 THEN 1e250 ELSE 0.25 END",
+    "all_equal": "0.5",
+    "no_statistics": "NULL",
+}
+
+
+def set_scores(catalog, case: str) -> None:
+    """Give the catalog's candidate blocks the delta_l2 of SCORES[case] (None: leave them as ingested)."""
+    expr = SCORES[case]
+    if expr is None:
+        return
+    with catalog.db.connect() as conn:
+        conn.execute(sa.text(f"UPDATE mp_block SET delta_l2 = {expr} "  # noqa: S608 (test constants)
+                             "WHERE delta_l2 IS NULL OR delta_l2 <> 0"), {"nan": math.nan, "inf": math.inf})
+        conn.commit()
