@@ -18,12 +18,17 @@ SCORES = {
 }
 
 
-def set_scores(catalog, case: str) -> None:
-    """Give the catalog's candidate blocks the delta_l2 of SCORES[case] (None: leave them as ingested)."""
+def set_scores(catalog, case: str, *, rewrite_summaries: bool = False) -> None:
+    """Give the catalog's candidate blocks the delta_l2 of SCORES[case] (None: leave them as ingested); with
+    `rewrite_summaries`, also the ranking summaries ingest keeps beside them (`ranking.rewrite`)."""
+    from mergepipe_db import ranking
+
     expr = SCORES[case]
     if expr is None:
         return
     with catalog.db.connect() as conn:
         conn.execute(sa.text(f"UPDATE mp_block SET delta_l2 = {expr} "  # noqa: S608 (test constants)
                              "WHERE delta_l2 IS NULL OR delta_l2 <> 0"), {"nan": math.nan, "inf": math.inf})
+        if rewrite_summaries:
+            ranking.rewrite(conn, [r[0] for r in conn.execute(sa.text("SELECT id FROM mp_checkpoint"))])
         conn.commit()

@@ -16,7 +16,8 @@ import sqlalchemy as sa
 from conftest import ingest_family
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_planner_threshold import _SCORES, _state
+from planner_scores import SCORES, set_scores
+from test_planner_threshold import _state
 
 from mergepipe_db import ranking, sketch
 from mergepipe_db.db import schema
@@ -97,14 +98,10 @@ def _bounds_agree(fast, full, scale: float) -> bool:
 
 
 @pytest.mark.parametrize("method", ["linear", "task_arithmetic"])
-@pytest.mark.parametrize("scores", list(_SCORES))
+@pytest.mark.parametrize("scores", list(SCORES))
 def test_top_of_ranking_and_take_all_keep_every_plan(catalog, tiny_family, monkeypatch, method, scores) -> None:
     names = ingest_family(catalog, tiny_family)
-    if _SCORES[scores] is not None:
-        with catalog.db.connect() as conn:
-            conn.execute(sa.text(f"UPDATE mp_block SET delta_l2 = {_SCORES[scores]} "  # noqa: S608 (test constants)
-                                 "WHERE delta_l2 IS NULL OR delta_l2 <> 0"), {"nan": math.nan, "inf": math.inf})
-            ranking.rewrite(conn, [r[0] for r in conn.execute(sa.text("SELECT id FROM mp_checkpoint"))])
+    set_scores(catalog, scores, rewrite_summaries=True)
     spec = _spec(method, names)
     paths = _Paths(monkeypatch)
     full = catalog.plan(spec, budget="1.0")
