@@ -533,9 +533,9 @@ def dare_ties_fused(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, .
     """The whole dare_ties fold of one tensor in one pass, as `ties_fused` does for ties: tile by tile, for
     experts k = 0..K-1 in order (those with ``selected[k, b]``), T = where(u < d_k, Δ_k / d_k, 0.0) with u
     drawn from the block's stream (`seeds[k, b]`; `mt19937`), or T = Δ_k where d_k >= 1 (no mask is drawn),
-    then `ties_dare_span`'s sums, kept in L1, and
-    `ties_finish`'s formula into `out`. Same operations, same order: the same bits as folding the experts one
-    by one with `ties_dare_span`, without a block of uniforms and five tensor-sized sums per expert."""
+    then `ties_dare_span`'s sums, kept in L1, and `ties_finish`'s formula into `out`. Same operations, same
+    order: the same bits as folding the experts one by one with `ties_dare_span`, without a block of uniforms
+    and five tensor-sized sums per expert."""
     T = _TILE
     K = selected.shape[0]
     zero = np.float32(0.0)

@@ -431,7 +431,7 @@ def _block_generator(seed: int, expert_key: str, tensor_name: str, block_index: 
 
 
 def _dare_uniforms(seed: int, expert_key: str, tensor_name: str, block_index: int, out: np.ndarray) -> None:
-    """One block's uniforms, ``torch.rand(block_shape)`` from its keyed generator, into `out` (flat float32),
+    """One block's uniforms, ``torch.rand(out.size)`` of its keyed generator, into `out` (flat float32),
     drawn by `mt19937.torch_rand_into` (the same bits, ~10× faster than torch's element-by-element loop)."""
     from mergepipe_db.mt19937 import torch_rand_into
 

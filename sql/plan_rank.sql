@@ -14,27 +14,26 @@
 -- Nothing is pruned here (pruning is TIES's, which ranks block rows).
 WITH /*include plan_candidates*/,
 keyed AS MATERIALIZED (
-    SELECT position, tensor_idx, block_idx, nbytes, block_offset, xxh3, score, score AS rank_key
+    SELECT position, tensor_idx, block_idx, nbytes, block_offset, xxh3, score
     FROM candidates
     WHERE pruned = 0
 ),
--- The access set is a prefix of the ranking order, and so is C = {rank_key >= T} for any T (NULL keys rank
--- last). Once C's bytes
--- exceed the budget, every selected candidate is in C and running costs over C equal those over all
--- candidates, so only C is sorted. T comes from a histogram of the keys in log-scale buckets: cum_bytes and
--- cum_min are the bytes and smallest key of every bucket from the top down to this one, so {rank_key >=
+-- The access set is a prefix of the ranking order, and so is C = {score >= T} for any T (NULL keys rank
+-- last). Once C's bytes exceed the budget, every selected candidate is in C and running costs over C equal
+-- those over all candidates, so only C is sorted. T comes from a histogram of the keys in log-scale buckets: cum_bytes and
+-- cum_min are the bytes and smallest key of every bucket from the top down to this one, so {score >=
 -- cum_min} holds at least cum_bytes (whatever LN's rounding); T is the cum_min of the highest bucket whose
 -- cum_bytes exceed the budget, NULL (rank everything) where none does. NaN and inf keys (which sort above every
 -- number) and keys too small for LN (zero) get buckets of their own.
 hist AS (
-    SELECT bucket, SUM(nbytes) AS bytes, MIN(rank_key) AS min_key
+    SELECT bucket, SUM(nbytes) AS bytes, MIN(score) AS min_key
     FROM (
-        SELECT nbytes, rank_key,
-               CASE WHEN rank_key > 1e300 THEN 1000000
-                    WHEN rank_key < 1e-300 THEN -1000000
-                    ELSE CAST(FLOOR(LN(rank_key) * 256) AS INTEGER) END AS bucket
+        SELECT nbytes, score,
+               CASE WHEN score > 1e300 THEN 1000000
+                    WHEN score < 1e-300 THEN -1000000
+                    ELSE CAST(FLOOR(LN(score) * 256) AS INTEGER) END AS bucket
         FROM keyed
-        WHERE rank_key IS NOT NULL
+        WHERE score IS NOT NULL
     ) k
     GROUP BY bucket
 ),
@@ -50,11 +49,11 @@ cut AS (
 running AS (
     SELECT position, tensor_idx, block_idx, nbytes, block_offset, xxh3, score,
            SUM(nbytes) OVER (
-               ORDER BY rank_key DESC NULLS LAST, tensor_idx, block_idx, position
+               ORDER BY score DESC NULLS LAST, tensor_idx, block_idx, position
                ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW
            ) AS running_cost
     FROM keyed CROSS JOIN cut
-    WHERE cut.threshold IS NULL OR COALESCE(rank_key >= cut.threshold, FALSE)
+    WHERE cut.threshold IS NULL OR COALESCE(score >= cut.threshold, FALSE)
 ),
 ranked AS MATERIALIZED (
     SELECT position, tensor_idx, block_idx, nbytes, block_offset, xxh3, score, CAST(running_cost AS BIGINT) AS running_cost
@@ -67,7 +66,7 @@ everything AS (
     UNION ALL
     SELECT position, tensor_idx, block_idx, nbytes, score, 0 AS selected
     FROM keyed CROSS JOIN cut
-    WHERE NOT (cut.threshold IS NULL OR COALESCE(rank_key >= cut.threshold, FALSE))
+    WHERE NOT (cut.threshold IS NULL OR COALESCE(score >= cut.threshold, FALSE))
 )
 SELECT 0 AS kind, position, tensor_idx, block_idx, CAST(nbytes AS BIGINT) AS nbytes,
        CAST(block_offset AS BIGINT) AS block_offset, xxh3,

@@ -1,4 +1,4 @@
-"""The ranking's threshold pre-filter (sql/plan_rank.sql: only candidates with rank_key >= T are sorted) changes
+"""The ranking's threshold pre-filter (sql/plan_rank.sql: only candidates with score >= T are sorted) changes
 nothing: every plan equals the one ranked over all candidates (the statement with the histogram cut disabled),
 at budgets on the histogram's bucket edges, with NULL, NaN, inf, subnormal and all-equal scores. Block-row
 operators (ties) rank without a pre-filter (sql/plan_rank_grouped.sql; tests/test_planner_grouped.py)."""
