@@ -18,13 +18,13 @@ keyed AS MATERIALIZED (
     FROM candidates
     WHERE pruned = 0
 ),
--- The access set is a prefix of the ranking order, and so is C = {score >= T} for any T (NULL keys rank
+-- The access set is a prefix of the ranking order, and so is C = {score >= T} for any T (NULL scores rank
 -- last). Once C's bytes exceed the budget, every selected candidate is in C and running costs over C equal
--- those over all candidates, so only C is sorted. T comes from a histogram of the keys in log-scale buckets: cum_bytes and
--- cum_min are the bytes and smallest key of every bucket from the top down to this one, so {score >=
--- cum_min} holds at least cum_bytes (whatever LN's rounding); T is the cum_min of the highest bucket whose
--- cum_bytes exceed the budget, NULL (rank everything) where none does. NaN and inf keys (which sort above every
--- number) and keys too small for LN (zero) get buckets of their own.
+-- those over all candidates, so only C is sorted. T comes from a histogram of the scores in log-scale buckets:
+-- cum_bytes and cum_min are the bytes and smallest score of every bucket from the top down to this one, so
+-- {score >= cum_min} holds at least cum_bytes (whatever LN's rounding); T is the cum_min of the highest bucket
+-- whose cum_bytes exceed the budget, NULL (rank everything) where none does. NaN and inf scores (which sort
+-- above every number) and scores too small for LN (zero) get buckets of their own.
 hist AS (
     SELECT bucket, SUM(nbytes) AS bytes, MIN(score) AS min_key
     FROM (
