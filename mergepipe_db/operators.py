@@ -48,8 +48,8 @@ _NO_F32 = np.empty(0, np.float32)
 
 
 def empty_buffer(n: int, dtype: Any = np.float32) -> np.ndarray:
-    """An uninitialised 1-D array for a long-lived scratch buffer: big ones on huge pages
-    (`storage.aligned_empty`), which fault in 512x less often than the allocator's pages."""
+    """An uninitialised 1-D array for a long-lived scratch buffer: big ones page-aligned, in a mapping of their
+    own (`storage.aligned_empty`)."""
     dt = np.dtype(dtype)
     if n * dt.itemsize < (2 << 20):
         return np.empty(n, dt)
