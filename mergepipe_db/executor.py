@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import functools
 import os
 import queue
 import sys
@@ -40,7 +41,7 @@ from mergepipe_db.blocks import block_ranges, rows_per_block
 from mergepipe_db.errors import IntegrityError, OutOfSpaceError, PlanExecutionMismatchError
 from mergepipe_db.formats.dtypes import DTYPE_BITS
 from mergepipe_db.planner import ARITHMETIC, Plan, Read, TensorInfo
-from mergepipe_db.storage import ALIGN, RangeReader, aligned_empty, xxh3_hex
+from mergepipe_db.storage import ALIGN, RangeReader, aligned_empty, xxh3_hex, xxh3_stream
 
 DEFAULT_SHARD_BYTES = 4 << 30
 #: how far the reader may run ahead of the compute thread: bytes of items read and not yet taken (an item
@@ -436,20 +437,24 @@ class _BaseOnly:
         return None if read.all() else ~read
 
     def cast_into(self, out_bytes: np.ndarray, merged: np.ndarray, base_bytes: np.ndarray, bounds: np.ndarray,
-                  skip: np.ndarray) -> None:
+                  skip: np.ndarray) -> np.ndarray | None:
         """BF16 output: `merged` rounded on the blocks computed, the table's value of θ₀ on the skipped ones;
-        with a NaN in either, the skipped blocks are filled from the table and torch converts (`_cast_into`)."""
+        with a NaN in either, the skipped blocks are filled from the table and torch converts (`_cast_into`).
+        Returns which blocks hold θ₀'s bytes unchanged (skipped blocks with no pattern the table moves, such as
+        −0 → +0), or None when none does."""
         from mergepipe_db import merge_kernels
 
         assert self.table is not None
         flat, base16 = merged.reshape(-1), base_bytes.view(np.uint16)
+        unchanged = np.zeros(skip.shape[0], np.bool_)
         if merge_kernels.narrow_bf16_with_table(out_bytes.view(np.uint16), flat, base16, bounds, skip, self.table,
-                                                self.lut, self.exceptions):
-            return
+                                                self.lut, self.exceptions, unchanged):
+            return unchanged if unchanged.any() else None
         for b in np.flatnonzero(skip).tolist():
             s, e = int(bounds[b]), int(bounds[b + 1])
             flat[s:e] = self.table[base16[s:e]]
         _cast_into(out_bytes, "BF16", merged)
+        return None
 
 
 class _F32Pool:
@@ -487,6 +492,7 @@ class _OutputJob:
     base: np.ndarray | None  # the base tensor's bytes when dtypes agree (delta statistics of the output)
     give_back: tuple[np.ndarray | None, ...]  # BufferPool buffers to return once written
     tensor: TensorInfo
+    unchanged: np.ndarray | None = None  # per base block: its output bytes are θ₀'s by construction
 
 
 #: output tensors written and waiting for (or in) the statistics helper of `_OutputWriter`
@@ -587,7 +593,9 @@ class _OutputWriter(threading.Thread):
         t0 = time.perf_counter()
         data = memoryview(job.data)
         base_view = None if job.base is None else memoryview(job.base)
-        out = xxh3_hex(data), list(_out_blocks(job.ot, data, self._bb, base_view))
+        tensor_hash = xxh3_stream()
+        rows = list(_out_blocks(job.ot, data, self._bb, base_view, job.unchanged, tensor_hash))
+        out = tensor_hash.hexdigest(), rows
         del data, base_view
         for arr in job.give_back:
             self._pool.give(arr)
@@ -666,7 +674,7 @@ def _execute(
             base_item = next_item()
             assert base_item.kind == "base" and base_item.tensor_idx == t.idx
             t0 = time.perf_counter()
-            out_arr = None
+            out_arr = unchanged = None
             if t.dtype in ARITHMETIC:
                 ctx = TensorContext(name=t.name, shape=t.shape, rows_per_block=t.rows_per_block,
                                     n_blocks=t.n_blocks, seed=spec.seed)
@@ -723,7 +731,7 @@ def _execute(
                 out_bytes = out_arr[pos:pos + ot.nbytes]
                 if skip is not None:
                     assert table is not None
-                    table.cast_into(out_bytes, merged, base_item.data, bounds, skip)
+                    unchanged = table.cast_into(out_bytes, merged, base_item.data, bounds, skip)
                 else:
                     _cast_into(out_bytes, ot.dtype, merged)
                 del merged, base32
@@ -734,7 +742,7 @@ def _execute(
             t0 = time.perf_counter()
             same_coords = t.dtype in ARITHMETIC and ot.dtype == t.dtype
             output.put(_OutputJob(ot, out_bytes, base_item.data if same_coords else None,
-                                  (out_arr, base_item.arr), t))
+                                  (out_arr, base_item.arr), t, unchanged))
             del base_item
             timings["write_wait"] += time.perf_counter() - t0
             bar.update(t.nbytes)
@@ -792,33 +800,61 @@ def _shard_offsets(out_tensors: list[OutTensor], by_shard: dict[int, list[OutTen
     return [absolute[o.idx] for o in out_tensors], header_lens
 
 
-def _out_blocks(ot: OutTensor, data: memoryview, block_bytes: int,
-                base: memoryview | None = None) -> Iterator[dict[str, Any]]:
+def _out_blocks(ot: OutTensor, data: memoryview, block_bytes: int, base: memoryview | None = None,
+                unchanged: np.ndarray | None = None, tensor_hash: Any = None) -> Iterator[dict[str, Any]]:
     """Block rows of an output tensor (offsets relative to the tensor; made absolute at commit).
 
     With the base's bytes (same dtype), each block also gets its delta statistics against the base, so a
-    snapshot can be ranked block by block when it is merged again; blocks equal to the base cost a hash.
+    snapshot can be ranked block by block when it is merged again; blocks equal to the base cost a hash, and
+    those `unchanged` marks (copies of θ₀'s bytes, as the executor wrote them) not even a comparison.
+    `tensor_hash` (an xxh3_128 stream) is fed the whole tensor, block by block while each is in cache.
     """
-    from mergepipe_db import kernels, sketch
+    from mergepipe_db import kernels
 
     bits = DTYPE_BITS[ot.dtype]
     rpb = rows_per_block(ot.shape, bits, block_bytes)
     rb = 0 if len(ot.shape) <= 1 else _nbytes(ot.shape[1:], ot.dtype)
-    for bi, (start, stop) in enumerate(block_ranges(ot.shape, rpb)):
+    ranges = block_ranges(ot.shape, rpb)
+    if unchanged is not None and len(unchanged) != len(ranges):
+        unchanged = None  # another block layout than the base's: compare instead
+    hashed = 0
+    for bi, (start, stop) in enumerate(ranges):
         if len(ot.shape) <= 1:
             lo, hi = 0, ot.nbytes
         else:
             lo, hi = start * rb, stop * rb
-        h = xxh3_hex(data[lo:hi])
+        block = data[lo:hi]
+        h = xxh3_hex(block)
+        if tensor_hash is not None and lo == hashed:
+            tensor_hash.update(block)
+            hashed = hi
         row = {"tensor_idx": ot.idx, "block_idx": bi, "row_start": start, "row_stop": stop, "rel": lo,
                "nbytes": hi - lo, "xxh3": h, "rows_per_block": rpb, "delta_l2": None, "delta_l1": None,
                "delta_max": None, "pos_frac": None, "sketch": None}
         if base is not None:
-            if kernels.same_bytes(data[lo:hi], base[lo:hi]):
-                hist = np.zeros(sketch.NBINS, dtype=np.int64)
-                hist[0] = (hi - lo) * 8 // bits
-                l2, l1, mx, pos = 0.0, 0.0, 0.0, 0.0
+            if (unchanged is not None and unchanged[bi]) or kernels.same_bytes(block, base[lo:hi]):
+                stats = 0.0, 0.0, 0.0, 0.0, _zero_sketch((hi - lo) * 8 // bits)
             else:
-                l2, l1, mx, pos, hist = kernels.delta_stats(data[lo:hi], base[lo:hi], ot.dtype)
-            row.update(delta_l2=l2, delta_l1=l1, delta_max=mx, pos_frac=pos, sketch=sketch.encode(hist))
+                l2, l1, mx, pos, hist = kernels.delta_stats(block, base[lo:hi], ot.dtype)
+                stats = l2, l1, mx, pos, _encode_sketch(hist)
+            row.update(zip(("delta_l2", "delta_l1", "delta_max", "pos_frac", "sketch"), stats))
         yield row
+    if tensor_hash is not None and hashed != len(data):  # the blocks did not tile the tensor (none, for one)
+        tensor_hash.reset()
+        tensor_hash.update(data)
+
+
+def _encode_sketch(hist: np.ndarray) -> bytes:
+    from mergepipe_db import sketch
+
+    return sketch.encode(hist)
+
+
+@functools.lru_cache(maxsize=64)
+def _zero_sketch(numel: int) -> bytes:
+    """The sketch of a block whose Δ is zero throughout: every element in bin 0."""
+    from mergepipe_db import sketch
+
+    hist = np.zeros(sketch.NBINS, dtype=np.int64)
+    hist[0] = numel
+    return sketch.encode(hist)

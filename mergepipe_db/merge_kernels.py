@@ -65,20 +65,25 @@ def narrow_bf16(out: np.ndarray, x: np.ndarray) -> bool:
 
 @numba.njit(cache=True, nogil=True)
 def narrow_bf16_with_table(out: np.ndarray, x: np.ndarray, base: np.ndarray, bounds: np.ndarray, skip: np.ndarray,
-                           table: np.ndarray, lut: np.ndarray, exceptions: np.ndarray) -> bool:
+                           table: np.ndarray, lut: np.ndarray, exceptions: np.ndarray, unchanged: np.ndarray) -> bool:
     """`narrow_bf16` of `x` on the blocks not skipped; on a block with ``skip[b]``, out = lut[base] (`base`: θ₀'s
     BF16 bits; `table`: the operator's float32 result there as a function of them; `lut`: its BF16 bits).
     False when a NaN is met in either (the caller converts with torch).
 
     A non-empty `exceptions` (rows [bits, lut[bits]], as `near_identity` gives them) says that `lut` maps
     every other pattern to itself and `table` is NaN exactly on the NaN patterns: skipped blocks are then
-    copied with those values replaced (vectorized, no table lookups) and a NaN is found from θ₀'s bits."""
+    copied with those values replaced (vectorized, no table lookups) and a NaN is found from θ₀'s bits; and
+    ``unchanged[b]`` tells whether skipped block b holds none of them (its output bytes are θ₀'s). It is False
+    for every other block."""
     ok = True
     fast = exceptions.shape[0] > 0
     for b in range(skip.shape[0]):
         s0, e0 = bounds[b], bounds[b + 1]
+        unchanged[b] = False
         if skip[b] and fast:
-            ok &= _copy_except(out[s0:e0], base[s0:e0], exceptions)
+            no_nan, replaced = _copy_except(out[s0:e0], base[s0:e0], exceptions)
+            ok &= no_nan
+            unchanged[b] = not replaced
         elif skip[b]:
             for i in range(s0, e0):
                 v = base[i]
@@ -90,22 +95,28 @@ def narrow_bf16_with_table(out: np.ndarray, x: np.ndarray, base: np.ndarray, bou
 
 
 @numba.njit(cache=True, nogil=True)
-def _copy_except(out: np.ndarray, base: np.ndarray, exceptions: np.ndarray) -> bool:
-    """out = base with each exceptions[r, 0] replaced by exceptions[r, 1] (BF16 bits); False if base holds
-    a NaN (exponent all ones, mantissa non-zero)."""
+def _copy_except(out: np.ndarray, base: np.ndarray, exceptions: np.ndarray) -> tuple[bool, bool]:
+    """out = base with each exceptions[r, 0] replaced by exceptions[r, 1] (BF16 bits); (no NaN in base
+    (exponent all ones, mantissa non-zero), some element replaced by other bits)."""
     nan = np.uint16(0)
+    replaced = 0
     for r in range(exceptions.shape[0]):
         v, o = exceptions[r, 0], exceptions[r, 1]
+        hits = 0
         if r == 0:
             for i in range(base.shape[0]):
                 u = base[i]
                 out[i] = o if u == v else u
                 nan |= np.uint16((u & np.uint16(0x7FFF)) > np.uint16(0x7F80))
+                hits += u == v
         else:
             for i in range(out.shape[0]):
                 if base[i] == v:
                     out[i] = o
-    return nan == 0
+                    hits += 1
+        if v != o:
+            replaced += hits
+    return nan == 0, replaced > 0
 
 
 def near_identity(table: np.ndarray, lut: np.ndarray, max_exceptions: int = 4) -> np.ndarray:

@@ -15,6 +15,7 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -185,6 +186,14 @@ def xxh3_hex(data: bytes | bytearray | memoryview) -> str:
     import xxhash
 
     return xxhash.xxh3_128_hexdigest(data)
+
+
+def xxh3_stream() -> Any:
+    """An xxh3_128 hasher fed piece by piece (``update``); its ``hexdigest()`` equals `xxh3_hex` of the
+    pieces joined."""
+    import xxhash
+
+    return xxhash.xxh3_128()
 
 
 def fsync_dir(path: Path) -> None:

@@ -190,12 +190,25 @@ def test_skipped_blocks_copied_with_exceptions_equal_the_table_lookup(method, we
     for skip in ([True, False], [True, True], [False, True]):
         skip = np.array(skip)
         got, want = np.empty(base.size, np.uint16), np.empty(base.size, np.uint16)
-        ok_got = merge_kernels.narrow_bf16_with_table(got, x, base, bounds, skip, table, lut, exceptions)
+        same, same_want = np.ones(2, np.bool_), np.ones(2, np.bool_)
+        ok_got = merge_kernels.narrow_bf16_with_table(got, x, base, bounds, skip, table, lut, exceptions, same)
         ok_want = merge_kernels.narrow_bf16_with_table(want, x, base, bounds, skip, table, lut,
-                                                       np.empty((0, 2), np.uint16))
+                                                       np.empty((0, 2), np.uint16), same_want)
         assert ok_got == ok_want == (not skip[1])
+        assert not same_want.any()  # without exceptions, no block is said to be unchanged
+        # a skipped block holding −0 (every pattern is in both blocks) is changed by the copy: never unchanged
+        assert not same.any()
         if ok_want:
             np.testing.assert_array_equal(got, want)
+    # without the patterns the table moves, a skipped block is θ₀'s bytes, and says so
+    plain = finite[~np.isin(finite, exceptions[:, 0])]
+    for skip in ([True], [False]):
+        out, same = np.empty(plain.size, np.uint16), np.zeros(1, np.bool_)
+        assert merge_kernels.narrow_bf16_with_table(out, x[:plain.size], plain, np.array([0, plain.size]),
+                                                    np.array(skip), table, lut, exceptions, same)
+        assert bool(same[0]) == skip[0]
+        if skip[0]:
+            np.testing.assert_array_equal(out, plain)
         else:  # a NaN: the caller converts the whole tensor with torch; the numbers still agree
             num = (want & 0x7FFF) <= 0x7F80
             np.testing.assert_array_equal(got[num], want[num])

@@ -126,6 +126,41 @@ def test_unread_blocks_from_the_base_table_equal_the_computed_ones(catalog, tiny
     assert_bytes_equal(load_output(tmp_path / "table"), load_output(tmp_path / "folded"))
 
 
+@pytest.mark.parametrize("method", ["linear", "ties"])
+def test_snapshot_block_rows_equal_an_ingest_of_its_output(catalog, tiny_family, tmp_path, monkeypatch,
+                                                           method) -> None:
+    """The executor catalogues a snapshot's blocks as it writes them (hashes and delta statistics against the
+    base), with shortcuts: blocks written as copies of θ₀ are not compared with it, and the tensor hash is
+    fed block by block. Ingesting the output directory afterwards, from the files, gives the same rows."""
+    from mergepipe_db import executor
+
+    names = ingest_family(catalog, tiny_family)
+    marked: list[int] = []
+    out_blocks = executor._out_blocks
+
+    def spying(ot, data, block_bytes, base=None, unchanged=None, tensor_hash=None):  # noqa: ANN001, ANN202
+        marked.append(0 if unchanged is None else int(unchanged.sum()))
+        return out_blocks(ot, data, block_bytes, base, unchanged, tensor_hash)
+
+    monkeypatch.setattr(executor, "_out_blocks", spying)
+    res = catalog.merge(make_spec(method, names), out=tmp_path / "out", budget="0.2", shard_bytes=40_000)
+    assert sum(marked) > 0  # the shortcut was taken
+    again = catalog.ingest(tmp_path / "out", name="again", base="base")
+    cols = ("tensor_idx", "block_idx", "row_start", "row_stop", "offset", "nbytes", "xxh3", "delta_l2", "delta_l1",
+            "delta_max", "pos_frac", "sketch")
+    b, t = schema.block, schema.tensor
+    with catalog.db.connect() as conn:
+        snap = conn.execute(sa.select(schema.checkpoint.c.id).where(schema.checkpoint.c.name == res.checkpoint)
+                            ).scalar_one()
+        rows = {cid: conn.execute(sa.select(*(b.c[c] for c in cols)).where(b.c.checkpoint_id == cid)
+                                  .order_by(b.c.tensor_idx, b.c.block_idx)).all()
+                for cid in (snap, again.checkpoint_id)}
+        hashes = {cid: conn.execute(sa.select(t.c.name, t.c.xxh3).where(t.c.checkpoint_id == cid)
+                                    .order_by(t.c.tensor_idx)).all() for cid in (snap, again.checkpoint_id)}
+    assert len(rows[snap]) > 0 and rows[snap] == rows[again.checkpoint_id]
+    assert hashes[snap] == hashes[again.checkpoint_id]
+
+
 def test_plan_is_budget_sound_monotone_and_deterministic(catalog, tiny_family) -> None:
     names = ingest_family(catalog, tiny_family)
     spec = make_spec("task_arithmetic", names)
