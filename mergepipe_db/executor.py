@@ -440,8 +440,8 @@ class _BaseOnly:
                   skip: np.ndarray) -> np.ndarray | None:
         """BF16 output: `merged` rounded on the blocks computed, the table's value of θ₀ on the skipped ones;
         with a NaN in either, the skipped blocks are filled from the table and torch converts (`_cast_into`).
-        Returns which blocks hold θ₀'s bytes unchanged (skipped blocks with no pattern the table moves, such as
-        −0 → +0), or None when none does."""
+        Returns which blocks are θ₀'s bytes unchanged (skipped blocks with no pattern the table moves, such as
+        −0 → +0), or None when none is: those are not written into `out_bytes` (`_OutputJob.pieces`)."""
         from mergepipe_db import merge_kernels
 
         assert self.table is not None
@@ -492,7 +492,28 @@ class _OutputJob:
     base: np.ndarray | None  # the base tensor's bytes when dtypes agree (delta statistics of the output)
     give_back: tuple[np.ndarray | None, ...]  # BufferPool buffers to return once written
     tensor: TensorInfo
-    unchanged: np.ndarray | None = None  # per base block: its output bytes are θ₀'s by construction
+    #: per block, whether its output bytes are θ₀'s (`_BaseOnly.cast_into`): those are taken from `base`, and
+    #: `data` holds only the others; `bounds` are the blocks' byte offsets in the tensor
+    unchanged: np.ndarray | None = None
+    bounds: np.ndarray | None = None
+
+    def pieces(self) -> Iterator[memoryview]:
+        """The output tensor's bytes in order: runs of `unchanged` blocks from θ₀'s buffer, the rest from
+        `data`."""
+        data = memoryview(self.data)
+        if self.unchanged is None:
+            yield data
+            return
+        assert self.base is not None and self.bounds is not None
+        base = memoryview(self.base)
+        flags, bounds = self.unchanged.tolist(), self.bounds.tolist()
+        start = 0
+        for b in range(1, len(flags) + 1):
+            if b == len(flags) or flags[b] != flags[start]:
+                lo, hi = bounds[start], bounds[b]
+                if hi > lo:
+                    yield (base if flags[start] else data)[lo:hi]
+                start = b
 
 
 #: output tensors written and waiting for (or in) the statistics helper of `_OutputWriter`
@@ -558,7 +579,11 @@ class _OutputWriter(threading.Thread):
                     entries = [(o.name, o.dtype, o.shape) for o in self._by_shard[ot.shard]]
                     self._writer = SafetensorsWriter(self._staging / self._names[ot.shard], entries,
                                                      {"format": "pt"}, exclusive=True, direct=True)
-                self._writer.write(ot.name, memoryview(job.data))
+                if job.unchanged is None:
+                    self._writer.write(ot.name, memoryview(job.data))
+                else:
+                    for piece in job.pieces():
+                        self._writer.write_part(ot.name, piece)
                 self._backlog.append(stats.submit(self._catalogue, job))
                 while len(self._backlog) > _STATS_BACKLOG:
                     self._collect(self._backlog.popleft())
@@ -594,7 +619,7 @@ class _OutputWriter(threading.Thread):
         data = memoryview(job.data)
         base_view = None if job.base is None else memoryview(job.base)
         tensor_hash = xxh3_stream()
-        rows = list(_out_blocks(job.ot, data, self._bb, base_view, job.unchanged, tensor_hash))
+        rows = list(_out_blocks(job.ot, data, self._bb, base_view, job.unchanged, tensor_hash, job.bounds))
         out = tensor_hash.hexdigest(), rows
         del data, base_view
         for arr in job.give_back:
@@ -741,8 +766,13 @@ def _execute(
 
             t0 = time.perf_counter()
             same_coords = t.dtype in ARITHMETIC and ot.dtype == t.dtype
+            byte_bounds = None
+            if unchanged is not None:
+                assert same_coords and t.rows_per_block == rows_per_block(ot.shape, DTYPE_BITS[ot.dtype],
+                                                                          plan.base.block_bytes)
+                byte_bounds = bounds * (DTYPE_BITS[ot.dtype] // 8)
             output.put(_OutputJob(ot, out_bytes, base_item.data if same_coords else None,
-                                  (out_arr, base_item.arr), t, unchanged))
+                                  (out_arr, base_item.arr), t, unchanged, byte_bounds))
             del base_item
             timings["write_wait"] += time.perf_counter() - t0
             bar.update(t.nbytes)
@@ -801,13 +831,14 @@ def _shard_offsets(out_tensors: list[OutTensor], by_shard: dict[int, list[OutTen
 
 
 def _out_blocks(ot: OutTensor, data: memoryview, block_bytes: int, base: memoryview | None = None,
-                unchanged: np.ndarray | None = None, tensor_hash: Any = None) -> Iterator[dict[str, Any]]:
+                unchanged: np.ndarray | None = None, tensor_hash: Any = None, bounds: np.ndarray | None = None
+                ) -> Iterator[dict[str, Any]]:
     """Block rows of an output tensor (offsets relative to the tensor; made absolute at commit).
 
     With the base's bytes (same dtype), each block also gets its delta statistics against the base, so a
     snapshot can be ranked block by block when it is merged again; blocks equal to the base cost a hash, and
-    those `unchanged` marks (copies of θ₀'s bytes, as the executor wrote them) not even a comparison.
-    `tensor_hash` (an xxh3_128 stream) is fed the whole tensor, block by block while each is in cache.
+    those `unchanged` marks (θ₀'s bytes, not in `data`: `_OutputJob`) not even a comparison. `tensor_hash`
+    (an xxh3_128 stream) is fed the whole tensor, block by block while each is in cache.
     """
     from mergepipe_db import kernels
 
@@ -815,15 +846,16 @@ def _out_blocks(ot: OutTensor, data: memoryview, block_bytes: int, base: memoryv
     rpb = rows_per_block(ot.shape, bits, block_bytes)
     rb = 0 if len(ot.shape) <= 1 else _nbytes(ot.shape[1:], ot.dtype)
     ranges = block_ranges(ot.shape, rpb)
-    if unchanged is not None and len(unchanged) != len(ranges):
-        unchanged = None  # another block layout than the base's: compare instead
     hashed = 0
     for bi, (start, stop) in enumerate(ranges):
         if len(ot.shape) <= 1:
             lo, hi = 0, ot.nbytes
         else:
             lo, hi = start * rb, stop * rb
-        block = data[lo:hi]
+        same = unchanged is not None and bool(unchanged[bi])
+        if same:  # the executor's blocks are this layout's (`_execute` checks the base's rows per block)
+            assert base is not None and bounds is not None and (lo, hi) == (bounds[bi], bounds[bi + 1])
+        block = (base if same else data)[lo:hi]
         h = xxh3_hex(block)
         if tensor_hash is not None and lo == hashed:
             tensor_hash.update(block)
@@ -832,7 +864,7 @@ def _out_blocks(ot: OutTensor, data: memoryview, block_bytes: int, base: memoryv
                "nbytes": hi - lo, "xxh3": h, "rows_per_block": rpb, "delta_l2": None, "delta_l1": None,
                "delta_max": None, "pos_frac": None, "sketch": None}
         if base is not None:
-            if (unchanged is not None and unchanged[bi]) or kernels.same_bytes(block, base[lo:hi]):
+            if same or kernels.same_bytes(block, base[lo:hi]):
                 stats = 0.0, 0.0, 0.0, 0.0, _zero_sketch((hi - lo) * 8 // bits)
             else:
                 l2, l1, mx, pos, hist = kernels.delta_stats(block, base[lo:hi], ot.dtype)

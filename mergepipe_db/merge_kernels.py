@@ -71,19 +71,22 @@ def narrow_bf16_with_table(out: np.ndarray, x: np.ndarray, base: np.ndarray, bou
     False when a NaN is met in either (the caller converts with torch).
 
     A non-empty `exceptions` (rows [bits, lut[bits]], as `near_identity` gives them) says that `lut` maps
-    every other pattern to itself and `table` is NaN exactly on the NaN patterns: skipped blocks are then
-    copied with those values replaced (vectorized, no table lookups) and a NaN is found from θ₀'s bits; and
-    ``unchanged[b]`` tells whether skipped block b holds none of them (its output bytes are θ₀'s). It is False
-    for every other block."""
+    every other pattern to itself and `table` is NaN exactly on the NaN patterns: a skipped block is then
+    scanned for those patterns (and NaN, from θ₀'s bits) without table lookups; one holding none of them is
+    θ₀'s bytes and is not written: ``unchanged[b]`` says so, and the caller takes its bytes from `base`. The
+    others are copied with the patterns replaced. `unchanged` is False for every other block."""
     ok = True
     fast = exceptions.shape[0] > 0
     for b in range(skip.shape[0]):
         s0, e0 = bounds[b], bounds[b + 1]
         unchanged[b] = False
         if skip[b] and fast:
-            no_nan, replaced = _copy_except(out[s0:e0], base[s0:e0], exceptions)
+            no_nan, moved = _scan_except(base[s0:e0], exceptions)
             ok &= no_nan
-            unchanged[b] = not replaced
+            if moved:
+                _copy_except(out[s0:e0], base[s0:e0], exceptions)
+            else:
+                unchanged[b] = True
         elif skip[b]:
             for i in range(s0, e0):
                 v = base[i]
@@ -95,28 +98,40 @@ def narrow_bf16_with_table(out: np.ndarray, x: np.ndarray, base: np.ndarray, bou
 
 
 @numba.njit(cache=True, nogil=True)
-def _copy_except(out: np.ndarray, base: np.ndarray, exceptions: np.ndarray) -> tuple[bool, bool]:
-    """out = base with each exceptions[r, 0] replaced by exceptions[r, 1] (BF16 bits); (no NaN in base
-    (exponent all ones, mantissa non-zero), some element replaced by other bits)."""
+def _scan_except(base: np.ndarray, exceptions: np.ndarray) -> tuple[bool, bool]:
+    """(no NaN in `base` (BF16 bits: exponent all ones, mantissa non-zero), some element of `base` that an
+    exceptions row maps to other bits), in one read of `base` for the first row."""
     nan = np.uint16(0)
-    replaced = 0
+    moved = 0
     for r in range(exceptions.shape[0]):
         v, o = exceptions[r, 0], exceptions[r, 1]
         hits = 0
         if r == 0:
             for i in range(base.shape[0]):
                 u = base[i]
-                out[i] = o if u == v else u
                 nan |= np.uint16((u & np.uint16(0x7FFF)) > np.uint16(0x7F80))
                 hits += u == v
+        elif v != o:
+            for i in range(base.shape[0]):
+                hits += base[i] == v
+        if v != o:
+            moved += hits
+    return nan == 0, moved > 0
+
+
+@numba.njit(cache=True, nogil=True)
+def _copy_except(out: np.ndarray, base: np.ndarray, exceptions: np.ndarray) -> None:
+    """out = base with each exceptions[r, 0] replaced by exceptions[r, 1] (BF16 bits)."""
+    for r in range(exceptions.shape[0]):
+        v, o = exceptions[r, 0], exceptions[r, 1]
+        if r == 0:
+            for i in range(base.shape[0]):
+                u = base[i]
+                out[i] = o if u == v else u
         else:
             for i in range(out.shape[0]):
                 if base[i] == v:
                     out[i] = o
-                    hits += 1
-        if v != o:
-            replaced += hits
-    return nan == 0, replaced > 0
 
 
 def near_identity(table: np.ndarray, lut: np.ndarray, max_exceptions: int = 4) -> np.ndarray:

@@ -130,17 +130,18 @@ def test_unread_blocks_from_the_base_table_equal_the_computed_ones(catalog, tiny
 def test_snapshot_block_rows_equal_an_ingest_of_its_output(catalog, tiny_family, tmp_path, monkeypatch,
                                                            method) -> None:
     """The executor catalogues a snapshot's blocks as it writes them (hashes and delta statistics against the
-    base), with shortcuts: blocks written as copies of θ₀ are not compared with it, and the tensor hash is
-    fed block by block. Ingesting the output directory afterwards, from the files, gives the same rows."""
+    base), with shortcuts: blocks that are θ₀'s bytes are written from θ₀'s buffer (never copied) and not
+    compared with it, and the tensor hash is fed block by block. Ingesting the output directory afterwards,
+    from the files, gives the same rows."""
     from mergepipe_db import executor
 
     names = ingest_family(catalog, tiny_family)
     marked: list[int] = []
     out_blocks = executor._out_blocks
 
-    def spying(ot, data, block_bytes, base=None, unchanged=None, tensor_hash=None):  # noqa: ANN001, ANN202
+    def spying(ot, data, block_bytes, base=None, unchanged=None, *args):  # noqa: ANN001, ANN002, ANN202
         marked.append(0 if unchanged is None else int(unchanged.sum()))
-        return out_blocks(ot, data, block_bytes, base, unchanged, tensor_hash)
+        return out_blocks(ot, data, block_bytes, base, unchanged, *args)
 
     monkeypatch.setattr(executor, "_out_blocks", spying)
     res = catalog.merge(make_spec(method, names), out=tmp_path / "out", budget="0.2", shard_bytes=40_000)
