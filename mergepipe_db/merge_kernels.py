@@ -326,6 +326,31 @@ def absdelta_range_collect(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray
 
 
 @numba.njit(cache=True, nogil=True)
+def absdelta_bin(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray, lo: np.float32, hi: np.float32,
+                 out: np.ndarray) -> tuple[int, int, int]:
+    """One pass over the |Δ| on `ranges`: the bit patterns of those in [lo, hi) into `out` (stops storing once
+    it is full); returns (how many are in [lo, hi), how many are >= hi, how many are NaN)."""
+    got = 0
+    above = 0
+    nan = 0
+    cap = out.shape[0]
+    for r in range(ranges.shape[0]):
+        s0, e0 = ranges[r, 0], ranges[r, 1]
+        b, x = base[s0:e0], raw[s0:e0]
+        for i in range(b.shape[0]):
+            a = abs(widen(x[i]) - b[i])
+            if a != a:
+                nan += 1
+            elif a >= hi:
+                above += 1
+            elif a >= lo:
+                if got < cap:
+                    out[got] = f32_to_bits(a)
+                got += 1
+    return got, above, nan
+
+
+@numba.njit(cache=True, nogil=True)
 def _absdelta_count_span(b: np.ndarray, x: np.ndarray) -> tuple[int, int]:
     """(how many |Δ| of the span are finite and nonzero, how many are inf or NaN)."""
     nonzero = 0
@@ -643,6 +668,24 @@ def kth_largest_in_bin(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray, k:
     if got != in_bin or n_above != above or not 0 < k - above <= got:
         return None
     return _rth_largest(out[:got], k - above)
+
+
+def sketch_tau(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray, hist: np.ndarray, k: int, lo: float,
+               hi: float) -> float:
+    """TIES τ of a partly read tensor (docs/SEMANTICS.md), when its sketch `hist` is complete and holds no
+    inf/NaN and puts the k-th largest |Δ| in bin [lo, hi) (not bin 0): NaN if a NaN is read; the exact value
+    when every element of that bin was read (its rank inside the bin is known); else the sketch's
+    interpolation. One pass over the rows read (`absdelta_bin`)."""
+    from mergepipe_db import sketch
+
+    b, above = sketch.locate_kth_largest(hist, k)
+    out = np.empty(max(int(hist[b]), 1), np.uint32)
+    got, _n_above, nan = absdelta_bin(base, raw, ranges, np.float32(lo), np.float32(hi), out)
+    if nan:
+        return float("nan")
+    if got == int(hist[b]):
+        return _rth_largest(out[:got], k - above)
+    return float(np.float32(sketch.kth_largest(hist, k)))
 
 
 def kth_largest_is_zero(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray, k: int) -> bool | None:

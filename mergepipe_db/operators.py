@@ -939,6 +939,12 @@ class _DeltaFold(MergeOperator):
             tau_fast, zero_check = self._exact_tau_fast(x, ranges, k)
             if tau_fast is not None and self._fold_fast(x, tau_fast, zero_check):
                 return
+        if not exact and k > 0 and self._fused:
+            tau_sketch, zero_check = self._sketch_tau_fast(x, k)
+            if tau_sketch is not None and math.isnan(tau_sketch):
+                return  # |Δ| >= NaN is false everywhere: T_k = 0
+            if tau_sketch is not None and self._fold_fast(x, tau_sketch, zero_check):
+                return
         mags = self._magnitudes(x, ranges)
         tau = mags.topk_min(k)
         if math.isnan(tau):
@@ -975,6 +981,27 @@ class _DeltaFold(MergeOperator):
                     return tau, 0
         n_read = sum(e - s for s, e in ranges)
         return _mk().kth_largest_abs_delta(base, src, ranges_arr, n_read, self._ctx.numel, k), 0
+
+    def _sketch_tau_fast(self, x: ExpertInput, k: int) -> tuple[float | None, int]:
+        """(τ, zero_check): τ of a partly read tensor as `_Magnitudes.topk_min` gives it, by a fused kernel in one
+        pass, without the |Δ| of the rows read in memory; None (the caller takes that path) without θ_k's
+        bytes, or when the sketch is incomplete or has values in its last bin (inf/NaN: their counts decide
+        there). τ = 0 (the sketch's bin 0) holds unless a NaN is read: an input kept for the fused pass is
+        checked by it (zero_check = numel + 1: no count of nonzero |Δ| reaches it, so only an inf or NaN
+        read sends it back here, to the |Δ|-in-memory path; `_TiesFold._finish_fused`)."""
+        src, hist = x.fast_source(), x.sketch
+        if src is None or hist is None or self._bflat is None or self._ctx is None:
+            return None, 0
+        if int(hist[_LAST]) or int(hist.sum()) != self._ctx.numel:
+            return None, 0
+        b, _above = _sketch.locate_kth_largest(hist, k)
+        ranges_arr = x.element_ranges_array(self._ctx)
+        if b == _sketch.ZERO_BIN:
+            if self._defers_zero_check(src):
+                return 0.0, self._ctx.numel + 1
+            _nonzero, special = _mk().absdelta_count(self._bflat, src, ranges_arr)
+            return (None if special else 0.0), 0
+        return _mk().sketch_tau(self._bflat, src, ranges_arr, hist, k, float(_EDGES[b]), float(_EDGES[b + 1])), 0
 
     def _defers_zero_check(self, src: np.ndarray) -> bool:
         """Whether a fused pass will check a τ = 0 taken from the sketch (`_exact_tau_fast`)."""

@@ -567,6 +567,69 @@ def test_partial_ties_with_sketch_in_all_regimes(seed: int) -> None:
     assert_bits_equal(got, lit_ties_combine(base, trimmed, [p.weight for p in params], True, 1.0))
 
 
+@pytest.mark.parametrize("case", ["all_read", "bin_read", "some_read", "nan_read", "zero", "zero_nan", "zero_inf"])
+def test_partial_ties_sketch_tau_in_one_pass(monkeypatch, case: str) -> None:
+    """A partly read tensor whose sketch holds no inf/NaN takes τ from one fused pass over the rows read
+    (`_DeltaFold._sketch_tau_fast`; for τ = 0, the operator's fused pass checks the rows read): the same bits
+    as the |Δ|-in-memory path and as SEMANTICS.md, in each branch: every element of τ's bin read (exact),
+    only some (interpolated), τ in bin 0, and a NaN or inf read that the sketch did not announce (NaN: τ =
+    NaN, T_k = 0; inf: τ stays 0)."""
+    from mergepipe_db import operators as ops
+
+    shape, rpb = (160, 30), 10
+    base, thetas = make_data(shape, 2, 77)
+    ctx = context(shape, rpb)
+    # low densities: τ's bin is high, and not every block holds an element of it
+    params = [ExpertParams("a", 1.0, 0.004), ExpertParams("b", -0.7, 0.01)]
+    rows = blocks_of(shape, rpb)
+    if case.startswith("zero"):  # most of each tensor unchanged: the k-th largest |Δ| is 0
+        params = [ExpertParams("a", 1.0, 0.5), ExpertParams("b", -0.7, 0.6)]
+        g = torch.Generator().manual_seed(5)
+        thetas = [torch.where(torch.rand(shape, generator=g) < 0.8, base, th) for th in thetas]
+    sketches = [sketch.histogram(th - base) for th in thetas]
+    everything = list(range(ctx.n_blocks))
+    if case == "all_read":
+        selected = [everything, everything]
+    elif case == "bin_read":  # exactly the blocks holding an element of τ's bin (and those above it)
+        selected = []
+        for th, p, h in zip(thetas, params, sketches):
+            b, _ = sketch.locate_kth_largest(h, int(p.density * th.numel()))
+            bins = sketch.bin_index((th - base).abs())
+            selected.append([j for j in everything if bool((bins[rows[j][0]:rows[j][1]] >= b).any())])
+        assert all(len(sel) < ctx.n_blocks for sel in selected)
+    else:
+        selected = [[0, 3, 4, 9, 12], [1, 2, 15]]
+    if case in ("nan_read", "zero_nan", "zero_inf"):
+        thetas = [th.clone() for th in thetas]
+        thetas[0][rows[3][0] + 1, 5] = math.inf if case == "zero_inf" else math.nan  # read, not in the sketch
+    taken: list[float | None] = []
+    fused = ops._DeltaFold._sketch_tau_fast
+
+    def spy(self, x, k):  # noqa: ANN001, ANN202
+        tau, zero_check = fused(self, x, k)
+        taken.append(tau)
+        return tau, zero_check
+
+    monkeypatch.setattr(ops._DeltaFold, "_sketch_tau_fast", spy)
+    got = stream("ties", base, thetas, params, ctx, selected=selected, sketches=sketches, full=False)
+    taken = taken[:2]  # an input the fused pass sends back asks again (then by the other path)
+    assert len(taken) == 2 and all(t is not None for t in taken)
+    assert all(t == 0.0 for t in taken) == case.startswith("zero")
+    monkeypatch.setattr(ops._DeltaFold, "_sketch_tau_fast", lambda self, x, k: (None, 0))
+    assert_bits_equal(got, stream("ties", base, thetas, params, ctx, selected=selected, sketches=sketches,
+                                  full=False))
+    trimmed = []
+    for th, p, sel, h, t in zip(thetas, params, selected, sketches, taken):
+        d_read = omit_rows(base, th, ctx, sel) - base
+        k = int(p.density * d_read.numel())
+        tau = expected_sketch_tau(th - base, torch.cat([d_read[rows[b][0]:rows[b][1]] for b in sel]), h, k)
+        assert (math.isnan(tau) and (math.isnan(t) or case == "zero_nan")) or tau == t
+        trimmed.append(lit_ties_trim(d_read, p.density, tau=torch.tensor(tau)))
+    assert_bits_equal(got, lit_ties_combine(base, trimmed, [p.weight for p in params], True, 1.0))
+    if case == "nan_read":
+        assert math.isnan(taken[0])
+
+
 @pytest.mark.parametrize("n", [0, 1, 2, 623, 624, 625, 1248, 1249, 6 * 12, 256 * 2048 + 7])
 def test_mt19937_uniforms_are_torch_rand_bit_for_bit(n) -> None:
     """DARE's uniforms come from mergepipe_db.mt19937, not torch: the same bits as torch.rand for a generator
