@@ -32,3 +32,20 @@ def set_scores(catalog, case: str, *, rewrite_summaries: bool = False) -> None:
         if rewrite_summaries:
             ranking.rewrite(conn, [r[0] for r in conn.execute(sa.text("SELECT id FROM mp_checkpoint"))])
         conn.commit()
+
+
+def plan_each(catalog, spec: dict, budgets: list) -> list:
+    """`catalog.plan(spec, budget=b)` for each of `budgets` (a Budget or a string), every plan built on one
+    catalog connection: what Catalog.plan does per call (resolve the models, build the plan) without opening
+    the catalog again for each budget, which is most of a small plan's time."""
+    from mergepipe_db.catalog import _find_models
+    from mergepipe_db.planner import build_plan
+    from mergepipe_db.spec import parse_budget
+
+    s, _ = catalog._spec(spec, None, None)
+    with catalog.db.connect() as conn:
+        found = _find_models(conn, [s.base, *(m.ref for m in s.models)])
+        assert all(f is not None for f in found), found
+        ids = [f[0] for f in found]
+        return [build_plan(conn, s, base_id=ids[0], expert_ids=ids[1:],
+                           budget_spec=parse_budget(b) if isinstance(b, str) else b) for b in budgets]

@@ -10,7 +10,7 @@ import math
 import pytest
 import sqlalchemy as sa
 from conftest import ingest_family
-from planner_scores import SCORES, set_scores
+from planner_scores import SCORES, plan_each, set_scores
 
 from mergepipe_db import planner, ranking
 from mergepipe_db.resources import sql_text
@@ -89,18 +89,16 @@ def _edge_budgets(catalog, plan) -> list[int]:
 
 
 def _check_same(catalog, spec, budgets, monkeypatch) -> None:
-    for b in budgets:
-        budget = Budget(nbytes=b) if isinstance(b, int) else b
-        fast = catalog.plan(spec, budget=budget)
-        with monkeypatch.context() as m:
-            m.setattr(planner, "sql_text", _unfiltered)
-            full = catalog.plan(spec, budget=budget)
+    budgets = [Budget(nbytes=b) if isinstance(b, int) else b for b in budgets]
+    fast_plans = plan_each(catalog, spec, budgets)
+    with monkeypatch.context() as m:
+        m.setattr(planner, "sql_text", _unfiltered)
+        full_plans = plan_each(catalog, spec, budgets)
+    for b, fast, full in zip(budgets, fast_plans, full_plans):
         assert _state(fast) == _state(full), b
         assert _same_bound(fast.bound_total, full.bound_total), b
         for t, v in (full.bound_per_tensor or {}).items():
             assert _same_bound(fast.bound_per_tensor[t], v), (b, t)  # type: ignore[index]
-
-
 
 
 @pytest.mark.parametrize("method", ["linear", "task_arithmetic"])

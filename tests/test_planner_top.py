@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from conftest import ingest_family
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from planner_scores import SCORES, set_scores
+from planner_scores import SCORES, plan_each, set_scores
 from test_planner_threshold import _state
 
 from mergepipe_db import ranking, sketch
@@ -53,11 +53,11 @@ class _Paths:
         monkeypatch.setattr(ranking, "take_all", spy_take_all)
 
 
-def _ranked_everything(catalog, spec, budget, monkeypatch):
+def _ranked_everything(catalog, spec, budgets, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(ranking, "top_of_ranking", lambda *a: None)
         m.setattr(ranking, "take_all", lambda *a: None)
-        return catalog.plan(spec, budget=budget)
+        return plan_each(catalog, spec, budgets)
 
 
 def _scores(catalog, plan) -> list[tuple[float | None, int]]:
@@ -108,10 +108,9 @@ def test_top_of_ranking_and_take_all_keep_every_plan(catalog, tiny_family, monke
     assert paths.taken == ["all"]
     scored = _scores(catalog, full)
     scale = math.fsum(s for s, _n in scored if s is not None and math.isfinite(s))
-    for b in [*_budgets(scored), "0.01", "0.3", "1.0"]:
-        budget = Budget(nbytes=b) if isinstance(b, int) else b
-        got = catalog.plan(spec, budget=budget)
-        ref = _ranked_everything(catalog, spec, budget, monkeypatch)
+    budgets = [Budget(nbytes=b) if isinstance(b, int) else b for b in [*_budgets(scored), "0.01", "0.3", "1.0"]]
+    for b, got, ref in zip(budgets, plan_each(catalog, spec, budgets),
+                           _ranked_everything(catalog, spec, budgets, monkeypatch)):
         assert _state(got) == _state(ref), b
         assert _bounds_agree(got, ref, scale), (b, got.bound_total, ref.bound_total)
     if scores in ("as_ingested", "all_equal"):  # scores the threshold can cut: the top was taken, and held
@@ -127,7 +126,7 @@ def test_operators_outside_the_top_still_plan_everything(catalog, tiny_family, m
                                                for n in names]}
     paths = _Paths(monkeypatch)
     for b in ("0.05", "0.4", "1.0"):
-        assert _state(catalog.plan(spec, budget=b)) == _state(_ranked_everything(catalog, spec, b, monkeypatch))
+        assert _state(catalog.plan(spec, budget=b)) == _state(_ranked_everything(catalog, spec, [b], monkeypatch)[0])
     assert paths.taken == ["all"]
 
 
