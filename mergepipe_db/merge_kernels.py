@@ -304,28 +304,6 @@ def absdelta_collect(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray, pref
 
 
 @numba.njit(cache=True, nogil=True)
-def absdelta_range_collect(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray, lo: np.float32, hi: np.float32,
-                           out: np.ndarray) -> tuple[int, int]:
-    """Bit patterns of the |Δ| on `ranges` with lo <= |Δ| < hi into `out` (stops storing once `out` is
-    full); returns (how many are in [lo, hi), how many are >= hi)."""
-    got = 0
-    above = 0
-    cap = out.shape[0]
-    for r in range(ranges.shape[0]):
-        s0, e0 = ranges[r, 0], ranges[r, 1]
-        b, x = base[s0:e0], raw[s0:e0]
-        for i in range(b.shape[0]):
-            a = abs(widen(x[i]) - b[i])
-            if a >= hi:
-                above += 1
-            elif a >= lo:
-                if got < cap:
-                    out[got] = f32_to_bits(a)
-                got += 1
-    return got, above
-
-
-@numba.njit(cache=True, nogil=True)
 def absdelta_bin(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray, lo: np.float32, hi: np.float32,
                  out: np.ndarray) -> tuple[int, int, int]:
     """One pass over the |Δ| on `ranges`: the bit patterns of those in [lo, hi) into `out` (stops storing once
@@ -664,7 +642,7 @@ def kth_largest_in_bin(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray, k:
     with `above` values at or above `hi` (the unread elements all below `lo`): one pass collects that bin
     only. None when the rows read disagree with the sketch (the caller then takes the radix select)."""
     out = np.empty(max(in_bin, 1), np.uint32)
-    got, n_above = absdelta_range_collect(base, raw, ranges, np.float32(lo), np.float32(hi), out)
+    got, n_above, _nan = absdelta_bin(base, raw, ranges, np.float32(lo), np.float32(hi), out)
     if got != in_bin or n_above != above or not 0 < k - above <= got:
         return None
     return _rth_largest(out[:got], k - above)
