@@ -258,6 +258,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.sizes.split(",") if x]
     backends = tuple(b.strip() for b in args.backends.split(",") if b.strip())
+    unknown = sorted(set(backends) - {"duckdb", "postgresql"})
+    if unknown:  # any other name would be planned on DuckDB under that label
+        ap.error(f"unknown backend(s) {', '.join(unknown)}: use duckdb and/or postgresql")
     res, rows = _run(sizes, backends, args.reps)
     text = _section(rows)
     if args.write:
