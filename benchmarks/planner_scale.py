@@ -29,6 +29,7 @@ PG_ADMIN = "postgresql://mergepipe:mergepipe@127.0.0.1:5432/postgres"
 PG_URL = "postgresql+psycopg://mergepipe:mergepipe@127.0.0.1:5432/mergepipe_bench"
 K = 8
 T = 200  # tensors per checkpoint
+BACKENDS = ("duckdb", "postgresql")
 
 
 def _populate(url: str, n_blocks: int) -> None:
@@ -187,7 +188,7 @@ def _pg_reset() -> None:
 
 def planner(cfg: Config) -> str:
     sizes = [10_000, 100_000] if cfg.quick else [10_000, 100_000, 1_000_000]
-    res, rows = _run(sizes, ("duckdb", "postgresql"))
+    res, rows = _run(sizes, BACKENDS)
     save_raw("planner", res)
     text = _section(rows)
     write_section("planner", text)
@@ -258,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.sizes.split(",") if x]
     backends = tuple(b.strip() for b in args.backends.split(",") if b.strip())
-    unknown = sorted(set(backends) - {"duckdb", "postgresql"})
+    unknown = sorted(set(backends) - set(BACKENDS))
     if unknown:  # any other name would be planned on DuckDB under that label
         ap.error(f"unknown backend(s) {', '.join(unknown)}: use duckdb and/or postgresql")
     res, rows = _run(sizes, backends, args.reps)
