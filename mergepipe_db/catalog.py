@@ -36,6 +36,7 @@ class MergeResult:
     realized_per_expert: list[int]
     base_bytes: int
     output_bytes: int
+    cached_bytes: int  # of the base and expert bytes read, those copied from the page cache, not the disk
     bound: float | None
     seconds: float
     timings: dict[str, float]
@@ -267,7 +268,8 @@ class Catalog:
             version=commit.version, out=str(out_path), plan_hash=plan.plan_hash, manifest_hash=mhash,
             budget_bytes=plan.budget_bytes, full_bytes=plan.full_bytes, planned_bytes=plan.planned_bytes,
             realized_bytes=result.realized_bytes, realized_per_expert=result.realized_per_expert,
-            base_bytes=result.base_bytes, output_bytes=result.output_bytes, bound=plan.bound_total,
+            base_bytes=result.base_bytes, output_bytes=result.output_bytes, cached_bytes=result.cached_bytes,
+            bound=plan.bound_total,
             seconds=time.perf_counter() - t_start, timings=timings,
         )
 

@@ -134,6 +134,8 @@ def cmd_merge(args: argparse.Namespace) -> int:
           f" ({100.0 * res.realized_bytes / max(1, res.full_bytes):.1f}% of full)")
     print(f"  base read {_fmt_bytes(res.base_bytes)}, output written {_fmt_bytes(res.output_bytes)}, "
           f"bound {res.bound if res.bound is not None else 'n/a'}, {res.seconds:.2f} s")
+    if res.cached_bytes:
+        print(f"  {_fmt_bytes(res.cached_bytes)} of the reads came from the page cache")
     return 0
 
 

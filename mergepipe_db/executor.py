@@ -5,10 +5,10 @@ Three threads, data flowing one way:
   `_READ_AHEAD_BYTES` ahead of the compute thread (reads overlap compute even while an operator holds a
   tensor's inputs for one fused pass at `finish`); the base tensors are read one tensor ahead on a helper
   thread (`_BaseAhead`), so a base read and the expert ranges are in flight together; with O_DIRECT where the
-  file system allows it
-  (`storage.RangeReader.read_aligned`: no page-cache copy; on these machines buffered reads cost more kernel
-  time than the merge's arithmetic). Realized expert bytes are counted where the reads are issued and must
-  equal the plan's bytes (budget soundness).
+  file system allows it (`storage.RangeReader.read_aligned`: no page-cache copy; on these machines buffered
+  reads cost more kernel time than the merge's arithmetic), except ranges already whole in the page cache,
+  which are copied from it. Realized expert bytes are counted where the reads are issued and must equal the
+  plan's bytes (budget soundness).
 - compute (the caller's thread): per tensor, the base in float32 and each expert's stored bytes read in place
   by the operator's fused kernels (`operators.py`, `merge_kernels.py`); the result cast to the output dtype.
 - output (`_OutputWriter`): writes each tensor into its shard (O_DIRECT, sha256 while writing, fsync per
@@ -74,6 +74,7 @@ class ExecutionResult:
     reads: dict[tuple[int, int], int]  # (position, tensor_idx) -> bytes read
     base_bytes: int
     output_bytes: int
+    cached_bytes: int  # of the base and expert bytes read, those copied from the page cache (storage.py)
     tensor_offsets: list[int]  # absolute offset of each output tensor in its shard
     header_lens: list[int]
     timings: dict[str, float] = field(default_factory=dict)
@@ -294,6 +295,7 @@ def _reader_thread(plan: Plan, q: _ReadAhead, stop: threading.Event, counters: d
         base_ahead.join()
         counters["base"] = base_ahead.reader.bytes_read
         counters["expert"] = expert_reader.bytes_read
+        counters["cached"] = base_ahead.reader.bytes_cached + expert_reader.bytes_cached
         q.put(None)
     except _Stopped:
         return
@@ -812,7 +814,8 @@ def _execute(
     return ExecutionResult(
         shard_names=shard_names, shard_sha256=output.shard_sha, shard_sizes=shard_sizes, out_tensors=out_tensors,
         tensor_xxh3=output.tensor_xxh3, block_rows=output.block_rows, realized_per_expert=realized, reads=reads,
-        base_bytes=counters.get("base", 0), output_bytes=sum(shard_sizes), timings=timings,
+        base_bytes=counters.get("base", 0), output_bytes=sum(shard_sizes), cached_bytes=counters.get("cached", 0),
+        timings=timings,
         tensor_offsets=offsets, header_lens=header_lens,
     )
 

@@ -66,11 +66,22 @@ def reference_for(catalog: Catalog, family, method: str, names: list[str], *, se
 
 @pytest.mark.parametrize("method", list(CASES))
 @pytest.mark.parametrize("family_name", ["tiny_family", "tiny_family_f32"])
-def test_full_budget_is_bit_identical_to_naive_full_read(catalog, request, tmp_path, method, family_name) -> None:
+@pytest.mark.parametrize("read_path", ["page_cache", "direct"])
+def test_full_budget_is_bit_identical_to_naive_full_read(catalog, request, tmp_path, monkeypatch, method,
+                                                         family_name, read_path) -> None:
+    """Both read paths of `RangeReader.read_aligned`: a copy from the page cache (the test's files are warm,
+    so the cache is what a merge would use; forced here, whatever the kernel reports) and O_DIRECT."""
+    from mergepipe_db import storage
+
     family = request.getfixturevalue(family_name)
     names = ingest_family(catalog, family)
+    monkeypatch.setattr(storage, "page_cached", lambda fd, offset, n: read_path == "page_cache")
     res = catalog.merge(make_spec(method, names), out=tmp_path / "out", budget="1.0", shard_bytes=40_000)
     assert res.realized_bytes == res.planned_bytes <= res.budget_bytes
+    if read_path == "page_cache":  # every byte of full checkpoints is read by read_aligned
+        assert res.cached_bytes == res.base_bytes + res.realized_bytes
+    else:
+        assert res.cached_bytes == 0
     expected = reference_for(catalog, family, method, names)
     assert_bytes_equal(load_output(tmp_path / "out"), expected)
 

@@ -1,0 +1,134 @@
+"""Reads of ranges already in the page cache (`storage.page_cached`, `RangeReader.read_aligned`): copied from
+the cache, the others read with O_DIRECT; the same bytes either way, and every byte counted once."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mergepipe_db import storage
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _file(tmp_path: Path, pages: int = 64) -> tuple[Path, bytes]:
+    data = np.random.default_rng(3).integers(0, 256, pages * PAGE, dtype=np.uint8).tobytes()
+    path = tmp_path / "blob.bin"
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())  # clean pages: POSIX_FADV_DONTNEED can drop them
+    return path, data
+
+
+def _evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _cold_or_skip(path: Path, size: int) -> None:
+    """Evict the file; skip where the kernel cannot report residency or keeps the pages (tmpfs)."""
+    _evict(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        state = storage.page_cached(fd, 0, size)
+    finally:
+        os.close(fd)
+    if state is None:
+        pytest.skip("the kernel cannot report page-cache residency here (cachestat needs Linux 6.5+)")
+    if state:
+        pytest.skip("this file system keeps the file's pages in memory (tmpfs?)")
+
+
+def test_page_cached_reports_the_pages_of_a_range(tmp_path: Path) -> None:
+    path, data = _file(tmp_path)
+    _cold_or_skip(path, len(data))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead beyond what is read
+        assert os.pread(fd, 3 * PAGE, 8 * PAGE) == data[8 * PAGE:11 * PAGE]
+        assert storage.page_cached(fd, 8 * PAGE, 3 * PAGE) is True
+        assert storage.page_cached(fd, 8 * PAGE + 5, 3 * PAGE - 10) is True  # inside those pages
+        assert storage.page_cached(fd, 8 * PAGE - 1, 2) is False  # one byte on an uncached page
+        assert storage.page_cached(fd, 10 * PAGE, PAGE + 1) is False
+        assert storage.page_cached(fd, 40 * PAGE, PAGE) is False
+    finally:
+        os.close(fd)
+
+
+def test_read_aligned_copies_cached_ranges_and_reads_the_others_directly(tmp_path: Path) -> None:
+    path, data = _file(tmp_path)
+    _cold_or_skip(path, len(data))
+    fd = os.open(path, os.O_RDONLY)
+    try:  # warm the first half only
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        assert os.pread(fd, 32 * PAGE, 0) == data[:32 * PAGE]
+    finally:
+        os.close(fd)
+    arr = storage.aligned_empty(len(data) + 2 * PAGE)
+    with storage.RangeReader(random=True) as reader:
+        lo, n = 3 * PAGE + 100, 20 * PAGE  # in the warm half: a copy from the cache, no O_DIRECT descriptor
+        reader.read_aligned(str(path), lo, arr, PAGE + lo, n)
+        assert bytes(arr[PAGE + lo:PAGE + lo + n]) == data[lo:lo + n]
+        assert (reader.bytes_read, reader.bytes_cached) == (n, n)
+        assert str(path) not in reader._direct_fds
+        lo2, n2 = 40 * PAGE + 7, 10 * PAGE  # cold: from the device
+        reader.read_aligned(str(path), lo2, arr, PAGE + lo2, n2)
+        assert bytes(arr[PAGE + lo2:PAGE + lo2 + n2]) == data[lo2:lo2 + n2]
+        assert (reader.bytes_read, reader.bytes_cached) == (n + n2, n)
+        assert str(path) in reader._direct_fds  # O_DIRECT was asked for (None where the file system refuses it)
+
+
+def test_without_cachestat_every_read_is_direct(tmp_path: Path, monkeypatch) -> None:
+    """Where the kernel cannot tell (page_cached is None), reads go the O_DIRECT way, as before."""
+    path, data = _file(tmp_path, pages=8)
+    monkeypatch.setattr(storage, "page_cached", lambda fd, offset, n: None)
+    arr = storage.aligned_empty(len(data) + 2 * PAGE)
+    with storage.RangeReader(random=False) as reader:
+        reader.read_aligned(str(path), 0, arr, PAGE, len(data))
+        assert bytes(arr[PAGE:PAGE + len(data)]) == data
+        assert (reader.bytes_read, reader.bytes_cached) == (len(data), 0)
+        assert str(path) in reader._direct_fds
+
+
+def test_a_partly_cached_range_is_copied_where_cached_and_read_directly_elsewhere(tmp_path: Path,
+                                                                                   monkeypatch) -> None:
+    """Pieces of `_REQUEST` bytes (4 pages here) are decided one by one; runs of uncached pieces are single
+    O_DIRECT reads; every byte is counted once and lands where it belongs."""
+    path, data = _file(tmp_path)
+    _cold_or_skip(path, len(data))
+    monkeypatch.setattr(storage, "_REQUEST", 4 * PAGE)
+    fd = os.open(path, os.O_RDONLY)
+    try:  # warm pages 8-15 and 24-27: two whole pieces, one half piece (28-31 stays cold)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        os.pread(fd, 8 * PAGE, 8 * PAGE)
+        os.pread(fd, 4 * PAGE, 24 * PAGE)
+        os.pread(fd, 2 * PAGE, 28 * PAGE)
+    finally:
+        os.close(fd)
+    direct = []
+    real_pread = storage.RangeReader._pread_all
+
+    def spy(self, fd, path_, offset, buf, need):
+        if fd == self._direct_fds.get(path_):
+            direct.append((offset, offset + len(buf)))
+        return real_pread(self, fd, path_, offset, buf, need)
+
+    monkeypatch.setattr(storage.RangeReader, "_pread_all", spy)
+    arr = storage.aligned_empty(len(data) + 2 * PAGE)
+    lo, hi = 5 * PAGE + 11, 33 * PAGE - 5
+    with storage.RangeReader(random=True) as reader:
+        reader.read_aligned(str(path), lo, arr, PAGE + lo, hi - lo)
+        assert bytes(arr[PAGE + lo:PAGE + hi]) == data[lo:hi]
+        assert reader.bytes_read == hi - lo
+        if reader._direct_fds.get(str(path)) is None:
+            pytest.skip("O_DIRECT is refused on this file system")
+        assert reader.bytes_cached == 12 * PAGE  # pieces 8-11, 12-15, 24-27
+        # three direct runs, widened to whole pages: 5-7 (from the page holding lo), 16-23, 28-32
+        assert direct == [(5 * PAGE, 8 * PAGE), (16 * PAGE, 24 * PAGE), (28 * PAGE, 33 * PAGE)]
