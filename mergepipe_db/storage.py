@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import itertools
 import os
 import sys
 import threading
@@ -184,17 +185,12 @@ class RangeReader:
         (`page_cached`) is copied from there, and each run of the other pieces is one O_DIRECT read.
         """
         fd, end = self._fd(path), offset + n
-        run, run_cached = offset, False
-        at = offset
-        while at < end:
-            stop = min(end, (at // _REQUEST + 1) * _REQUEST)
-            cached = bool(page_cached(fd, at, stop - at))
-            if cached != run_cached and at > run:
-                self._read_run(path, run, at - run, arr, pos + run - offset, run_cached)
-                run = at
-            run_cached, at = cached, stop
-        if end > run or n == 0:
-            self._read_run(path, run, end - run, arr, pos + run - offset, run_cached)
+        edges = [offset, *range((offset // _REQUEST + 1) * _REQUEST, end, _REQUEST), end]
+        pieces = zip(edges, edges[1:])
+        for cached, group in itertools.groupby(pieces, key=lambda p: bool(page_cached(fd, p[0], p[1] - p[0]))):
+            run = list(group)  # consecutive pieces alike: one read
+            lo, hi = run[0][0], run[-1][1]
+            self._read_run(path, lo, hi - lo, arr, pos + lo - offset, cached)
 
     def _read_run(self, path: str, offset: int, n: int, arr: np.ndarray, pos: int, cached: bool) -> None:
         """`read_aligned` of one run: copied from the page cache, or with O_DIRECT where the file allows."""
