@@ -24,7 +24,7 @@ def main(argv: list[str]) -> None:
     if cmd == "merge":  # as `mergepipe merge` does before it imports the catalog
         from mergepipe_db import warmup
 
-        warmup.start()
+        warmup.start(own_process=True)
     from mergepipe_db import Catalog
     from mergepipe_db.cli import exit_now
 

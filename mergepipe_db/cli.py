@@ -120,7 +120,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_merge(args: argparse.Namespace) -> int:
     from mergepipe_db import warmup
 
-    warmup.start()  # the merge kernels load while the catalog is imported, opened and planned
+    warmup.start(own_process=True)  # the merge kernels load while the catalog is imported, opened and planned
     cat = _catalog(args)
     shard = _parse_size(args.shard_size) if args.shard_size else None
     res = cat.merge(args.spec, out=args.out, budget=args.budget, seed=args.seed, ref=args.ref, shard_bytes=shard,
@@ -142,7 +142,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
 def cmd_replay(args: argparse.Namespace) -> int:
     from mergepipe_db import warmup
 
-    warmup.start()
+    warmup.start(own_process=True)
     cat = _catalog(args)
     shard = _parse_size(args.shard_size) if args.shard_size else None
     res = cat.replay(args.source, out=args.out, ref=args.ref, shard_bytes=shard, verify=args.verify,
@@ -227,6 +227,9 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
+    from mergepipe_db import warmup
+
+    warmup.start(own_process=True)
     cat = _catalog(args)
     shard = _parse_size(args.shard_size) if args.shard_size else None
     res = cat.sweep(args.spec, budgets=args.budgets, out=args.out, seed=args.seed, shard_bytes=shard,

@@ -6,29 +6,58 @@ while the reader, its read-ahead full, leaves the disk idle. Started when a merg
 `Catalog.replay`), or earlier still by the `mergepipe merge` and `replay` commands, before they import the
 catalog, the load overlaps imports, planning and catalog work instead. Then pyarrow, which the commit
 needs. This module imports nothing heavy itself.
+
+Where SciPy is installed, numba loads part of it when it sets up its NumPy support (it looks for BLAS:
+`scipy.linalg.cython_blas`, 0.15 s warm, ~0.3 s more with a cold page cache). No merge kernel calls BLAS,
+so the commands, which own their process, load numba with SciPy hidden (`own_process`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
 
 
-def start() -> None:
-    """Begin loading the kernels, once per process; a failure is left for the executor to meet."""
+def start(*, own_process: bool = False) -> None:
+    """Begin loading the kernels, once per process; a failure is left for the executor to meet.
+
+    `own_process`: the caller owns the process (the `mergepipe` command), so numba may be loaded without
+    SciPy (`import_numba_without_scipy`); a library caller's process keeps numba's usual set-up.
+    """
     global _thread
     with _lock:
         if _thread is None:
-            _thread = threading.Thread(target=_load, name="mergepipe-kernels", daemon=True)
+            _thread = threading.Thread(target=_load, args=(own_process,), name="mergepipe-kernels", daemon=True)
             _thread.start()
 
 
-def _load() -> None:
+def import_numba_without_scipy() -> bool:
+    """Import numba and its NumPy support with SciPy hidden, unless either is imported already.
+
+    numba then records that it has no BLAS, so `np.dot` and `np.linalg` do not compile in this process
+    (no mergepipe kernel uses them); SciPy itself stays importable. True if this call imported numba.
+    """
+    if "numba" in sys.modules or "scipy" in sys.modules:
+        return False
+    sys.modules["scipy"] = None  # type: ignore[assignment] # makes `import scipy` raise ImportError
+    try:
+        import numba.np.arraymath  # noqa: F401 - where numba looks for SciPy's BLAS, once
+    finally:
+        if "scipy" in sys.modules and sys.modules["scipy"] is None:
+            del sys.modules["scipy"]
+    return True
+
+
+def _load(own_process: bool) -> None:
     with contextlib.suppress(Exception):
         import numpy as np
+
+        if own_process:
+            import_numba_without_scipy()
 
         from mergepipe_db import merge_kernels
 

@@ -246,3 +246,43 @@ def test_delta_stats_skip_zero_tiles_without_changing_a_statistic(dtype: torch.d
         assert l2 == pytest.approx(float(torch.linalg.vector_norm(d, dtype=torch.float64)), rel=1e-12), what
         assert l1 == pytest.approx(float(d.abs().double().sum()), rel=1e-12), what
         assert mx == float(d.abs().max()), what
+
+
+_NUMBA_WITHOUT_SCIPY = """
+import sys
+import numpy as np
+from mergepipe_db import warmup
+if sys.argv[1] == "scipy-first":
+    import scipy.linalg
+print(warmup.import_numba_without_scipy())
+print("scipy.linalg" in sys.modules)
+from numba.np import arraymath
+print(arraymath._HAVE_BLAS)
+from mergepipe_db import merge_kernels
+out = np.empty(3, np.uint16)
+merge_kernels.narrow_bf16(out, np.array([1.0, -2.5, 3.0], np.float32))
+print(out.tolist())
+import scipy.linalg
+print(float(scipy.linalg.norm(np.array([3.0, 4.0]))))
+"""
+
+
+@pytest.mark.parametrize("first", ["numba", "scipy-first"])
+def test_numba_loads_without_scipys_blas_and_scipy_stays_importable(first: str) -> None:
+    """`warmup.import_numba_without_scipy` (what the commands do): numba is loaded without SciPy's BLAS,
+    the kernels still run, and SciPy imports normally afterwards; when SciPy is already imported, numba's
+    usual set-up is left alone."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("scipy.linalg")
+    done = subprocess.run([sys.executable, "-c", _NUMBA_WITHOUT_SCIPY, first], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    imported, blas_before, have_blas, bf16, norm = done.stdout.split("\n")[:5]
+    if first == "numba":
+        assert (imported, blas_before, have_blas) == ("True", "False", "False")
+    else:
+        assert (imported, blas_before, have_blas) == ("False", "True", "True")
+    assert bf16 == "[16256, 49184, 16448]"  # 1.0, -2.5, 3.0 as BF16 bits
+    assert norm == "5.0"

@@ -86,15 +86,16 @@ def test_full_budget_is_bit_identical_to_naive_full_read(catalog, request, tmp_p
     assert_bytes_equal(load_output(tmp_path / "out"), expected)
 
 
-_REPORT_TORCH = ("import sys; from mergepipe_db import cli; rc = cli.main(sys.argv[1:]); "
-                 "print('torch imported' if 'torch' in sys.modules else 'no torch', file=sys.stderr); "
-                 "cli.exit_now(rc)")
+_REPORT_IMPORTS = ("import sys; from mergepipe_db import cli; rc = cli.main(sys.argv[1:]); "
+                   "print(' '.join(m for m in ('torch', 'scipy.linalg') if m in sys.modules) or 'neither', "
+                   "file=sys.stderr); cli.exit_now(rc)")
 
 
 @pytest.mark.parametrize("method", ["linear", "task_arithmetic", "ties", "dare_ties", "dare_linear"])
-def test_fused_merges_never_import_torch(catalog, catalog_url, tiny_family, tmp_path, method) -> None:
+def test_fused_merges_import_neither_torch_nor_scipy(catalog, catalog_url, tiny_family, tmp_path, method) -> None:
     """A `mergepipe merge` of full BF16 checkpoints with the fused operators runs without importing torch
-    (~2 s of a merge's start-up; DARE draws torch.rand's uniforms with its own generator), and still writes
+    (~2 s of a merge's start-up; DARE draws torch.rand's uniforms with its own generator) or SciPy's BLAS
+    (numba looks for it when SciPy is installed: `warmup.import_numba_without_scipy`), and still writes
     the naive full-read merge, byte for byte; the JSON result
     on stdout is complete though the process skips the interpreter's teardown (`cli.exit_now`)."""
     import yaml
@@ -103,11 +104,11 @@ def test_fused_merges_never_import_torch(catalog, catalog_url, tiny_family, tmp_
     spec_path = tmp_path / "spec.yml"
     spec_path.write_text(yaml.safe_dump(make_spec(method, names)))
     env = {k: v for k, v in os.environ.items() if k != "MERGEPIPE_DEBUG"}
-    done = subprocess.run([sys.executable, "-c", _REPORT_TORCH, "merge", str(spec_path), "--out",
+    done = subprocess.run([sys.executable, "-c", _REPORT_IMPORTS, "merge", str(spec_path), "--out",
                            str(tmp_path / "out"), "--catalog", catalog_url, "--quiet", "--json"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert done.stderr.strip().splitlines()[-1] == "no torch"
+    assert done.stderr.strip().splitlines()[-1] == "neither"
     assert json.loads(done.stdout)["realized_bytes"] == json.loads(done.stdout)["planned_bytes"]
     assert_bytes_equal(load_output(tmp_path / "out"), reference_for(catalog, tiny_family, method, names))
 
