@@ -47,7 +47,7 @@ def import_numba_without_scipy() -> bool:
     try:
         import numba.np.arraymath  # noqa: F401 - where numba looks for SciPy's BLAS, once
     finally:
-        if "scipy" in sys.modules and sys.modules["scipy"] is None:
+        if sys.modules.get("scipy", False) is None:  # still the placeholder: nothing imported SciPy since
             del sys.modules["scipy"]
     return True
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -272,9 +275,6 @@ def test_numba_loads_without_scipys_blas_and_scipy_stays_importable(first: str) 
     """`warmup.import_numba_without_scipy` (what the commands do): numba is loaded without SciPy's BLAS,
     the kernels still run, and SciPy imports normally afterwards; when SciPy is already imported, numba's
     usual set-up is left alone."""
-    import subprocess
-    import sys
-
     pytest.importorskip("scipy.linalg")
     done = subprocess.run([sys.executable, "-c", _NUMBA_WITHOUT_SCIPY, first], capture_output=True, text=True,
                           timeout=300)
