@@ -87,6 +87,24 @@ class Catalog:
             name = _default_name(path)
         return ingest(self.db, path, name=name, base=base, block_bytes=block_bytes, kind=kind, progress=progress)
 
+    def ingest_many(self, paths: list[str | Path], *, names: list[str] | None = None, base: str | None = None,
+                    block_bytes: int | None = None, kind: str = "full", progress: bool = False
+                    ) -> list[IngestResult]:
+        """`ingest` of several checkpoints (default names: each directory's or file's name), results in order.
+
+        Experts of `base` that list their tensors in the same order (one family, saved alike) are read
+        together, so the base is read once for all of them instead of once each. All new checkpoints are
+        written in one transaction: if one fails, none is catalogued."""
+        from mergepipe_db.ingest import ingest_many
+
+        paths = list(paths)
+        if names is None:
+            names = [_default_name(p) for p in paths]
+        elif len(names) != len(paths):
+            raise SpecError(f"{len(names)} name(s) for {len(paths)} checkpoint(s): give one name per path, in order")
+        return ingest_many(self.db, list(zip(paths, names)), base=base, block_bytes=block_bytes, kind=kind,
+                           progress=progress)
+
     def export_delta(self, expert: str, out: str | Path, *, dtype: str = "float32") -> dict[str, Any]:
         """Write Δ = expert − base (LoRA: B@A·s; delta: as stored) of every tensor the expert covers as an HF
         directory at `out` (must not exist or be empty), in `dtype` (float32: exact for BF16/F16 inputs)."""
@@ -126,6 +144,26 @@ class Catalog:
             raise SpecError(f"model path {ref} is not catalogued and the name {name!r} is taken: "
                             f"ingest it first with `mergepipe ingest {ref} --name NAME`") from e
         return res.checkpoint_id, name
+
+    def _resolve_experts(self, refs: list[str], *, base: str, progress: bool) -> list[str]:
+        """Ids of a spec's expert references (`_resolve_model`), the new paths among them ingested together,
+        so their base is read once for all of them."""
+        with self.db.connect() as conn:
+            found = _find_models(conn, refs)
+        new = list(dict.fromkeys(ref for ref, f in zip(refs, found) if f is None))  # a path given twice: once
+        for ref in new:
+            if not Path(ref).exists():
+                raise UnknownCheckpointError(
+                    f"unknown model {ref!r}: not a catalogued checkpoint or ref, and no such path")
+        ingested: dict[str, str] = {}
+        if new:
+            try:
+                results = self.ingest_many(new, base=base, progress=progress)
+            except DuplicateNameError as e:
+                raise SpecError(f"a model path of the spec is not catalogued and cannot take its default name "
+                                f"({e}): ingest it first with `mergepipe ingest PATH --name NAME`") from e
+            ingested = {ref: res.checkpoint_id for ref, res in zip(new, results)}
+        return [f[0] if f is not None else ingested[ref] for ref, f in zip(refs, found)]
 
     # -- plan and merge -------------------------------------------------------------------------------
 
@@ -167,7 +205,7 @@ class Catalog:
                     version = cm.ref_version(conn, ref)
         if plan is None:
             base_id, base_name = self._resolve_model(s.base, base=None, progress=progress)
-            expert_ids = [self._resolve_model(m.ref, base=base_name, progress=progress)[0] for m in s.models]
+            expert_ids = self._resolve_experts([m.ref for m in s.models], base=base_name, progress=progress)
             with self.db.connect() as conn:
                 _check_family(conn, base_id, expert_ids, s)
                 plan = build_plan(conn, s, base_id=base_id, expert_ids=expert_ids, budget_spec=b)

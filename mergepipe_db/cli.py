@@ -87,11 +87,12 @@ def cmd_db_upgrade(args: argparse.Namespace) -> int:
 def cmd_ingest(args: argparse.Namespace) -> int:
     cat = _catalog(args)
     block_bytes = _parse_size(args.block_bytes) if args.block_bytes else None
-    res = cat.ingest(args.path, name=args.name, base=args.base, block_bytes=block_bytes, progress=_progress(args),
-                     kind=args.kind)
-    if args.json:
-        _print_json(res.to_dict())
-    else:
+    results = cat.ingest_many(args.path, names=args.name, base=args.base, block_bytes=block_bytes,
+                              progress=_progress(args), kind=args.kind)
+    if args.json:  # one path: its result; several: a list of them, in the order given
+        _print_json(results[0].to_dict() if len(results) == 1 else [r.to_dict() for r in results])
+        return 0
+    for res in results:
         state = "ingested" if res.created else "unchanged"
         print(f"{state} {res.name} ({res.kind}): {res.n_tensors} tensors, {res.n_blocks} blocks, "
               f"{_fmt_bytes(res.total_bytes)}, id {res.checkpoint_id}")
@@ -334,9 +335,11 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("ingest", parents=[common], help="catalogue a checkpoint (once)",
                        description="Catalogue a checkpoint: a Hugging Face model directory (model.safetensors or "
                        "shards + model.safetensors.index.json) or one .safetensors file. Reads each file once; "
-                       "idempotent.", epilog=EPILOG)
-    s.add_argument("path", help="model directory or .safetensors file")
-    s.add_argument("--name", help="catalog name (default: the directory or file name)")
+                       "idempotent. Several experts of one base are read together, the base once for all of them, "
+                       "and catalogued in one transaction (all or none).", epilog=EPILOG)
+    s.add_argument("path", nargs="+", help="model directory or .safetensors file (one or more)")
+    s.add_argument("--name", action="append", help="catalog name (default: the directory or file name); with "
+                   "several paths, give it once per path, in order")
     s.add_argument("--base", help="catalogued base model this checkpoint is an expert of (enables delta statistics)")
     s.add_argument("--block-bytes", metavar="N", help="target block size, e.g. 1MiB (default 1MiB; experts use "
                    "their base's)")

@@ -94,6 +94,30 @@ def page_cached(fd: int, offset: int, n: int) -> bool | None:
     return stat.nr_cache == (offset + n - 1) // _PAGE - offset // _PAGE + 1
 
 
+def memory_for_cache() -> int | None:
+    """Bytes the page cache can grow by before the kernel reclaims: MemAvailable, capped by the room left under
+    this cgroup's memory limit (cgroup v2) where there is one; None where neither can be read."""
+    room: list[int] = []
+    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo", encoding="ascii") as fh:
+        for line in fh:
+            if line.startswith("MemAvailable:"):
+                room.append(int(line.split()[1]) * 1024)
+                break
+    with contextlib.suppress(OSError, ValueError):
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            room.append(int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
+    return max(min(room), 0) if room else None
+
+
+def drop_cached(fd: int, offset: int, n: int | None) -> None:
+    """Ask the kernel to drop the page cache's copy of [offset, offset + n) of `fd`, or from `offset` to the end
+    of the file when `n` is None (the kernel drops the pages wholly inside; a no-op where `posix_fadvise` is
+    missing). For data read once whose pages would otherwise crowd the cache."""
+    if (n is None or n > 0) and hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, offset, 0 if n is None else n, os.POSIX_FADV_DONTNEED)
+
+
 def aligned_empty(nbytes: int) -> np.ndarray:
     """A zero-initialised-on-touch uint8 array of `nbytes`, page-aligned (an anonymous mapping), freed when
     the last array viewing it goes.
@@ -218,9 +242,12 @@ class RangeReader:
                     return
         self.read_into(path, offset, memoryview(arr[pos:pos + n]))
 
-    def read(self, path: str, offset: int, length: int) -> bytearray:
+    def read(self, path: str, offset: int, length: int, *, drop: bool = False) -> bytearray:
+        """The bytes at [offset, offset + length) of `path`; `drop`: then out of the page cache (`drop_cached`)."""
         buf = bytearray(length)
         self.read_into(path, offset, memoryview(buf))
+        if drop:
+            drop_cached(self._fd(path), offset, length)
         return buf
 
     def close(self) -> None:
