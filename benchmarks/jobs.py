@@ -1,6 +1,7 @@
 """Timed jobs, each run as its own subprocess by the suite (so /proc/PID/io and ru_maxrss are its own).
 
     python -m benchmarks.jobs ingest CATALOG PATH NAME [BASE]
+    python -m benchmarks.jobs ingest-many CATALOG BASE PATH... (one call; names: the directories' names)
     python -m benchmarks.jobs merge CATALOG SPEC.json BUDGET OUT SHARD_BYTES
     python -m benchmarks.jobs plan CATALOG SPEC.json BUDGET
 
@@ -34,6 +35,10 @@ def main(argv: list[str]) -> None:
     if cmd == "ingest":
         base = argv[4] if len(argv) > 4 else None
         res = cat.ingest(argv[2], name=argv[3], base=base).to_dict()
+    elif cmd == "ingest-many":
+        results = cat.ingest_many(argv[3:], base=argv[2])
+        res = {"n": len(results), "created": sum(r.created for r in results),
+               "total_bytes": sum(r.total_bytes for r in results)}
     elif cmd == "merge":
         spec = json.loads(Path(argv[2]).read_text())
         r = cat.merge(spec, out=argv[4], budget=argv[3], shard_bytes=int(argv[5]))

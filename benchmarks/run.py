@@ -91,10 +91,17 @@ def targets() -> str:
 
     ing = _load("ingest_summary")
     if ing:
-        for w in ("base", "expert"):
-            r = ing[w]
-            add(f"ingest {w} ≥ 70 % of raw cold read", f"{r['ratio_wall']:.0%} (process wall), "
-                f"{r['ratio_work']:.0%} (ingest call)", r["ratio_wall"] >= 0.7)
+        for w in ("base", "expert", "family"):
+            r = ing.get(w)
+            if r is None:  # a summary from before the family row
+                continue
+            what = w if w != "family" else "family (8 experts, one call)"
+            strict = r.get("ratio_work_direct")
+            add(f"ingest {what} ≥ 70 % of raw cold read", f"{r['ratio_wall']:.0%} (process wall), "
+                f"{r['ratio_work']:.0%} (ingest call)"
+                + (f"; against dd iflag=direct {strict:.0%} (ingest call)" if strict is not None else ""),
+                # met only against both reads: buffered dd (the goal's) and O_DIRECT (no page cache to fill)
+                r["ratio_wall"] >= 0.7 and (strict is None or strict >= 0.7))
     fl = _load("io_floor")
     pe = _load("peers")
     if fl:
