@@ -432,7 +432,7 @@ def scan_group(
             all_equal = [True for _ in layouts]
             for bi, rows in enumerate(ranges):
                 rel, length = block_byte_range(entry.shape, DTYPE_BITS[entry.dtype], rows)
-                for k, (fi, _e, _r, _g) in enumerate(entries):
+                for k, (fi, own, _r, _g) in enumerate(entries):  # `own`: where the tensor lies in member k's files
                     item = q.get()
                     if isinstance(item, BaseException):
                         raise item
@@ -444,7 +444,7 @@ def scan_group(
                         "block_idx": bi,
                         "row_start": rows[0],
                         "row_stop": rows[1],
-                        "offset": layouts[k].files[fi].absolute_offset(entry) + rel,
+                        "offset": layouts[k].files[fi].absolute_offset(own) + rel,
                         "nbytes": length,
                         "xxh3": h,
                         "delta_l2": None, "delta_l1": None, "delta_max": None, "pos_frac": None, "sketch": None,
@@ -463,7 +463,7 @@ def scan_group(
                     block_rows[k].append(row)
                     bar.update(length)
             settle(0)
-            for k, (fi, _e, _r, _g) in enumerate(entries):
+            for k, (fi, own, _r, _g) in enumerate(entries):
                 l2sq = math.fsum(r["delta_l2"] ** 2 for r in stat_rows[k])
                 equal = all_equal[k] and all(r["delta_max"] == 0.0 for r in stat_rows[k])
                 tensor_rows[k].append({
@@ -472,7 +472,7 @@ def scan_group(
                     "dtype": entry.dtype,
                     "shape": json.dumps(list(entry.shape)),
                     "file_idx": fi,
-                    "offset": layouts[k].files[fi].absolute_offset(entry),
+                    "offset": layouts[k].files[fi].absolute_offset(own),
                     "nbytes": entry.nbytes,
                     "n_rows": row_count(entry.shape),
                     "rows_per_block": rpb,

@@ -252,3 +252,28 @@ def test_memory_for_cache_is_a_byte_count_below_the_machine_s_memory() -> None:
         pytest.skip("no /proc/meminfo here")
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert 0 <= room <= total
+
+
+def test_experts_sharded_differently_in_one_order_are_read_together(catalog, tiny_family, tmp_path,
+                                                                     base_reads) -> None:
+    from mergepipe_db.formats.safetensors import SafetensorsWriter
+
+    sharded = resolve_checkpoint(tiny_family.experts[0])
+    assert len(sharded.files) > 1
+    single = tmp_path / "single"  # expert 0 in one file, its tensors in the sharded read order
+    single.mkdir()
+    entries = [(e, h) for h in sharded.files for e in h.tensors]
+    with SafetensorsWriter(single / "model.safetensors", [(e.name, e.dtype, tuple(e.shape)) for e, _ in entries]) as w:
+        for e, h in entries:
+            with open(h.path, "rb") as fh:
+                fh.seek(h.absolute_offset(e))
+                w.write(e.name, fh.read(e.nbytes))
+    shutil.copy(Path(tiny_family.experts[0]) / "config.json", single / "config.json")
+    assert ingest.read_order(resolve_checkpoint(single)) == ingest.read_order(sharded)
+    experts = [(single, "s0"), (Path(tiny_family.experts[1]), "e1")]
+
+    catalog.ingest(tiny_family.base, name="base", block_bytes=BLOCK)
+    base_reads.clear()
+    catalog.ingest_many([p for p, _ in experts], names=[n for _, n in experts], base="base")
+    assert sum(base_reads.values()) == _base_arithmetic_bytes(catalog)  # one read order: one pass
+    assert _tables(catalog) == _tables(_one_at_a_time(tmp_path, tiny_family.base, experts))
