@@ -346,7 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kind", choices=["full", "delta", "lora"], default="full",
                    help="full checkpoint (default; a directory with adapter_config.json is a LoRA adapter), delta "
                    "(tensors hold expert - base) or lora (PEFT adapter); delta and lora need --base")
-    s.add_argument("--json", action="store_true", help="print the result as JSON")
+    s.add_argument("--json", action="store_true", help="print the result as JSON (with several paths, a list of "
+                   "results in their order)")
     s.set_defaults(func=cmd_ingest)
 
     budget_help = "expert-read budget: bytes (3GiB, 500MB, 123456) or a fraction of the full read (0.25)"

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from pathlib import Path
@@ -20,10 +21,12 @@ def pytest_report_header(config: pytest.Config) -> str:
     return f"mergepipe catalog backend: {'postgresql' if PG_URL else 'duckdb'}"
 
 
-@pytest.fixture
-def catalog_url(tmp_path: Path) -> str:
+@contextlib.contextmanager
+def fresh_catalog_url(tmp_path: Path, stem: str):
+    """The URL of an empty catalog on the backend under test: a DuckDB file, or a PostgreSQL schema of its own
+    (dropped afterwards)."""
     if not PG_URL:
-        yield str(tmp_path / "catalog.duckdb")
+        yield str(tmp_path / f"{stem}.duckdb")
         return
     import sqlalchemy as sa
 
@@ -33,11 +36,28 @@ def catalog_url(tmp_path: Path) -> str:
         conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
     engine.dispose()
     sep = "&" if "?" in PG_URL else "?"
-    yield f"{PG_URL}{sep}options=-csearch_path%3D{schema}"
-    engine = sa.create_engine(PG_URL)
-    with engine.begin() as conn:
-        conn.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
-    engine.dispose()
+    try:
+        yield f"{PG_URL}{sep}options=-csearch_path%3D{schema}"
+    finally:
+        engine = sa.create_engine(PG_URL)
+        with engine.begin() as conn:
+            conn.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
+        engine.dispose()
+
+
+@pytest.fixture
+def catalog_url(tmp_path: Path) -> str:
+    with fresh_catalog_url(tmp_path, "catalog") as url:
+        yield url
+
+
+@pytest.fixture
+def ref_catalog(tmp_path: Path):
+    """A second empty catalog on the same backend as `catalog`, for results computed another way."""
+    from mergepipe_db import Catalog
+
+    with fresh_catalog_url(tmp_path, "reference") as url:
+        yield Catalog.open(url)
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 all or nothing.
 
 Runs on DuckDB, or on PostgreSQL when MERGEPIPE_TEST_CATALOG is set (see conftest.py); the one-at-a-time
-reference catalog is always a DuckDB file.
+reference catalog is on the same backend.
 """
 
 from __future__ import annotations
@@ -65,16 +65,15 @@ def _base_arithmetic_bytes(catalog: Catalog) -> int:
     return sum(n for dtype, n in rows if dtype in ARITHMETIC_DTYPES)
 
 
-def _one_at_a_time(tmp_path: Path, base: Path, experts: list[tuple[Path, str]], block_bytes: int | None = BLOCK
+def _one_at_a_time(ref: Catalog, base: Path, experts: list[tuple[Path, str]], block_bytes: int | None = BLOCK
                    ) -> Catalog:
-    ref = Catalog.open(str(tmp_path / "one-at-a-time.duckdb"))
     ref.ingest(base, name="base", block_bytes=block_bytes)
     for path, name in experts:
         ref.ingest(path, name=name, base="base")
     return ref
 
 
-def test_together_equals_one_at_a_time_and_reads_the_base_once(catalog, tiny_family, tmp_path, base_reads) -> None:
+def test_together_equals_one_at_a_time_and_reads_the_base_once(catalog, ref_catalog, tiny_family, base_reads) -> None:
     catalog.ingest(tiny_family.base, name="base", block_bytes=BLOCK)
     names = [f"e{i}" for i in range(len(tiny_family.experts))]
     base_reads.clear()
@@ -83,7 +82,7 @@ def test_together_equals_one_at_a_time_and_reads_the_base_once(catalog, tiny_fam
     assert sum(base_reads.values()) == _base_arithmetic_bytes(catalog)  # every base block once, for 3 experts
 
     base_reads.clear()
-    ref = _one_at_a_time(tmp_path, tiny_family.base, list(zip(tiny_family.experts, names)))
+    ref = _one_at_a_time(ref_catalog, tiny_family.base, list(zip(tiny_family.experts, names)))
     assert sum(base_reads.values()) == 3 * _base_arithmetic_bytes(catalog)  # once for each expert
     assert _tables(catalog) == _tables(ref)
     with catalog.db.connect() as conn:  # the file hashes, taken on their own thread, against hashlib's
@@ -110,7 +109,8 @@ def test_statistics_of_every_expert_match_the_data(catalog, tiny_family) -> None
             assert mx == pytest.approx(float(d.abs().max()), rel=1e-6, abs=1e-12)
 
 
-def test_experts_saved_in_another_order_are_read_on_their_own(catalog, tiny_family, tmp_path, base_reads) -> None:
+def test_experts_saved_in_another_order_are_read_on_their_own(catalog, ref_catalog, tiny_family, tmp_path,
+                                                               base_reads) -> None:
     single = tmp_path / "single"  # expert 0's tensors in one file: another read order than the sharded experts'
     single.mkdir()
     save_file(load_model(tiny_family.experts[0]), str(single / "model.safetensors"))
@@ -123,7 +123,7 @@ def test_experts_saved_in_another_order_are_read_on_their_own(catalog, tiny_fami
     base_reads.clear()
     catalog.ingest_many([p for p, _ in experts], names=[n for _, n in experts], base="base")
     assert sum(base_reads.values()) == 2 * _base_arithmetic_bytes(catalog)  # two read orders: two passes
-    assert _tables(catalog) == _tables(_one_at_a_time(tmp_path, tiny_family.base, experts))
+    assert _tables(catalog) == _tables(_one_at_a_time(ref_catalog, tiny_family.base, experts))
 
 
 def test_a_failure_catalogues_none_of_them(catalog, tiny_family, tmp_path, monkeypatch) -> None:
@@ -191,7 +191,7 @@ def test_cli_ingests_several_paths(catalog, catalog_url, tiny_family) -> None:
     assert r.returncode == 0 and json.loads(r.stdout)["created"] is False  # one path: one object, as before
 
 
-def test_a_spec_naming_new_paths_ingests_its_experts_together(catalog, tiny_family, tmp_path, base_reads) -> None:
+def test_a_spec_naming_new_paths_ingests_its_experts_together(catalog, ref_catalog, tiny_family, base_reads) -> None:
     spec = {"merge_method": "linear", "base_model": str(tiny_family.base),
             "models": [{"model": str(p), "parameters": {"weight": 0.5}} for p in tiny_family.experts]}
     plan = catalog.plan(spec)
@@ -200,7 +200,7 @@ def test_a_spec_naming_new_paths_ingests_its_experts_together(catalog, tiny_fami
     by_name = dict(spec, base_model="base", models=[{"model": e.checkpoint.name, "parameters": {"weight": 0.5}}
                                                     for e in plan.experts])
     assert catalog.plan(by_name).plan_hash == plan.plan_hash
-    ref = _one_at_a_time(tmp_path, tiny_family.base, [(Path(p), Path(p).name) for p in tiny_family.experts],
+    ref = _one_at_a_time(ref_catalog, tiny_family.base, [(Path(p), Path(p).name) for p in tiny_family.experts],
                          block_bytes=None)
     assert ref.plan(by_name).plan_hash == plan.plan_hash
 
@@ -224,7 +224,8 @@ def _pages_cached(path: Path) -> list[bool | None]:
 
 
 @pytest.mark.parametrize("room", [0, 1 << 62], ids=["drop-behind", "kept"])
-def test_reads_larger_than_the_cache_can_take_leave_it(catalog, tiny_family, tmp_path, monkeypatch, room) -> None:
+def test_reads_larger_than_the_cache_can_take_leave_it(catalog, ref_catalog, tiny_family, tmp_path, monkeypatch,
+                                                        room) -> None:
     experts = []
     for i, src in enumerate(tiny_family.experts[:2]):
         experts.append(shutil.copytree(src, tmp_path / f"x{i}"))
@@ -242,7 +243,7 @@ def test_reads_larger_than_the_cache_can_take_leave_it(catalog, tiny_family, tmp
     catalog.ingest_many(experts, names=["x0", "x1"], base="base")
     cached = [page for f in files for page in _pages_cached(f)]
     assert not any(cached) if room == 0 else all(cached)
-    ref = _one_at_a_time(tmp_path, tiny_family.base, [(Path(d), f"x{i}") for i, d in enumerate(experts)])
+    ref = _one_at_a_time(ref_catalog, tiny_family.base, [(Path(d), f"x{i}") for i, d in enumerate(experts)])
     assert _tables(catalog) == _tables(ref)  # the same rows, file hashes included
 
 
@@ -254,7 +255,7 @@ def test_memory_for_cache_is_a_byte_count_below_the_machine_s_memory() -> None:
     assert 0 <= room <= total
 
 
-def test_experts_sharded_differently_in_one_order_are_read_together(catalog, tiny_family, tmp_path,
+def test_experts_sharded_differently_in_one_order_are_read_together(catalog, ref_catalog, tiny_family, tmp_path,
                                                                      base_reads) -> None:
     from mergepipe_db.formats.safetensors import SafetensorsWriter
 
@@ -276,4 +277,4 @@ def test_experts_sharded_differently_in_one_order_are_read_together(catalog, tin
     base_reads.clear()
     catalog.ingest_many([p for p, _ in experts], names=[n for _, n in experts], base="base")
     assert sum(base_reads.values()) == _base_arithmetic_bytes(catalog)  # one read order: one pass
-    assert _tables(catalog) == _tables(_one_at_a_time(tmp_path, tiny_family.base, experts))
+    assert _tables(catalog) == _tables(_one_at_a_time(ref_catalog, tiny_family.base, experts))
