@@ -31,6 +31,7 @@ from mergepipe_db import ranking, sketch
 from mergepipe_db.db import schema
 from mergepipe_db.db.engine import Database
 from mergepipe_db.maintenance import _pid_alive
+from mergepipe_db.storage import sha256_file
 
 KINDS = ("ok", "leftover", "missing", "corrupt")
 #: Finding kinds that do not need a person (`mergepipe fsck` exits 0 when only these are found).
@@ -57,17 +58,9 @@ def problems(findings: list[Finding]) -> list[Finding]:
     return [f for f in findings if f.kind not in CLEAN_KINDS]
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(16 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _sha256_or_none(path: Path) -> str | None:
     try:
-        return _sha256(path)
+        return sha256_file(path)
     except OSError:
         return None
 
@@ -85,7 +78,7 @@ def _files_state(root: Path, files: list[Any], *, full: bool) -> tuple[str, str]
     if full:
         for f in files:
             try:
-                got = _sha256(root / f.relpath)
+                got = sha256_file(root / f.relpath)
             except OSError:
                 return "missing", f"file {f.relpath} is unreadable"
             if got != f.sha256:

@@ -13,6 +13,7 @@ import sqlalchemy as sa
 from mergepipe_db.commit import STAGING_PREFIX
 from mergepipe_db.db import schema
 from mergepipe_db.db.engine import Database
+from mergepipe_db.storage import sha256_file
 
 
 def _pid_alive(pid: int, since: str | None = None) -> bool:
@@ -116,12 +117,9 @@ def verify_sources(db: Database, *, full: bool = False, checkpoint: str | None =
             problems.append(f"{name}: {path} changed since ingest (size or mtime)")
             continue
         if full:
-            h = hashlib.sha256()
-            with open(path, "rb") as fh:
-                while chunk := fh.read(16 << 20):
-                    h.update(chunk)
-            if h.hexdigest() != sha:
-                problems.append(f"{name}: {path} content changed (sha256 {h.hexdigest()[:16]}… != {sha[:16]}…)")
+            got = sha256_file(path)
+            if got != sha:
+                problems.append(f"{name}: {path} content changed (sha256 {got[:16]}… != {sha[:16]}…)")
     return problems
 
 
@@ -171,12 +169,9 @@ def verify_snapshot(db: Database, snapshot_ref: str) -> list[str]:
             problems.append(f"{label}: file {rel} is missing")
             all_headers_read = False
             continue
-        h = hashlib.sha256()
-        with open(path, "rb") as fh:
-            while chunk := fh.read(16 << 20):
-                h.update(chunk)
-        if h.hexdigest() != sha:
-            problems.append(f"{label}: file {rel} differs (sha256 {h.hexdigest()[:16]}… != manifest {sha[:16]}…)")
+        got = sha256_file(path)
+        if got != sha:
+            problems.append(f"{label}: file {rel} differs (sha256 {got[:16]}… != manifest {sha[:16]}…)")
         try:
             header = read_header(path)
         except MergePipeError as e:

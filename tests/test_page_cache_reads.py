@@ -132,3 +132,22 @@ def test_a_partly_cached_range_is_copied_where_cached_and_read_directly_elsewher
         assert reader.bytes_cached == 12 * PAGE  # pieces 8-11, 12-15, 24-27
         # three direct runs, widened to whole pages: 5-7 (from the page holding lo), 16-23, 28-32
         assert direct == [(5 * PAGE, 8 * PAGE), (16 * PAGE, 24 * PAGE), (28 * PAGE, 33 * PAGE)]
+
+
+def test_sha256_file_leaves_the_page_cache_as_it_found_it(tmp_path: Path) -> None:
+    import hashlib
+
+    path, data = _file(tmp_path, pages=64 * 1024)  # 256 MiB: sixteen 16 MiB pieces
+    _cold_or_skip(path, len(data))
+    assert storage.sha256_file(path) == hashlib.sha256(data).hexdigest()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert storage.page_cached(fd, 0, PAGE) is False and storage.page_cached(fd, len(data) - PAGE, PAGE) is False
+        assert not any(storage.page_cached(fd, off, 16 << 20) for off in range(0, len(data), 16 << 20))
+        with open(path, "rb") as fh:  # now cached: a rehash keeps it so
+            fh.read()
+        assert storage.page_cached(fd, 0, len(data))
+        assert storage.sha256_file(path) == hashlib.sha256(data).hexdigest()
+        assert storage.page_cached(fd, 0, len(data))
+    finally:
+        os.close(fd)
