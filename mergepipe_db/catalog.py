@@ -130,26 +130,9 @@ class Catalog:
             raise UnknownCheckpointError(f"unknown checkpoint or ref {ref!r}")
         return found
 
-    def _resolve_model(self, ref: str, *, base: str | None, progress: bool) -> tuple[str, str]:
-        """(id, name) of a spec model reference: a catalog name/ref, or a path (ingested if new)."""
-        with self.db.connect() as conn:
-            found = _find_model(conn, ref)
-        if found is not None:
-            return found
-        if not Path(ref).exists():
-            raise UnknownCheckpointError(
-                f"unknown model {ref!r}: not a catalogued checkpoint or ref, and no such path")
-        name = _default_name(ref)
-        try:
-            res = self.ingest(ref, name=name, base=base, progress=progress)
-        except DuplicateNameError as e:
-            raise SpecError(f"model path {ref} is not catalogued and the name {name!r} is taken: "
-                            f"ingest it first with `mergepipe ingest {ref} --name NAME`") from e
-        return res.checkpoint_id, name
-
-    def _resolve_experts(self, refs: list[str], *, base: str, progress: bool) -> list[str]:
-        """Ids of a spec's expert references (`_resolve_model`), the new paths among them ingested together,
-        so their base is read once for all of them."""
+    def _resolve_models(self, refs: list[str], *, base: str | None, progress: bool) -> list[tuple[str, str]]:
+        """(id, name) of each spec model reference: a catalog name/ref, or a path. The new paths among them are
+        ingested together (experts of `base`), so their base is read once for all of them."""
         with self.db.connect() as conn:
             found = _find_models(conn, refs)
         new = list(dict.fromkeys(ref for ref, f in zip(refs, found) if f is None))  # a path given twice: once
@@ -157,15 +140,15 @@ class Catalog:
             if not Path(ref).exists():
                 raise UnknownCheckpointError(
                     f"unknown model {ref!r}: not a catalogued checkpoint or ref, and no such path")
-        ingested: dict[str, str] = {}
+        ingested: dict[str, tuple[str, str]] = {}
         if new:
             try:
                 results = self.ingest_many(new, base=base, progress=progress)
             except DuplicateNameError as e:
-                raise SpecError(f"a model path of the spec is not catalogued and cannot take its default name "
+                raise SpecError(f"model path(s) {', '.join(new)} not catalogued, and a default name is taken "
                                 f"({e}): ingest it first with `mergepipe ingest PATH --name NAME`") from e
-            ingested = {ref: res.checkpoint_id for ref, res in zip(new, results)}
-        return [f[0] if f is not None else ingested[ref] for ref, f in zip(refs, found)]
+            ingested = {ref: (res.checkpoint_id, res.name) for ref, res in zip(new, results)}
+        return [f if f is not None else ingested[ref] for ref, f in zip(refs, found)]
 
     # -- plan and merge -------------------------------------------------------------------------------
 
@@ -206,8 +189,9 @@ class Catalog:
                 if ref is not None:
                     version = cm.ref_version(conn, ref)
         if plan is None:
-            base_id, base_name = self._resolve_model(s.base, base=None, progress=progress)
-            expert_ids = self._resolve_experts([m.ref for m in s.models], base=base_name, progress=progress)
+            [(base_id, base_name)] = self._resolve_models([s.base], base=None, progress=progress)
+            expert_ids = [cid for cid, _name in self._resolve_models([m.ref for m in s.models], base=base_name,
+                                                                       progress=progress)]
             with self.db.connect() as conn:
                 _check_family(conn, base_id, expert_ids, s)
                 plan = build_plan(conn, s, base_id=base_id, expert_ids=expert_ids, budget_spec=b)

@@ -94,3 +94,20 @@ def ingest_family(catalog, family, *, block_bytes: int = BLOCK) -> list[str]:
         catalog.ingest(p, name=f"e{i}", base="base")
         names.append(f"e{i}")
     return names
+
+
+def cold_or_skip(path: Path) -> None:
+    """Evict `path` from the page cache (its pages must be clean: written and synced); skip where the kernel
+    cannot report residency (cachestat, Linux 6.5+) or keeps the pages (tmpfs)."""
+    from mergepipe_db import storage
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        storage.drop_cached(fd, 0, None)
+        state = storage.page_cached(fd, 0, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+    if state is None:
+        pytest.skip("the kernel cannot report page-cache residency here (cachestat needs Linux 6.5+)")
+    if state:
+        pytest.skip("this file system keeps the file's pages in memory (tmpfs?)")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 import torch
-from conftest import BLOCK
+from conftest import BLOCK, cold_or_skip
 from crashkit import cli, one_line_error
 from reference_merge import load_model
 from safetensors.torch import save_file
@@ -26,7 +26,7 @@ from mergepipe_db.db import schema
 from mergepipe_db.errors import CoordinateMismatchError, DuplicateNameError, SpecError
 from mergepipe_db.formats.dtypes import ARITHMETIC_DTYPES
 from mergepipe_db.formats.hf_layout import resolve_checkpoint
-from mergepipe_db.storage import RangeReader, drop_cached, memory_for_cache, page_cached
+from mergepipe_db.storage import RangeReader, memory_for_cache, page_cached
 
 pytestmark = pytest.mark.catalog
 
@@ -205,14 +205,6 @@ def test_a_spec_naming_new_paths_ingests_its_experts_together(catalog, ref_catal
     assert ref.plan(by_name).plan_hash == plan.plan_hash
 
 
-def drop_cached_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        drop_cached(fd, 0, None)
-    finally:
-        os.close(fd)
-
-
 def _pages_cached(path: Path) -> list[bool | None]:
     """Residency of each page of `path` (None where the kernel cannot tell)."""
     size = path.stat().st_size
@@ -232,12 +224,7 @@ def test_reads_larger_than_the_cache_can_take_leave_it(catalog, ref_catalog, tin
     os.sync()  # clean pages, which POSIX_FADV_DONTNEED can drop
     files = [f for d in experts for f in sorted(Path(d).glob("*.safetensors"))]
     for f in files:
-        drop_cached_file(f)
-        state = _pages_cached(f)
-        if None in state:
-            pytest.skip("the kernel cannot report page-cache residency here (cachestat needs Linux 6.5+)")
-        if any(state):
-            pytest.skip("this file system keeps the file's pages in memory (tmpfs?)")
+        cold_or_skip(f)
     catalog.ingest(tiny_family.base, name="base", block_bytes=BLOCK)
     monkeypatch.setattr(ingest, "memory_for_cache", lambda: room)  # 0: any read is too large to keep
     catalog.ingest_many(experts, names=["x0", "x1"], base="base")

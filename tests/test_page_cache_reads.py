@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import cold_or_skip
 
 from mergepipe_db import storage
 
@@ -24,31 +25,9 @@ def _file(tmp_path: Path, pages: int = 64) -> tuple[Path, bytes]:
     return path, data
 
 
-def _evict(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def _cold_or_skip(path: Path, size: int) -> None:
-    """Evict the file; skip where the kernel cannot report residency or keeps the pages (tmpfs)."""
-    _evict(path)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        state = storage.page_cached(fd, 0, size)
-    finally:
-        os.close(fd)
-    if state is None:
-        pytest.skip("the kernel cannot report page-cache residency here (cachestat needs Linux 6.5+)")
-    if state:
-        pytest.skip("this file system keeps the file's pages in memory (tmpfs?)")
-
-
 def test_page_cached_reports_the_pages_of_a_range(tmp_path: Path) -> None:
     path, data = _file(tmp_path)
-    _cold_or_skip(path, len(data))
+    cold_or_skip(path)
     fd = os.open(path, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead beyond what is read
@@ -64,7 +43,7 @@ def test_page_cached_reports_the_pages_of_a_range(tmp_path: Path) -> None:
 
 def test_read_aligned_copies_cached_ranges_and_reads_the_others_directly(tmp_path: Path) -> None:
     path, data = _file(tmp_path)
-    _cold_or_skip(path, len(data))
+    cold_or_skip(path)
     fd = os.open(path, os.O_RDONLY)
     try:  # warm the first half only
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
@@ -102,7 +81,7 @@ def test_a_partly_cached_range_is_copied_where_cached_and_read_directly_elsewher
     """Pieces of `_REQUEST` bytes (4 pages here) are decided one by one; runs of uncached pieces are single
     O_DIRECT reads; every byte is counted once and lands where it belongs."""
     path, data = _file(tmp_path)
-    _cold_or_skip(path, len(data))
+    cold_or_skip(path)
     monkeypatch.setattr(storage, "_REQUEST", 4 * PAGE)
     fd = os.open(path, os.O_RDONLY)
     try:  # warm pages 8-15 and 24-27: two whole pieces, one half piece (28-31 stays cold)
@@ -138,7 +117,7 @@ def test_sha256_file_leaves_the_page_cache_as_it_found_it(tmp_path: Path) -> Non
     import hashlib
 
     path, data = _file(tmp_path, pages=64 * 1024)  # 256 MiB: sixteen 16 MiB pieces
-    _cold_or_skip(path, len(data))
+    cold_or_skip(path)
     assert storage.sha256_file(path) == hashlib.sha256(data).hexdigest()
     fd = os.open(path, os.O_RDONLY)
     try:
