@@ -38,13 +38,11 @@ from mergepipe_db.errors import (
 )
 from mergepipe_db.formats.dtypes import ARITHMETIC_DTYPES, DTYPE_BITS
 from mergepipe_db.formats.hf_layout import CheckpointLayout, resolve_checkpoint
-from mergepipe_db.storage import RangeReader, drop_cached, memory_for_cache, xxh3_hex
+from mergepipe_db.storage import DropBehind, RangeReader, memory_for_cache, xxh3_hex
 
 KINDS = ("full", "delta", "lora", "snapshot")
 _READ_AHEAD = 8  # blocks queued between the reader thread and the hashing/statistics thread
 _STATS_WORKERS = 2  # blocks whose statistics are computed at once (this machine class has 2 cores)
-_DROP_EVERY = 64 << 20  # with drop-behind, bytes read between two requests to drop them from the page cache
-_PAGE = 4096
 
 
 @dataclass(frozen=True)
@@ -228,7 +226,7 @@ class _FileStream:
     """One checkpoint's files read front to back, each hashed (sha256, on `hashing`'s thread) as it is read;
     a file no tensor is read from is still read and hashed, in turn, so `sha` lines up with `layout.files`
     (its digests are final once `hashing` is closed). `drop_behind`: what has been read leaves the page cache
-    every `_DROP_EVERY` bytes (`storage.drop_cached`)."""
+    behind the reader (`storage.DropBehind`)."""
 
     def __init__(self, layout: CheckpointLayout, hashing: _Sha256Thread, *, drop_behind: bool = False) -> None:
         self.layout = layout
@@ -238,24 +236,16 @@ class _FileStream:
         self._opened = 0  # files opened so far; the current one is the last of them while _fh is open
         self._fh: Any = None
         self._hasher: Any = None
-        self._kept = 0  # start of the bytes read and still in the page cache
+        self._dropper: DropBehind | None = None
 
     def read(self, file_idx: int, n: int) -> bytearray:
         while self._opened <= file_idx:
             self._next_file()
         data = _read_exact(self._fh, n)
         self._hashing.update(self._hasher, data)
-        if self._drop_behind and self._fh.tell() - self._kept >= _DROP_EVERY:
-            self._drop()
+        if self._dropper is not None:
+            self._dropper.advance(self._fh.tell())
         return data
-
-    def _drop(self, *, to_end: bool = False) -> None:
-        """Drop what was read since the last drop; from the start of its first page, which the last drop
-        left as it was not wholly read then."""
-        pos = self._fh.tell()
-        start = self._kept - self._kept % _PAGE
-        drop_cached(self._fh.fileno(), start, None if to_end else pos - start)
-        self._kept = pos
 
     def finish(self) -> list[str]:
         self._end_file()
@@ -268,13 +258,16 @@ class _FileStream:
         if self._fh is not None:
             self._fh.close()
             self._fh = None
+        if self._dropper is not None:
+            self._dropper.close()
+            self._dropper = None
 
     def _next_file(self) -> None:
         self._end_file()
         header = self.layout.files[self._opened]
         self._fh = open(header.path, "rb", buffering=0)  # noqa: SIM115 - closed by _end_file or close
         self._opened += 1
-        self._kept = 0
+        self._dropper = DropBehind(header.path) if self._drop_behind else None
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self._fh.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
         self._hasher = hashlib.sha256()
@@ -283,8 +276,6 @@ class _FileStream:
     def _end_file(self) -> None:
         if self._fh is not None:
             self._hashing.update(self._hasher, self._fh.read())  # whatever follows the last tensor read
-            if self._drop_behind:
-                self._drop(to_end=True)
             self.close()
             self._hashing.digest_into(self._hasher, self.sha, self._opened - 1)
 
@@ -296,6 +287,7 @@ def _reader(layouts, plans, base, out: queue.Queue, shas: list[list[str]], stop:
     hashing = _Sha256Thread()
     streams = [_FileStream(layout, hashing, drop_behind=drop_behind) for layout in layouts]
     base_reader = RangeReader(random=False)
+    base_drops: dict[str, DropBehind] = {}  # with drop-behind, per base file (read in the members' order)
     try:
         for entries in zip(*plans):  # the same tensor in every member (the group shares one read order)
             if stop.is_set():
@@ -307,7 +299,11 @@ def _reader(layouts, plans, base, out: queue.Queue, shas: list[list[str]], stop:
                 bdata = None
                 if base is not None and entry.dtype in ARITHMETIC_DTYPES:
                     bt = base[entry.name]
-                    bdata = base_reader.read(bt.path, bt.offset + rel, length, drop=drop_behind)
+                    bdata = base_reader.read(bt.path, bt.offset + rel, length)
+                    if drop_behind:
+                        if bt.path not in base_drops:
+                            base_drops[bt.path] = DropBehind(bt.path)
+                        base_drops[bt.path].advance(bt.offset + rel + length)
                 for k, (fi, _e, _r, _g) in enumerate(entries):
                     out.put(_Chunk(k, fi, entry.name, bi, streams[k].read(fi, length), bdata))
         finished = [stream.finish() for stream in streams]
@@ -321,6 +317,8 @@ def _reader(layouts, plans, base, out: queue.Queue, shas: list[list[str]], stop:
             hashing.close()
         for stream in streams:
             stream.close()
+        for dropper in base_drops.values():
+            dropper.close()
         base_reader.close()
 
 
