@@ -95,6 +95,13 @@ def ingest(cfg: Config) -> str:
                          "dd_read_bytes": d.read_bytes, "dd_direct_wall": dd_direct.wall}
         runs.append(row)
     save_raw("ingest", runs)
+    return ingest_section(cfg, runs)
+
+
+def ingest_section(cfg: Config, runs: list[dict[str, Any]]) -> str:
+    """Section 1 from the runs `ingest` measured (or saved in results/raw/ingest.json:
+    `python -m benchmarks.run --ingest-from-raw` rebuilds it without measuring again)."""
+    k = min(INGEST_FAMILY_K, cfg.n_experts)
     rows = []
     summary = {}
     for what in ("base", "expert", "family"):
@@ -514,4 +521,4 @@ def cleanup_outputs() -> None:
     shutil.rmtree(OUT, ignore_errors=True)
 
 
-__all__ = ["ingest", "scaling", "budget_sweep", "operators", "floor", "peers", "RAW", "spread"]
+__all__ = ["ingest", "ingest_section", "scaling", "budget_sweep", "operators", "floor", "peers", "RAW", "spread"]
