@@ -219,7 +219,11 @@ def main(argv: list[str] | None = None) -> int:
         fam = json.loads((cfg.family_dir / "family.json").read_text())
     cfg_line = ""
     if a.ingest_from_raw:
-        ex.ingest_section(cfg, _load("ingest"))
+        runs = _load("ingest")
+        if not runs:
+            print(f"no saved ingest runs in {RAW / 'ingest.json'}; run --only ingest first", file=sys.stderr)
+            return 2
+        ex.ingest_section(cfg, runs)
     elif not a.assemble_only:
         names = a.only.split(",") if a.only else list(EXPERIMENTS)
         bad = [n for n in names if n not in EXPERIMENTS]
