@@ -119,26 +119,46 @@ def drop_cached(fd: int, offset: int, n: int | None) -> None:
 
 
 class DropBehind:
-    """Drops the pages of a file read front to back from the page cache, behind the reader: the bytes before
-    `pos` once `every` of them are waiting, the rest at `close`. Not at each read: pages read a moment ago
-    may still sit in the kernel's per-CPU LRU batches, where POSIX_FADV_DONTNEED cannot drop them (dropped
-    block by block, ~95 % of a base's pages stayed cached)."""
+    """Drops the pages of a file read front to back from the page cache, behind the reader, so that the read
+    leaves the cache as it found it: each `granule` of the file that was not wholly cached when this object was
+    made is dropped once read; one that was stays cached. Where the kernel cannot tell (`page_cached` is
+    None), `unknown` decides. Drops happen once the reader is `every` bytes past where the last one ended, the
+    rest at `close`; not at each read: pages read a moment ago may still sit in the kernel's per-CPU LRU
+    batches, where POSIX_FADV_DONTNEED cannot drop them (dropped block by block, ~95 % of a base's pages
+    stayed cached)."""
 
-    def __init__(self, path: str | Path, every: int = 64 << 20) -> None:
+    def __init__(self, path: str | Path, every: int = 64 << 20, granule: int = 1 << 20, *,
+                 unknown: bool = True) -> None:
         self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        self._every = every
+        self._every, self._granule = every, granule
         self._kept = 0  # start of the page holding the first byte read and not yet dropped
+        size = os.fstat(self._fd).st_size
+        # residency taken before anything is read (read-ahead brings in what follows the reader)
+        cached = (page_cached(self._fd, off, min(granule, size - off)) for off in range(0, size, granule))
+        self._drop = [unknown if c is None else not c for c in cached]
 
     def advance(self, pos: int) -> None:
         """The reader has read up to `pos`."""
         if pos - self._kept >= self._every:
-            drop_cached(self._fd, self._kept, pos - self._kept)
+            self._drop_range(self._kept, pos)
             self._kept = pos - pos % PAGE  # its page was not wholly read: the next drop takes it
 
+    def _drop_range(self, lo: int, hi: int) -> None:
+        """Drop what of [lo, hi) lies in granules to drop, a run of them at a time."""
+        g = lo // self._granule
+        while lo < hi and g < len(self._drop):
+            start = g
+            while g < len(self._drop) and self._drop[g] == self._drop[start] and g * self._granule < hi:
+                g += 1
+            end = min(hi, g * self._granule)
+            if self._drop[start]:
+                drop_cached(self._fd, lo, end - lo)
+            lo = end
+
     def close(self) -> None:
-        """Drop the rest of the file and let it go."""
+        """Drop the rest of the file (its granules to drop) and let it go."""
         if self._fd >= 0:
-            drop_cached(self._fd, self._kept, None)
+            self._drop_range(self._kept, len(self._drop) * self._granule)
             os.close(self._fd)
             self._fd = -1
 
