@@ -155,9 +155,10 @@ them). Goal: ≥ 70 % of a raw cold `dd` read.
 The expert ingest reads the expert *and* the base (delta statistics), so its read_bytes are ~2× the file size;
 the ratio compares against dd of the expert's files only (the bytes the user asked to ingest). The family row's
 read_bytes are the {k} experts' plus the base's once ((k + 1)/k of its dd bytes); its ratio too is against dd of
-the experts' files only. A read of more than half of what the page cache can still take is dropped from the
-cache behind the reader (`storage.drop_cached`), which plain `dd` does not do: on these VMs a cache pushed into
-reclaim makes buffered reads ~3× slower, so for the family the O_DIRECT columns are the stricter reference.
+the experts' files only. Ingest drops what it reads from the page cache behind the reader unless it was cached
+before (`storage.DropBehind`; before run X only reads of more than half of what the cache could still take),
+which plain `dd` does not do: on these VMs filling the cache costs more than the read itself, and a cache pushed
+into reclaim makes buffered reads ~3× slower, so the O_DIRECT columns are the stricter reference.
 
 {fig_md}"""
     write_section("ingest", text)
