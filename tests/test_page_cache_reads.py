@@ -130,3 +130,27 @@ def test_sha256_file_leaves_the_page_cache_as_it_found_it(tmp_path: Path) -> Non
         assert storage.page_cached(fd, 0, len(data))
     finally:
         os.close(fd)
+
+
+def test_drop_behind_drops_only_the_granules_not_cached_before(tmp_path: Path) -> None:
+    """A file half cached before it is read: the granules that were cached stay, the rest leave once read,
+    whether the reader's drops end inside a granule or not."""
+    granule = 16 * PAGE
+    path, data = _file(tmp_path, pages=8 * 16)  # eight granules
+    cold_or_skip(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead: the test's reads are what is cached
+        for g in (0, 1, 4, 7):  # cached before: granules 0, 1, 4 and 7
+            os.pread(fd, granule, g * granule)
+        dropper = storage.DropBehind(path, every=5 * PAGE, granule=granule)
+        for pos in range(0, len(data), 3 * PAGE):  # the reader, 3 pages at a time
+            os.pread(fd, 3 * PAGE, pos)
+            dropper.advance(min(pos + 3 * PAGE, len(data)))
+        dropper.close()
+        cached = [storage.page_cached(fd, g * granule, granule) for g in range(8)]
+        assert cached == [True, True, False, False, True, False, False, True]
+        assert not any(storage.page_cached(fd, off, PAGE) for g in (2, 3, 5, 6)
+                       for off in range(g * granule, (g + 1) * granule, PAGE))
+    finally:
+        os.close(fd)
