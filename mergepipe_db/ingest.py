@@ -1,9 +1,11 @@
 """Ingest: catalogue a checkpoint once — files, tensors, row blocks, hashes and delta statistics.
 
-Each file is read once, sequentially; a reader thread reads (and sha256-hashes) ahead while the caller's
-thread computes xxh3 and delta statistics, so hashing overlaps with I/O. Peak memory is a few blocks.
+Each file is read once, sequentially (O_DIRECT where the file system allows it, `storage.SequentialReader`);
+a reader thread reads and xxh3-hashes ahead (sha256 on a thread of its own) while the caller's thread hands
+blocks to the delta statistics, so hashing overlaps with I/O. Peak memory is a few read pieces.
 Experts of one base that list their tensors in the same order are read in lockstep (`ingest_many`,
-`scan_group`), so each base block is read once for all of them rather than once per expert.
+`scan_group`), so each base block is read once for all of them rather than once per expert, and only if some
+expert's block differs from it.
 All rows of one call are written in a single transaction: a failure leaves the catalog as it was.
 """
 
@@ -34,15 +36,29 @@ from mergepipe_db.errors import (
     BadCheckpointError,
     CoordinateMismatchError,
     DuplicateNameError,
+    StaleSourceError,
     UnknownCheckpointError,
 )
 from mergepipe_db.formats.dtypes import ARITHMETIC_DTYPES, DTYPE_BITS
 from mergepipe_db.formats.hf_layout import CheckpointLayout, resolve_checkpoint
-from mergepipe_db.storage import DropBehind, RangeReader, memory_for_cache, xxh3_hex
+from mergepipe_db.storage import (
+    ALIGN,
+    DropBehind,
+    ReadAhead,
+    RecyclingPool,
+    SequentialReader,
+    memory_for_cache,
+    xxh3_hex,
+)
 
 KINDS = ("full", "delta", "lora", "snapshot")
 _READ_AHEAD = 8  # blocks queued between the reader thread and the hashing/statistics thread
 _STATS_WORKERS = 2  # blocks whose statistics are computed at once (this machine class has 2 cores)
+_BASE_LEAD = 16 << 20  # member bytes read past a base block asked for before it is taken (`_reader`)
+_MEMBER_READS = 8 << 20  # bytes per read request of a checkpoint's files, shared among the members read at once
+_MIN_PIECE = 1 << 20
+_BASE_PIECE = 8 << 20  # at most this many bytes per read request of the base (adjacent blocks read together)
+_PIECES_KEPT = 6  # read buffers kept for reuse per file stream (a few pieces are in flight downstream)
 
 
 @dataclass(frozen=True)
@@ -153,8 +169,9 @@ class _Chunk:
     file_idx: int
     tensor_name: str
     block_idx: int
-    data: bytearray
-    base: bytearray | None
+    data: memoryview | bytearray
+    xxh3: str  # of `data`
+    base: memoryview | None  # the base's block; None when no member's block differs from it (or no base)
 
 
 def _plan_blocks(layout: CheckpointLayout, block_bytes: int, base: dict[str, BaseTensor] | None):
@@ -192,7 +209,7 @@ class _Sha256Thread:
         self._thread = threading.Thread(target=self._run, name="mergepipe-sha256", daemon=True)
         self._thread.start()
 
-    def update(self, hasher: Any, data: bytes | bytearray) -> None:
+    def update(self, hasher: Any, data: bytes | bytearray | memoryview) -> None:
         self._q.put((hasher, data))
 
     def digest_into(self, hasher: Any, out: list[str], idx: int) -> None:
@@ -223,29 +240,42 @@ class _Sha256Thread:
 
 
 class _FileStream:
-    """One checkpoint's files read front to back, each hashed (sha256, on `hashing`'s thread) as it is read;
-    a file no tensor is read from is still read and hashed, in turn, so `sha` lines up with `layout.files`
-    (its digests are final once `hashing` is closed). What it reads leaves the page cache as it found it,
-    dropped behind the reader (`storage.DropBehind`; `drop_unknown`: drop where the kernel cannot tell what was
-    cached)."""
+    """One checkpoint's files read front to back (`storage.SequentialReader`: O_DIRECT where it can), each
+    hashed (sha256, on `hashing`'s thread) as it is read; a file no tensor is read from is still read and
+    hashed, in turn, so `sha` lines up with `layout.files` (its digests are final once `hashing` is closed).
+    What it reads leaves the page cache as it found it: what is read through the cache (where O_DIRECT is
+    refused) is dropped behind the reader (`storage.DropBehind`; `drop_unknown`: drop where the kernel cannot
+    tell what was cached)."""
 
-    def __init__(self, layout: CheckpointLayout, hashing: _Sha256Thread, *, drop_unknown: bool = False) -> None:
+    def __init__(self, layout: CheckpointLayout, hashing: _Sha256Thread, *, piece: int,
+                 drop_unknown: bool = False) -> None:
         self.layout = layout
         self.sha: list[str] = [""] * len(layout.files)
+        self._pool = RecyclingPool(piece, keep=_PIECES_KEPT)
         self._hashing = hashing
         self._drop_unknown = drop_unknown
-        self._opened = 0  # files opened so far; the current one is the last of them while _fh is open
-        self._fh: Any = None
+        self._opened = 0  # files opened so far; the current one is the last of them while _file is open
+        self._file: SequentialReader | None = None
+        self._pos = 0  # bytes of the current file read
         self._hasher: Any = None
         self._dropper: DropBehind | None = None
 
-    def read(self, file_idx: int, n: int) -> bytearray:
+    def read(self, file_idx: int, n: int) -> memoryview | bytearray:
         while self._opened <= file_idx:
             self._next_file()
-        data = _read_exact(self._fh, n)
+        data = self._read(n)
         self._hashing.update(self._hasher, data)
         if self._dropper is not None:
-            self._dropper.advance(self._fh.tell())
+            self._dropper.advance(self._pos)
+        return data
+
+    def _read(self, n: int) -> memoryview | bytearray:
+        assert self._file is not None
+        try:
+            data = self._file.read(n)
+        except (EOFError, StaleSourceError) as e:
+            raise BadCheckpointError(f"{self._file.path}: file ended early (changed while reading?)") from e
+        self._pos += n
         return data
 
     def finish(self) -> list[str]:
@@ -256,9 +286,9 @@ class _FileStream:
         return self.sha
 
     def close(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
         if self._dropper is not None:
             self._dropper.close()
             self._dropper = None
@@ -266,17 +296,16 @@ class _FileStream:
     def _next_file(self) -> None:
         self._end_file()
         header = self.layout.files[self._opened]
-        self._fh = open(header.path, "rb", buffering=0)  # noqa: SIM115 - closed by _end_file or close
         self._opened += 1
-        self._dropper = DropBehind(header.path, unknown=self._drop_unknown)
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(self._fh.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        self._dropper = DropBehind(header.path, unknown=self._drop_unknown)  # before anything is read
+        self._file = SequentialReader(header.path, self._pool)
+        self._pos = 0
         self._hasher = hashlib.sha256()
-        self._hashing.update(self._hasher, _read_exact(self._fh, header.data_start))
+        self._hashing.update(self._hasher, self._read(header.data_start))
 
     def _end_file(self) -> None:
-        if self._fh is not None:
-            self._hashing.update(self._hasher, self._fh.read())  # whatever follows the last tensor read
+        if self._file is not None:
+            self._hashing.update(self._hasher, self._file.read_rest())  # whatever follows the last tensor read
             self.close()
             self._hashing.digest_into(self._hasher, self.sha, self._opened - 1)
 
@@ -284,28 +313,60 @@ class _FileStream:
 def _reader(layouts, plans, base, out: queue.Queue, shas: list[list[str]], stop: threading.Event,
             drop_unknown: bool) -> None:
     """Reader thread: every member's files front to back (sha256 on a thread of its own) in lockstep, tensor
-    by tensor and block by block; each base block once, handed with that block of every member."""
+    by tensor and block by block, each block with its xxh3; the base block once, handed with that block of
+    every member, and only when some member's block differs from it (its xxh3 is not the base's): a block
+    equal to the base's has zero Δ, known without the base's bytes. Fine-tunes often leave whole tensors as
+    they were (a third of a benchmark expert's bytes), so an expert ingested alone skips that much of its base.
+
+    The base is read without the kernel's read-ahead, which would fetch the skipped ranges too (up to 16 MiB
+    past each read here); instead, a base block known to be needed is asked for (`storage.ReadAhead`) as soon
+    as the members' blocks are hashed and taken `_BASE_LEAD` bytes of member data later. Each member's files
+    are read in pieces of `_MEMBER_READS` bytes shared among the members (so memory does not grow with their
+    number)."""
     hashing = _Sha256Thread()
-    streams = [_FileStream(layout, hashing, drop_unknown=drop_unknown) for layout in layouts]
-    base_reader = RangeReader(random=False)
+    piece = max(_MIN_PIECE, _MEMBER_READS // len(layouts) // ALIGN * ALIGN)
+    streams = [_FileStream(layout, hashing, piece=piece, drop_unknown=drop_unknown) for layout in layouts]
+    base_reader = ReadAhead(RecyclingPool(_BASE_PIECE, keep=_PIECES_KEPT))
     base_drops: dict[str, DropBehind] = {}  # per base file (read in the members' order)
+    waiting: collections.deque[tuple[Any, ...]] = collections.deque()  # blocks whose base read is ahead
+    waiting_bytes = 0
+
+    def hand_out(limit: int) -> None:
+        nonlocal waiting_bytes
+        while waiting and waiting_bytes > limit:
+            entries, name, bi, bt, rel, length, datas, hashes, need = waiting.popleft()
+            waiting_bytes -= length * len(datas)
+            bdata = None
+            if bt is not None:
+                if need:
+                    bdata = base_reader.take()
+                base_drops[bt.path].advance(bt.offset + rel + length)
+            for k, (fi, _e, _r, _g) in enumerate(entries):
+                out.put(_Chunk(k, fi, name, bi, datas[k], hashes[k], bdata))
+
     try:
         for entries in zip(*plans):  # the same tensor in every member (the group shares one read order)
             if stop.is_set():
                 return
             _fi, entry, _rpb, ranges = entries[0]
             bits = DTYPE_BITS[entry.dtype]
+            bt = base[entry.name] if base is not None and entry.dtype in ARITHMETIC_DTYPES else None
+            if bt is not None and bt.path not in base_drops:  # before its first read: what it finds cached stays
+                base_drops[bt.path] = DropBehind(bt.path, unknown=drop_unknown)
             for bi, rows in enumerate(ranges):
                 rel, length = block_byte_range(entry.shape, bits, rows)
-                bdata = None
-                if base is not None and entry.dtype in ARITHMETIC_DTYPES:
-                    bt = base[entry.name]
-                    if bt.path not in base_drops:  # before its first read: what it finds cached stays
-                        base_drops[bt.path] = DropBehind(bt.path, unknown=drop_unknown)
-                    bdata = base_reader.read(bt.path, bt.offset + rel, length)
-                    base_drops[bt.path].advance(bt.offset + rel + length)
-                for k, (fi, _e, _r, _g) in enumerate(entries):
-                    out.put(_Chunk(k, fi, entry.name, bi, streams[k].read(fi, length), bdata))
+                datas = [streams[k].read(fi, length) for k, (fi, _e, _r, _g) in enumerate(entries)]
+                hashes = [xxh3_hex(data) for data in datas]
+                need = False
+                if bt is not None:
+                    base_hash = bt.block_xxh3[bi] if bi < len(bt.block_xxh3) else None
+                    need = any(h != base_hash for h in hashes)
+                    if need:
+                        base_reader.ask(bt.path, bt.offset + rel, length)
+                waiting.append((entries, entry.name, bi, bt, rel, length, datas, hashes, need))
+                waiting_bytes += length * len(datas)
+                hand_out(_BASE_LEAD)
+        hand_out(-1)
         finished = [stream.finish() for stream in streams]
         hashing.close()  # every digest written
         shas.extend(finished)
@@ -322,19 +383,7 @@ def _reader(layouts, plans, base, out: queue.Queue, shas: list[list[str]], stop:
         base_reader.close()
 
 
-def _read_exact(fh, n: int) -> bytearray:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = fh.readinto(view[got:])
-        if not k:
-            raise BadCheckpointError(f"{fh.name}: file ended early (changed while reading?)")
-        got += k
-    return buf
-
-
-def _delta_stats(data: bytearray, base: bytearray | None, dtype: str) -> dict[str, Any]:
+def _delta_stats(data: memoryview | bytearray, base: memoryview | None, dtype: str) -> dict[str, Any]:
     """Statistics of Δ = data − base (base None: data is Δ itself), one fused pass (kernels.delta_stats)."""
     from mergepipe_db import kernels, sketch
 
@@ -436,7 +485,7 @@ def scan_group(
                         raise item
                     assert item is not None and (item.member, item.tensor_name, item.block_idx) == (k, entry.name, bi)
                     hashers[k].update(item.data)
-                    h = xxh3_hex(item.data)
+                    h = item.xxh3
                     row: dict[str, Any] = {
                         "tensor_idx": len(tensor_rows[k]),
                         "block_idx": bi,
@@ -452,6 +501,7 @@ def scan_group(
                         if same_as_base and not delta:
                             row.update(_zero_stats(length, entry.dtype))
                         else:
+                            assert delta or item.base is not None  # the reader reads the base for such a block
                             pending.append((row, pool.submit(_delta_stats, item.data, item.base, entry.dtype)))
                             settle(_STATS_WORKERS * 2)
                         stat_rows[k].append(row)

@@ -13,11 +13,13 @@ tell, every large read is O_DIRECT.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import errno
 import itertools
 import os
+import queue
 import sys
 import threading
 from collections.abc import Iterable
@@ -328,6 +330,190 @@ class RangeReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class RecyclingPool:
+    """Page-aligned buffers of `size` bytes for reads, reused once nothing refers to them any more, without
+    being given back (unlike the executor's `BufferPool`): for readers whose bytes go on, as views, to several
+    threads that finish with them in no set order (an ingest's sha256, xxh3 and statistics).
+
+    The reference count says when: a view of a buffer, or a numpy array or `Py_buffer` made from one, holds a
+    reference to it, so a buffer still in use downstream is never handed out again. Reuse matters on these VMs:
+    a device writing into fresh memory faults each page in and zeroes it first, which cost about as much as the
+    page-cache copy that O_DIRECT saves. At most `keep` buffers are kept; past them (or for more than `size`
+    bytes) a new buffer is made, never waited for. One thread takes buffers at a time."""
+
+    def __init__(self, size: int, keep: int) -> None:
+        self.size = size
+        self._keep = keep
+        self._bufs: list[np.ndarray] = []
+
+    def take(self, n: int) -> np.ndarray:
+        """A buffer of at least `n` bytes that nothing else refers to."""
+        if n > self.size:
+            return aligned_empty(n)
+        for arr in self._bufs:
+            if sys.getrefcount(arr) <= 3:  # the list's reference, `arr` and getrefcount's argument
+                return arr
+        arr = aligned_empty(self.size)
+        if len(self._bufs) < self._keep:
+            self._bufs.append(arr)
+        return arr
+
+
+class SequentialReader:
+    """One file read front to back, `depth` pieces of `pool.size` bytes ahead of the caller, on a thread of its
+    own, each piece with `RangeReader.read_aligned`: O_DIRECT where the file system allows it and the piece is
+    not in the page cache, so the device writes into the pool's buffers and the page cache is neither filled
+    nor copied out of (on these VMs that copy was most of an ingest reader's CPU); a piece already cached is
+    copied from there; buffered where O_DIRECT is refused.
+
+    `read(n)` returns the next n bytes: a view into one piece's buffer when they lie in one (no copy), a copy
+    when they span two. Raises EOFError if the file ends first (StaleSourceError if it shrank while read). Not
+    thread-safe: one caller. The pool may serve several readers one after another (`close` ends this one's
+    thread)."""
+
+    _END = object()
+
+    def __init__(self, path: str | Path, pool: RecyclingPool, *, depth: int = 2) -> None:
+        self.path = str(path)
+        self._pool = pool
+        self._size = os.stat(self.path).st_size
+        self._pieces: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._reader = RangeReader(random=True)  # no read-ahead where the reads end up buffered
+        self._buf: memoryview = memoryview(b"")
+        self._at = 0  # position of the next byte to hand out in `_buf`
+        self._done = False
+        self._thread = threading.Thread(target=self._run, name="mergepipe-sequential-read", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for off in range(0, self._size, self._pool.size):
+                if self._stop.is_set():
+                    return
+                n = min(self._pool.size, self._size - off)
+                arr = self._pool.take(n)
+                self._reader.read_aligned(self.path, off, arr, 0, n)
+                self._pieces.put(memoryview(arr)[:n])  # type: ignore[arg-type]  # numpy arrays are buffers
+            self._pieces.put(self._END)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller by read()
+            self._pieces.put(e)
+
+    def _next_piece(self) -> bool:
+        if self._done:
+            return False
+        item = self._pieces.get()
+        if item is self._END:
+            self._done = True
+            return False
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        self._buf, self._at = item, 0
+        return True
+
+    def read(self, n: int) -> memoryview | bytearray:
+        if n <= len(self._buf) - self._at:
+            view = self._buf[self._at:self._at + n]
+            self._at += n
+            return view
+        out = bytearray(n)
+        got = 0
+        while got < n:
+            if self._at == len(self._buf) and not self._next_piece():
+                raise EOFError(f"{self.path}: file ended early")
+            k = min(n - got, len(self._buf) - self._at)
+            out[got:got + k] = self._buf[self._at:self._at + k]
+            self._at += k
+            got += k
+        return out
+
+    def read_rest(self) -> bytearray:
+        """Every byte not handed out yet."""
+        out = bytearray(self._buf[self._at:])
+        self._at = len(self._buf)
+        while self._next_piece():
+            out += self._buf
+            self._at = len(self._buf)
+        return out
+
+    def close(self) -> None:
+        self._stop.set()
+        while self._thread.is_alive():  # unblock the thread if it waits on a full queue
+            with contextlib.suppress(Exception):
+                self._pieces.get(timeout=0.05)
+        self._reader.close()
+        self._buf = memoryview(b"")
+
+
+class ReadAhead:
+    """Byte ranges asked for ahead (`ask`) and taken later in the same order (`take`), read in between on a
+    thread of its own with `RangeReader.read_aligned` (O_DIRECT where it can, as `SequentialReader`) into the
+    pool's buffers; ranges asked one after another that follow each other in one file are read as one request
+    of up to `pool.size` bytes. For reads known ahead at positions the kernel's read-ahead would not foresee
+    (it would also fetch what lies between them). `take` raises what the read raised."""
+
+    _STOP = object()
+
+    def __init__(self, pool: RecyclingPool) -> None:
+        self._pool = pool
+        self._asked: collections.deque[tuple[str, int, int]] = collections.deque()
+        self._cond = threading.Condition()
+        self._ready: queue.Queue = queue.Queue()
+        self._reader = RangeReader(random=True)
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="mergepipe-read-ahead", daemon=True)
+        self._thread.start()
+
+    def ask(self, path: str, offset: int, n: int) -> None:
+        with self._cond:
+            self._asked.append((path, offset, n))
+            self._cond.notify()
+
+    def take(self) -> memoryview:
+        item = self._ready.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def _next_run(self) -> list[tuple[str, int, int]] | None:
+        """The oldest ranges asked that follow each other in one file, up to `pool.size` bytes (at least one)."""
+        with self._cond:
+            while not self._asked and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                return None
+            run = [self._asked.popleft()]
+            while self._asked:
+                path, off, n = self._asked[0]
+                last_path, last_off, last_n = run[-1]
+                if path != last_path or off != last_off + last_n or off + n - run[0][1] > self._pool.size - 2 * ALIGN:
+                    break
+                run.append(self._asked.popleft())
+            return run
+
+    def _run(self) -> None:
+        try:
+            while (run := self._next_run()) is not None:
+                path, lo = run[0][0], run[0][1]
+                n = run[-1][1] + run[-1][2] - lo
+                arr = self._pool.take(n + 2 * ALIGN)  # room for the whole pages around the range
+                pos = lo % ALIGN
+                self._reader.read_aligned(path, lo, arr, pos, n)
+                view = memoryview(arr)  # type: ignore[arg-type]  # numpy arrays are buffers
+                for _path, off, k in run:
+                    self._ready.put(view[pos + off - lo:pos + off - lo + k])
+        except BaseException as e:  # noqa: BLE001 - handed to the caller by take()
+            self._ready.put(e)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join()
+        self._reader.close()
 
 
 def xxh3_hex(data: bytes | bytearray | memoryview) -> str:
