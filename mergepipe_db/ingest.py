@@ -58,7 +58,7 @@ _BASE_LEAD = 16 << 20  # member bytes read past a base block asked for before it
 _MEMBER_READS = 8 << 20  # bytes per read request of a checkpoint's files, shared among the members read at once
 _MIN_PIECE = 1 << 20
 _BASE_PIECE = 8 << 20  # at most this many bytes per read request of the base (adjacent blocks read together)
-_PIECES_KEPT = 6  # read buffers kept for reuse per file stream (a few pieces are in flight downstream)
+_PIECES_KEPT = 12  # read buffers kept for reuse per file stream: about as many as are in flight downstream
 
 
 @dataclass(frozen=True)
@@ -247,11 +247,12 @@ class _FileStream:
     refused) is dropped behind the reader (`storage.DropBehind`; `drop_unknown`: drop where the kernel cannot
     tell what was cached)."""
 
-    def __init__(self, layout: CheckpointLayout, hashing: _Sha256Thread, *, piece: int,
+    def __init__(self, layout: CheckpointLayout, hashing: _Sha256Thread, cuts: list[list[int]], *, piece: int,
                  drop_unknown: bool = False) -> None:
         self.layout = layout
         self.sha: list[str] = [""] * len(layout.files)
-        self._pool = RecyclingPool(piece, keep=_PIECES_KEPT)
+        self._cuts = cuts  # per file, the sizes of the reads to come: the header, then each block in order
+        self._pool = RecyclingPool(piece + 2 * ALIGN, keep=_PIECES_KEPT)
         self._hashing = hashing
         self._drop_unknown = drop_unknown
         self._opened = 0  # files opened so far; the current one is the last of them while _file is open
@@ -298,7 +299,7 @@ class _FileStream:
         header = self.layout.files[self._opened]
         self._opened += 1
         self._dropper = DropBehind(header.path, unknown=self._drop_unknown)  # before anything is read
-        self._file = SequentialReader(header.path, self._pool)
+        self._file = SequentialReader(header.path, self._pool, cuts=self._cuts[self._opened - 1])
         self._pos = 0
         self._hasher = hashlib.sha256()
         self._hashing.update(self._hasher, self._read(header.data_start))
@@ -308,6 +309,16 @@ class _FileStream:
             self._hashing.update(self._hasher, self._file.read_rest())  # whatever follows the last tensor read
             self.close()
             self._hashing.digest_into(self._hasher, self.sha, self._opened - 1)
+
+
+def _file_reads(layout: CheckpointLayout, plan) -> list[list[int]]:
+    """Per file of `layout`, the sizes of the reads a scan makes of it, in order: the header, then each block of
+    its tensors (a file's tensors lie back to back, read in the order of their bytes)."""
+    cuts = [[header.data_start] for header in layout.files]
+    for fi, entry, _rpb, ranges in plan:
+        bits = DTYPE_BITS[entry.dtype]
+        cuts[fi].extend(block_byte_range(entry.shape, bits, rows)[1] for rows in ranges)
+    return cuts
 
 
 def _reader(layouts, plans, base, out: queue.Queue, shas: list[list[str]], stop: threading.Event,
@@ -325,8 +336,9 @@ def _reader(layouts, plans, base, out: queue.Queue, shas: list[list[str]], stop:
     number)."""
     hashing = _Sha256Thread()
     piece = max(_MIN_PIECE, _MEMBER_READS // len(layouts) // ALIGN * ALIGN)
-    streams = [_FileStream(layout, hashing, piece=piece, drop_unknown=drop_unknown) for layout in layouts]
-    base_reader = ReadAhead(RecyclingPool(_BASE_PIECE, keep=_PIECES_KEPT))
+    streams = [_FileStream(layout, hashing, _file_reads(layout, plan), piece=piece, drop_unknown=drop_unknown)
+               for layout, plan in zip(layouts, plans)]
+    base_reader = ReadAhead(RecyclingPool(_BASE_PIECE + 2 * ALIGN, keep=_PIECES_KEPT))
     base_drops: dict[str, DropBehind] = {}  # per base file (read in the members' order)
     waiting: collections.deque[tuple[Any, ...]] = collections.deque()  # blocks whose base read is ahead
     waiting_bytes = 0

@@ -22,7 +22,7 @@ import os
 import queue
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -362,23 +362,26 @@ class RecyclingPool:
 
 
 class SequentialReader:
-    """One file read front to back, `depth` pieces of `pool.size` bytes ahead of the caller, on a thread of its
-    own, each piece with `RangeReader.read_aligned`: O_DIRECT where the file system allows it and the piece is
-    not in the page cache, so the device writes into the pool's buffers and the page cache is neither filled
-    nor copied out of (on these VMs that copy was most of an ingest reader's CPU); a piece already cached is
-    copied from there; buffered where O_DIRECT is refused.
+    """One file read front to back, `depth` pieces ahead of the caller, on a thread of its own, each piece with
+    `RangeReader.read_aligned`: O_DIRECT where the file system allows it and the piece is not in the page cache,
+    so the device writes into the pool's buffers and the page cache is neither filled nor copied out of (on
+    these VMs that copy was most of an ingest reader's CPU); a piece already cached is copied from there;
+    buffered where O_DIRECT is refused.
 
-    `read(n)` returns the next n bytes: a view into one piece's buffer when they lie in one (no copy), a copy
-    when they span two. Raises EOFError if the file ends first (StaleSourceError if it shrank while read). Not
-    thread-safe: one caller. The pool may serve several readers one after another (`close` ends this one's
-    thread)."""
+    `cuts`: the sizes of the caller's reads, in order, where known: a piece then holds whole reads (as many as
+    fit in a pool buffer, or one larger read), so each `read` is a view into one piece's buffer, never a copy;
+    past them (or without them) pieces are as large as the buffers. `read(n)` returns the next n bytes: a view
+    when they lie in one piece, else a copy. Raises EOFError if the file ends first (StaleSourceError if it
+    shrank while read). Not thread-safe: one caller. The pool may serve several readers one after another
+    (`close` ends this one's thread)."""
 
     _END = object()
 
-    def __init__(self, path: str | Path, pool: RecyclingPool, *, depth: int = 2) -> None:
+    def __init__(self, path: str | Path, pool: RecyclingPool, *, cuts: Iterable[int] = (), depth: int = 2) -> None:
         self.path = str(path)
         self._pool = pool
         self._size = os.stat(self.path).st_size
+        self._cuts = list(cuts)
         self._pieces: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._reader = RangeReader(random=True)  # no read-ahead where the reads end up buffered
@@ -388,15 +391,32 @@ class SequentialReader:
         self._thread = threading.Thread(target=self._run, name="mergepipe-sequential-read", daemon=True)
         self._thread.start()
 
+    def _spans(self) -> Iterator[tuple[int, int]]:
+        """(offset, bytes) of each piece: the cuts grouped whole up to a buffer's room, then the rest of the
+        file a buffer at a time."""
+        room = self._pool.size - 2 * ALIGN  # a page of slack each side: O_DIRECT reads whole pages
+        off = group = 0
+        for n in self._cuts:
+            if group and group + n > room:
+                yield off, group
+                off, group = off + group, 0
+            group += n
+        if group:
+            yield off, group
+            off += group
+        while off < self._size:
+            yield off, min(room, self._size - off)
+            off += room
+
     def _run(self) -> None:
         try:
-            for off in range(0, self._size, self._pool.size):
+            for off, n in self._spans():
                 if self._stop.is_set():
                     return
-                n = min(self._pool.size, self._size - off)
-                arr = self._pool.take(n)
-                self._reader.read_aligned(self.path, off, arr, 0, n)
-                self._pieces.put(memoryview(arr)[:n])  # type: ignore[arg-type]  # numpy arrays are buffers
+                arr = self._pool.take(n + 2 * ALIGN)
+                pos = off % ALIGN
+                self._reader.read_aligned(self.path, off, arr, pos, n)
+                self._pieces.put(memoryview(arr)[pos:pos + n])  # type: ignore[arg-type]  # numpy arrays are buffers
             self._pieces.put(self._END)
         except BaseException as e:  # noqa: BLE001 - handed to the caller by read()
             self._pieces.put(e)
@@ -415,6 +435,8 @@ class SequentialReader:
         return True
 
     def read(self, n: int) -> memoryview | bytearray:
+        if self._at == len(self._buf) and n > 0 and not self._next_piece():
+            raise EOFError(f"{self.path}: file ended early")
         if n <= len(self._buf) - self._at:
             view = self._buf[self._at:self._at + n]
             self._at += n

@@ -49,6 +49,36 @@ def test_sequential_reader_hands_out_the_file_in_order(tmp_path: Path, read_path
     assert b"".join(bytes(v) for v in got) == data[:at]
 
 
+def test_reads_known_ahead_are_views_of_whole_pieces(tmp_path: Path, read_path: str, monkeypatch) -> None:
+    """Given the sizes of the reads to come (`cuts`), pieces hold whole reads, so none is copied, whatever the
+    reads' offsets; a read larger than a buffer is a piece of its own; past the cuts, the rest comes whole."""
+    cuts = [13, 5000, 30000, 20000, 3 * PIECE, 1, 17000, 4096, 777]
+    path, data = _file(tmp_path, "c.bin", sum(cuts) + 12345, seed=7)
+    pieces: list[tuple[int, int]] = []
+    real = storage.RangeReader.read_aligned
+
+    def recording(self, path, offset, arr, pos, n):
+        pieces.append((offset, n))
+        return real(self, path, offset, arr, pos, n)
+
+    monkeypatch.setattr(storage.RangeReader, "read_aligned", recording)
+    reader = storage.SequentialReader(path, storage.RecyclingPool(PIECE, keep=4), cuts=cuts)
+    at = 0
+    try:
+        for n in cuts:
+            view = reader.read(n)
+            assert isinstance(view, memoryview) and bytes(view) == data[at:at + n]
+            at += n
+        assert bytes(reader.read_rest()) == data[at:]
+    finally:
+        reader.close()
+    room = PIECE - 2 * storage.ALIGN
+    first = 13 + 5000 + 30000 + 20000  # fits in `room`; with the next read it would not
+    assert first <= room < first + 3 * PIECE
+    assert pieces == [(0, first), (first, 3 * PIECE), (first + 3 * PIECE, 1 + 17000 + 4096 + 777),
+                      (sum(cuts), 12345)]
+
+
 def test_a_view_keeps_its_buffer_from_being_reused(tmp_path: Path, monkeypatch) -> None:
     """A view held while the reader goes on through many pieces (each needing a buffer) keeps its bytes; the
     buffers nothing refers to are reused, so only a few are ever made."""
@@ -56,14 +86,15 @@ def test_a_view_keeps_its_buffer_from_being_reused(tmp_path: Path, monkeypatch) 
     made = []
     real = storage.aligned_empty
     monkeypatch.setattr(storage, "aligned_empty", lambda n: made.append(n) or real(n))
-    reader = storage.SequentialReader(path, storage.RecyclingPool(PIECE, keep=3), depth=1)
+    # in use at once: the held view's buffer, the piece read from, the one queued; a fourth is free for the next
+    reader = storage.SequentialReader(path, storage.RecyclingPool(PIECE, keep=4), depth=1)
     try:
         held = reader.read(100)
         rest = [bytes(reader.read(PIECE - 100 if i == 0 else PIECE)) for i in range(40)]  # dropped at once
     finally:
         reader.close()
     assert bytes(held) == data[:100] and b"".join(rest) == data[100:]
-    assert len(made) <= 4  # the held one, and a few reused for the other pieces
+    assert len(made) <= 5  # the held one, and a few reused for the other pieces
 
 
 def test_recycling_pool_hands_out_a_buffer_again_only_once_unreferenced() -> None:
