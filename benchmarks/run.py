@@ -103,7 +103,9 @@ def targets() -> str:
             spread = f" [{min(direct):.0%}–{max(direct):.0%}]" if direct else ""
             add(f"ingest {what} ≥ 70 % of raw cold read", f"{r['ratio_wall']:.0%} (process wall), "
                 f"{r['ratio_work']:.0%} (ingest call)"
-                + (f"; against dd iflag=direct {strict:.0%}{spread} (ingest call)" if strict is not None else ""),
+                + (f"; against dd iflag=direct {strict:.0%}{spread} (ingest call)" if strict is not None else "")
+                + (f"; {r['ratio_work_floor']:.0%} of the I/O floor of the bytes it must read (its files and the "
+                   "base blocks it changed, at dd iflag=direct's rate)" if r.get("ratio_work_floor") else ""),
                 # met only against both reads: buffered dd (the goal's) and O_DIRECT (no page cache to fill)
                 r["ratio_wall"] >= 0.7 and (strict is None or strict >= 0.7))
     fl = _load("io_floor")
