@@ -82,7 +82,8 @@ def test_merge_with_a_tiny_read_ahead_is_bit_identical(catalog, tiny_family, tmp
 
 def test_buffer_pool_keeps_a_bounded_amount_of_free_memory() -> None:
     """Free buffers are kept for reuse up to the pool's bound; beyond it the longest unused are dropped,
-    so the buffers of a few large tensors do not stay resident for the rest of a merge."""
+    so the buffers of a few large tensors do not stay resident for the rest of a merge. A read takes the
+    smallest free buffer that fits, however much larger."""
     pool = executor.BufferPool(max_free_bytes=3 << 20)
     big, pos = pool.take(0, 2 << 20)
     small, _ = pool.take(0, 1 << 19)
@@ -92,8 +93,15 @@ def test_buffer_pool_keeps_a_bounded_amount_of_free_memory() -> None:
     pool.give(big)
     other, _ = pool.take(0, 5 << 20)  # no fit: a fresh buffer
     pool.give(other)  # over the bound: the longest unused (small, then big) go
-    assert pool.take(0, 1 << 19)[0] is not small
     assert pool.take(0, 5 << 20)[0] is other
+
+    roomy = executor.BufferPool(max_free_bytes=64 << 20)
+    bufs = [roomy.take(0, n)[0] for n in (5 << 20, 2 << 20)]
+    for arr in bufs:
+        roomy.give(arr)
+    assert roomy.take(0, 1 << 19)[0] is bufs[1]  # the smallest free buffer that fits serves a smaller read
+    assert roomy.take(0, 1 << 19)[0] is bufs[0]  # then a larger one rather than a fresh one: its pages are in
+    assert all(roomy.take(0, 1 << 19)[0] is not arr for arr in bufs)  # memory; none free: a fresh one
 
 
 @pytest.mark.catalog
