@@ -8,7 +8,9 @@ system allows it: the device writes straight into the merge's buffer (no kernel 
 reading the range widened to whole 4 KiB pages — the same pages a buffered read touches. A range already
 held whole in the page cache (an ingest or another tool read it lately) is copied from there instead: O_DIRECT
 would fetch it from the device again. `page_cached` asks the kernel (cachestat, Linux ≥ 6.5); where it cannot
-tell, every large read is O_DIRECT.
+tell, every large read is O_DIRECT. Ingest reads the same way: each file front to back on a thread of its own
+(`SequentialReader`) and the base blocks it needs as soon as it knows them (`ReadAhead`), into buffers reused
+once nothing refers to them (`RecyclingPool`).
 """
 
 from __future__ import annotations
