@@ -56,7 +56,7 @@ _READ_AHEAD = 8  # blocks queued between the reader thread and the hashing/stati
 _STATS_WORKERS = 2  # blocks whose statistics are computed at once (this machine class has 2 cores)
 _BASE_LEAD = 16 << 20  # member bytes read past a base block asked for before it is taken (`_reader`)
 _MEMBER_READS = 8 << 20  # bytes per read request of a checkpoint's files, shared among the members read at once
-_MIN_PIECE = 1 << 20
+_MIN_PIECE = 1 << 20  # the least bytes per read request, however many members share `_MEMBER_READS`
 _BASE_PIECE = 8 << 20  # at most this many bytes per read request of the base (adjacent blocks read together)
 _PIECES_KEPT = 12  # read buffers kept for reuse per file stream: about as many as are in flight downstream
 

@@ -350,6 +350,12 @@ class RecyclingPool:
         self._keep = keep
         self._bufs: list[np.ndarray] = []
 
+    @property
+    def room(self) -> int:
+        """The most bytes one read may span in a buffer, whatever its offset in the file: O_DIRECT reads whole
+        pages, so a page of slack on each side."""
+        return self.size - 2 * ALIGN
+
     def take(self, n: int) -> np.ndarray:
         """A buffer of at least `n` bytes that nothing else refers to."""
         if n > self.size:
@@ -396,7 +402,7 @@ class SequentialReader:
     def _spans(self) -> Iterator[tuple[int, int]]:
         """(offset, bytes) of each piece: the cuts grouped whole up to a buffer's room, then the rest of the
         file a buffer at a time."""
-        room = self._pool.size - 2 * ALIGN  # a page of slack each side: O_DIRECT reads whole pages
+        room = self._pool.room
         off = group = 0
         for n in self._cuts:
             if group and group + n > room:
@@ -476,10 +482,8 @@ class ReadAhead:
     """Byte ranges asked for ahead (`ask`) and taken later in the same order (`take`), read in between on a
     thread of its own with `RangeReader.read_aligned` (O_DIRECT where it can, as `SequentialReader`) into the
     pool's buffers; ranges asked one after another that follow each other in one file are read as one request
-    of up to `pool.size` bytes. For reads known ahead at positions the kernel's read-ahead would not foresee
+    of up to `pool.room` bytes. For reads known ahead at positions the kernel's read-ahead would not foresee
     (it would also fetch what lies between them). `take` raises what the read raised."""
-
-    _STOP = object()
 
     def __init__(self, pool: RecyclingPool) -> None:
         self._pool = pool
@@ -503,7 +507,7 @@ class ReadAhead:
         return item
 
     def _next_run(self) -> list[tuple[str, int, int]] | None:
-        """The oldest ranges asked that follow each other in one file, up to `pool.size` bytes (at least one)."""
+        """The oldest ranges asked that follow each other in one file, up to `pool.room` bytes (at least one)."""
         with self._cond:
             while not self._asked and not self._closed:
                 self._cond.wait()
@@ -513,7 +517,7 @@ class ReadAhead:
             while self._asked:
                 path, off, n = self._asked[0]
                 last_path, last_off, last_n = run[-1]
-                if path != last_path or off != last_off + last_n or off + n - run[0][1] > self._pool.size - 2 * ALIGN:
+                if path != last_path or off != last_off + last_n or off + n - run[0][1] > self._pool.room:
                     break
                 run.append(self._asked.popleft())
             return run
