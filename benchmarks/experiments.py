@@ -135,7 +135,8 @@ def ingest_section(cfg: Config, runs: list[dict[str, Any]]) -> str:
         direct = [x["dd_direct_wall"] for x in xs if "dd_direct_wall" in x]
         ratio_d = [x["dd_direct_wall"] / x["work_s"] for x in xs if "dd_direct_wall" in x]
         summary[what] = {"ratio_wall": med(ratio), "ratio_work": med(ratio_w),
-                         "ratio_work_direct": med(ratio_d) if ratio_d else None}
+                         "ratio_work_direct": med(ratio_d) if ratio_d else None,
+                         "ratio_work_direct_range": [min(ratio_d), max(ratio_d)] if ratio_d else None}
         label = what if what != "family" else f"{k} experts, one call"
         rows.append([label, gb(n), fmt_t([x["wall"] for x in xs]), f"{med(ing):.2f}",
                      fmt_t([x["work_s"] for x in xs]), f"{med(work):.2f}", fmt_t([x["dd_wall"] for x in xs]),

@@ -90,7 +90,6 @@ def targets() -> str:
         rows.append([target, value, "n/a" if ok is None else ("met" if ok else "**missed**")])
 
     ing = _load("ingest_summary")
-    ing_runs = _load("ingest") or []
     if ing:
         for w in ("base", "expert", "family"):
             r = ing.get(w)
@@ -98,9 +97,8 @@ def targets() -> str:
                 continue
             what = w if w != "family" else "family (8 experts, one call)"
             strict = r.get("ratio_work_direct")
-            direct = [x[w]["dd_direct_wall"] / x[w]["work_s"] for x in ing_runs
-                      if "dd_direct_wall" in x.get(w, {})]
-            spread = f" [{min(direct):.0%}–{max(direct):.0%}]" if direct else ""
+            lo_hi = r.get("ratio_work_direct_range")
+            spread = f" [{lo_hi[0]:.0%}–{lo_hi[1]:.0%}]" if lo_hi else ""
             add(f"ingest {what} ≥ 70 % of raw cold read", f"{r['ratio_wall']:.0%} (process wall), "
                 f"{r['ratio_work']:.0%} (ingest call)"
                 + (f"; against dd iflag=direct {strict:.0%}{spread} (ingest call)" if strict is not None else "")
