@@ -3,10 +3,11 @@
 `delta_stats` reads an expert block and the base block once and produces the L2² (float64 accumulation),
 L1, max |Δ|, the count of positive deltas and the magnitude histogram of docs/SEMANTICS.md ("Sketch") —
 the same bins as `sketch.histogram`, exactly. Δ is computed in float32, as everywhere else. The block is
-processed in tiles that stay in L1. A first pass counts the tile's nonzero Δ; a tile with none goes to bin 0
-whole. The others take four passes the compiler vectorizes, but the last: |Δ| with the positive count and the
-max (as integer bits); the float64 sums (reassociated into SIMD lanes, so not in sequential order: L2 and L1
-move by a few ulps); the bins; the bin counts, into sub-histograms. Counting is the costly pass (a scattered
+processed in tiles that stay in L1, in passes the compiler vectorizes, but the last: |Δ| with the positive and
+nonzero counts and the max (as integer bits), after which a tile with no nonzero Δ goes to bin 0 whole; the
+float64 sums (reassociated into SIMD lanes, so not in sequential order: L2 and L1 move by a few ulps); the bins;
+the bin counts, into sub-histograms. Counts and bins stay int32 (numba widens int32 arithmetic to int64, which
+halves the SIMD lanes: each pass ran ~2× slower). Counting is the costly pass (a scattered
 increment per element), so a tile with at most a quarter of its Δ nonzero (a merge output's changed block at a
 low budget: ~7 % of its elements differ from θ₀) first packs its nonzero |Δ| and bins and counts only those:
 1.45× faster on such blocks, dense ones unchanged. The kernels release the GIL, so ingest runs them on several
@@ -33,19 +34,22 @@ _U23, _UFF = np.uint32(23), np.uint32(0xFF)
 
 
 @numba.njit(cache=True, nogil=True)
-def _tile_abs(e: np.ndarray, b: np.ndarray, absd: np.ndarray) -> tuple[int, np.uint32]:
-    """|Δ| of each element of the tile into `absd`; (#Δ > 0, max of |Δ|'s bits). For |Δ| ≥ 0 the float32
-    bits order as the values do, and a NaN's bits exceed every number's: the integer max is max |Δ|, NaN
-    propagated."""
+def _tile_abs(e: np.ndarray, b: np.ndarray, absd: np.ndarray) -> tuple[np.int32, np.int32, np.uint32]:
+    """|Δ| of each element of the tile into `absd`; (#Δ > 0, #|Δ| ≠ 0, max of |Δ|'s bits). For |Δ| ≥ 0 the
+    float32 bits order as the values do, and a NaN's bits exceed every number's: the integer max is max |Δ|,
+    NaN propagated (and NaN ≠ 0 counts as nonzero). The counts are narrowed to int32 at every step (numba
+    widens int32 sums to int64), which keeps the loop in 8 float32 lanes."""
     pos = np.int32(0)
+    nonzero = np.int32(0)
     mx = np.uint32(0)
     for i in range(e.shape[0]):
         d = widen(e[i]) - widen(b[i])
         a = abs(d)
         absd[i] = a
-        pos += np.int32(d > 0)
+        pos = np.int32(pos + np.int32(d > 0))
+        nonzero = np.int32(nonzero + np.int32(a != 0))
         mx = max(mx, f32_to_bits(a))
-    return pos, mx
+    return pos, nonzero, mx
 
 
 @numba.njit(cache=True, nogil=True)
@@ -70,7 +74,7 @@ def _tile_bins(absd: np.ndarray, bins: np.ndarray) -> None:
         y = y * y
         y = y * y
         code = np.int32((f32_to_bits(y) >> _U23) & _UFF)
-        bn = min(max(code - _CODE_SHIFT, _ONE), _LAST)
+        bn = min(max(np.int32(code - _CODE_SHIFT), _ONE), _LAST)  # int32: 8 lanes (numba widens the difference)
         bins[i] = _ZERO if a == 0 else bn
 
 
@@ -99,22 +103,11 @@ def _tile_count(bins: np.ndarray, sub: np.ndarray) -> None:
 
 
 @numba.njit(cache=True, nogil=True)
-def _tile_nonzero(e: np.ndarray, b: np.ndarray) -> int:
-    """How many elements of the tile have Δ = e − b other than ±0 (NaN − NaN and inf − inf count: NaN != 0
-    holds). None: the tile adds only to bin 0 (nothing to the sums, the positive count or the max); a few:
-    it bins and counts only those (`_tile_pack_nonzero`)."""
-    nonzero = np.int32(0)
-    for i in range(e.shape[0]):
-        nonzero += np.int32((widen(e[i]) - widen(b[i])) != 0)
-    return nonzero
-
-
-@numba.njit(cache=True, nogil=True)
 def _stats(e: np.ndarray, b: np.ndarray, hist: np.ndarray, acc: np.ndarray) -> None:
     """Statistics of Δ = e − b (float32 or BF16 bits) into `hist` and `acc` = [L2², L1, max |Δ|, #positive].
 
     A tile whose Δ is zero throughout (most of a merge output's changed block at a low budget: a few elements
-    round away from θ₀) is counted into bin 0 after one vectorized pass, without the other four."""
+    round away from θ₀) is counted into bin 0 after its first pass, without the other three."""
     n = e.shape[0]
     absd = np.empty(_TILE, np.float32)
     packed = np.empty(_TILE, np.float32)
@@ -127,11 +120,10 @@ def _stats(e: np.ndarray, b: np.ndarray, hist: np.ndarray, acc: np.ndarray) -> N
     mx = np.uint32(0)
     for s in range(0, n, _TILE):
         m = min(_TILE, n - s)
-        nz = _tile_nonzero(e[s:s + m], b[s:s + m])
-        if nz == 0:
+        p, nz, t = _tile_abs(e[s:s + m], b[s:s + m], absd[:m])
+        if nz == 0:  # (then p == 0 and t == 0 too)
             zeros += m
             continue
-        p, t = _tile_abs(e[s:s + m], b[s:s + m], absd[:m])
         pos += p
         mx = max(mx, t)
         a, c = _tile_sums(absd[:m])
