@@ -491,6 +491,10 @@ class _F32Pool:
                 np.copyto(out[s:e], flat[s:e], casting="safe")
         return out.reshape(src.shape)
 
+    def detach(self, name: str) -> None:
+        """Hand buffer `name` over to whoever holds it: the next `convert` into `name` makes a new one."""
+        self._bufs.pop(name, None)
+
 
 @dataclass
 class _OutputJob:
@@ -508,7 +512,7 @@ class _OutputJob:
         """The output tensor's bytes in order: runs of `unchanged` blocks from θ₀'s buffer, the rest from
         `data`."""
         data = memoryview(self.data)
-        if self.unchanged is None:
+        if self.unchanged is None or not data.nbytes:  # an empty tensor is one empty piece: it is still written
             yield data
             return
         assert self.base is not None and self.bounds is not None
@@ -731,6 +735,7 @@ def _execute(
                     reads[key] = item.nbytes_read
                     realized[e.position] += item.nbytes_read
                     et = e.tensors[t.name]
+                    pooled_theta = False  # θ_k converted into pool32's shared "theta" buffer
                     if item.data.dtype == np.float32:  # Δ given directly (sources.py: delta, LoRA)
                         x = ExpertInput(index=e.position, params=params[e.position], selected_blocks=item.blocks,
                                         full=full, sketch=sketch, base=base32, delta=item.data)
@@ -738,8 +743,9 @@ def _execute(
                         raw = item.data.view(numpy_storage_dtype(et.dtype)).reshape(t.shape)
                         x = ExpertInput.from_raw(e.position, params[e.position], item.blocks, full, sketch,
                                                  base=base32, raw=raw)
-                    else:
+                    else:  # F16, and every dtype for an operator that keeps θ_k (slerp): θ_k in float32
                         raw = item.data.view(numpy_storage_dtype(et.dtype)).reshape(t.shape)
+                        pooled_theta = reuse_theta
                         if len(item.blocks) == t.n_blocks:
                             # a copy: the item's buffer goes back to the pool once add() returns
                             theta = pool32.convert("theta", raw) if reuse_theta else as_float32(raw)
@@ -753,6 +759,8 @@ def _execute(
                     del x
                     held[e.position] = item.arr
                     kept = op.held_inputs()  # inputs kept for a fused pass; the others' bytes are done with
+                    if e.position in kept and pooled_theta:
+                        pool32.detach("theta")  # the kept input holds it: the next expert gets its own
                     for k in [k for k in held if k not in kept]:
                         buffers.give(held.pop(k))
                 merged = op.finish()

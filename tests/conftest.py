@@ -83,6 +83,14 @@ def tiny_family_f32(tmp_path_factory: pytest.TempPathFactory):
     return make_family(tmp_path_factory.mktemp("fam_f32"), n_experts=3, preset="tiny", dtype="float32", seed=2)
 
 
+@pytest.fixture(scope="session")
+def tiny_family_f16(tmp_path_factory: pytest.TempPathFactory):
+    """F16: the one dtype the executor converts to float32 before the operators see it."""
+    from mergepipe_db.testing import make_family
+
+    return make_family(tmp_path_factory.mktemp("fam_f16"), n_experts=3, preset="tiny", dtype="float16", seed=3)
+
+
 BLOCK = 4096  # small blocks so tiny tensors have several
 
 

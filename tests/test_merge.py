@@ -65,7 +65,7 @@ def reference_for(catalog: Catalog, family, method: str, names: list[str], *, se
 
 
 @pytest.mark.parametrize("method", list(CASES))
-@pytest.mark.parametrize("family_name", ["tiny_family", "tiny_family_f32"])
+@pytest.mark.parametrize("family_name", ["tiny_family", "tiny_family_f32", "tiny_family_f16"])
 @pytest.mark.parametrize("read_path", ["page_cache", "direct"])
 def test_full_budget_is_bit_identical_to_naive_full_read(catalog, request, tmp_path, monkeypatch, method,
                                                          family_name, read_path) -> None:
@@ -84,6 +84,39 @@ def test_full_budget_is_bit_identical_to_naive_full_read(catalog, request, tmp_p
         assert res.cached_bytes == 0
     expected = reference_for(catalog, family, method, names)
     assert_bytes_equal(load_output(tmp_path / "out"), expected)
+
+
+@pytest.mark.parametrize("method", list(CASES))
+def test_empty_tensors_are_merged_and_written(catalog, tmp_path, method) -> None:
+    """Tensors with no elements ((2, 0), (0,)) between ordinary ones: written (empty) in their place, the rest
+    equal to the naive full read, at full budget and at a partial one."""
+    from mergepipe_db.testing import write_model_dir
+
+    g = torch.Generator().manual_seed(4)
+    base = {"a.weight": torch.randn(64, 40, generator=g), "b.empty": torch.zeros(2, 0),
+            "c.bias": torch.randn(40, generator=g), "d.empty": torch.zeros(0),
+            "e.weight": torch.randn(32, 64, generator=g)}
+    paths = []
+    for k, name in enumerate(("base", "e0", "e1", "e2")):
+        tensors = {n: (t if k == 0 else t + 0.05 * torch.randn(t.shape, generator=g)).to(torch.bfloat16)
+                   for n, t in base.items()}
+        write_model_dir(tmp_path / name, list(tensors.items()), config={"model_type": "llama"}, shard_bytes=6000)
+        paths.append(tmp_path / name)
+    catalog.ingest(paths[0], name="base", block_bytes=1024)
+    names = [catalog.ingest(p, name=p.name, base="base").name for p in paths[1:]]
+    for budget in ("1.0", "0.5"):
+        out = tmp_path / f"out-{budget}"
+        res = catalog.merge(make_spec(method, names), out=out, budget=budget)
+        assert res.realized_bytes == res.planned_bytes <= res.budget_bytes
+        got = load_output(out)
+        assert {n: tuple(t.shape) for n, t in got.items() if t.numel() == 0} == {"b.empty": (2, 0), "d.empty": (0,)}
+    n = len(CASES[method]["models"])
+    case = CASES[method]
+    expected = reference_merge(method, paths[0], paths[1:n + 1], [dict(m) for m in case["models"]],
+                               normalize=case["parameters"].get("normalize"), lam=case["parameters"].get("lambda", 1.0),
+                               t=case["parameters"].get("t"), seed=7,
+                               expert_keys=[catalog.checkpoint_id(nm) for nm in names[:n]], block_bytes=1024)
+    assert_bytes_equal(load_output(tmp_path / "out-1.0"), expected)
 
 
 _REPORT_IMPORTS = ("import sys; from mergepipe_db import cli; rc = cli.main(sys.argv[1:]); "
