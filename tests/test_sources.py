@@ -278,14 +278,17 @@ def test_pack_refuses_non_full_experts(catalog, fam, tmp_path) -> None:
         catalog.pack("d", store=tmp_path / "s")
 
 
-def test_mixed_family_full_budget_equals_materialized_reference(catalog, fam, tmp_path) -> None:
+@pytest.mark.parametrize("family_name", ["tiny_family", "tiny_family_f16"])
+def test_mixed_family_full_budget_equals_materialized_reference(catalog, request, tmp_path, family_name) -> None:
+    fam = request.getfixturevalue(family_name)
+    catalog.ingest(fam.base, name="base", block_bytes=BLOCK)
     base, e1 = load_model(fam.base), load_model(fam.experts[1])
     catalog.ingest(fam.experts[0], name="full0", base="base")
     dnames = ["model.layers.0.mlp.down_proj.weight", "model.layers.1.self_attn.q_proj.weight", "lm_head.weight"]
     deltas = {n: (e1[n].float() - base[n].float()).to(torch.float32) for n in dnames}
     _write_delta(tmp_path / "d", deltas)
     catalog.ingest(tmp_path / "d", name="delta1", base="base", kind="delta")
-    cfg, f = _lora_factors(5)
+    cfg, f = _lora_factors(5, base[dnames[0]].dtype)
     _write_adapter(tmp_path / "lora", cfg, f)
     catalog.ingest(tmp_path / "lora", name="lora2", base="base")
     catalog.ingest(fam.experts[2], name="packed3", base="base")
