@@ -38,19 +38,55 @@ def _snapshot_of_tables(catalog: Catalog) -> dict[str, int]:
 
 
 def test_migrations_have_one_head_and_match_the_schema(catalog: Catalog) -> None:
-    assert catalog.db.head_revision() == "0004"
+    assert catalog.db.head_revision() == "0005"
     with catalog.db.connect() as conn:
         for table in schema.metadata.sorted_tables:
-            cols = {r[0] for r in conn.execute(sa.text(
-                "SELECT column_name FROM information_schema.columns "
-                "WHERE table_name = :t AND table_schema = current_schema()"), {"t": table.name})}
-            assert cols == {c.name for c in table.columns}, (
+            types = dict(conn.execute(sa.text(
+                "SELECT column_name, data_type FROM information_schema.columns "
+                "WHERE table_name = :t AND table_schema = current_schema()"), {"t": table.name}).all())
+            assert set(types) == {c.name for c in table.columns}, (
                 f"table {table.name} differs from mergepipe_db/db/schema.py; write a new Alembic revision "
                 f"(migrations/versions) that brings it in line")
+            for c in table.columns:  # statistics keep all 64 bits on both backends (DuckDB's FLOAT is 4 bytes)
+                if isinstance(c.type, sa.Float):
+                    assert types[c.name].lower() in ("double", "double precision"), (table.name, c.name)
         views = {r[0] for r in conn.execute(sa.text(
             "SELECT table_name FROM information_schema.tables "
             "WHERE table_type = 'VIEW' AND table_schema = current_schema()"))}
     assert {"checkpoints", "files", "tensors", "blocks", "snapshots", "lineage", "reads", "refs"} <= views
+
+
+def _block_l2(catalog: Catalog, *, check_schema: bool = True) -> list[float]:
+    with catalog.db.connect(check_schema=check_schema) as conn:
+        return [r[0] for r in conn.execute(sa.text(
+            "SELECT delta_l2 FROM mp_block WHERE delta_l2 > 0 ORDER BY checkpoint_id, tensor_idx, block_idx"))]
+
+
+def test_block_statistics_keep_float64_and_0005_widens_an_older_duckdb_catalog(catalog: Catalog,
+                                                                                 tiny_family) -> None:
+    """The float64 norms ingest computes are stored whole on both backends (DuckDB's FLOAT would round them to
+    float32, and near-equal norms would then tie there but not on PostgreSQL); a 0004 DuckDB catalog's FLOAT
+    columns become DOUBLE with their values kept."""
+    import numpy as np
+
+    catalog.ingest(tiny_family.base, name="base", block_bytes=BLOCK)
+    catalog.ingest(tiny_family.experts[0], name="e0", base="base")
+    l2 = _block_l2(catalog)
+    assert len(l2) > 10 and any(float(np.float32(v)) != v for v in l2)
+    if not catalog.db.is_duckdb:
+        return
+    columns = {"mp_block": ("delta_l2", "delta_l1", "delta_max", "pos_frac"), "mp_tensor": ("delta_l2",),
+               "mp_snapshot": ("bound",)}
+    with catalog.db.connect(check_schema=False) as conn:  # as schema 0004 left it: 4-byte FLOAT
+        for table, cols in columns.items():
+            for col in cols:
+                conn.execute(sa.text(f'ALTER TABLE {table} ALTER COLUMN "{col}" TYPE FLOAT'))
+        conn.execute(sa.text("UPDATE alembic_version SET version_num = '0004'"))
+    rounded = _block_l2(catalog, check_schema=False)
+    assert rounded == [float(np.float32(v)) for v in l2]
+    assert catalog.db.upgrade() == ("0004", "0005")
+    assert _block_l2(catalog) == rounded
+    test_migrations_have_one_head_and_match_the_schema(catalog)
 
 
 def test_out_of_date_catalog_is_refused_with_the_fixing_command(catalog: Catalog) -> None:

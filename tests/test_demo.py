@@ -20,7 +20,7 @@ def test_demo_runs_and_upgrades_its_own_older_catalog(tmp_path, monkeypatch, cap
     capsys.readouterr()
     assert run_demo(tmp_path, **args) == 0
     out = capsys.readouterr().out
-    assert f"upgraded the demo catalog {url} from schema 0003 to 0004" in out
+    assert f"upgraded the demo catalog {url} from schema 0003 to 0005" in out
     assert (tmp_path / "merged-ties-2" / "manifest.json").is_file()
     with Catalog.open(url).db.connect() as conn:
         assert conn.execute(sa.text("SELECT COUNT(*) FROM mp_tensor_sketch")).scalar_one() > 0

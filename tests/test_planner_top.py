@@ -210,7 +210,7 @@ def test_migration_writes_the_summaries_of_an_older_catalog(catalog, tiny_family
         for table in ("mp_rank_tensor", "mp_rank_bucket", "mp_tensor_sketch"):
             conn.execute(sa.text(f"DROP TABLE {table}"))
         conn.execute(sa.text("UPDATE alembic_version SET version_num = '0002'"))
-    assert catalog.db.upgrade() == ("0002", "0004")
+    assert catalog.db.upgrade() == ("0002", "0005")
     assert (_summaries(catalog), _tensor_sketches(catalog)) == before
 
 
@@ -220,7 +220,7 @@ def test_migration_0004_writes_the_tensor_sketches_of_a_0003_catalog(catalog, ti
     with catalog.db.connect(check_schema=False) as conn:
         conn.execute(sa.text("DROP TABLE mp_tensor_sketch"))
         conn.execute(sa.text("UPDATE alembic_version SET version_num = '0003'"))
-    assert catalog.db.upgrade() == ("0003", "0004")
+    assert catalog.db.upgrade() == ("0003", "0005")
     assert _tensor_sketches(catalog) == before == _independent_tensor_sketches(catalog)
 
 

@@ -57,7 +57,7 @@ tensor = sa.Table(
     sa.Column("rows_per_block", sa.BigInteger, nullable=False),
     sa.Column("n_blocks", sa.Integer, nullable=False),
     sa.Column("xxh3", sa.String(32), nullable=False),  # xxh3_128 of the stored bytes
-    sa.Column("delta_l2", sa.Float, nullable=True),
+    sa.Column("delta_l2", sa.Double, nullable=True),
     sa.Column("equal_to_base", sa.Boolean, nullable=True),
     sa.UniqueConstraint("checkpoint_id", "name", name="uq_mp_tensor_name"),
 )
@@ -73,10 +73,10 @@ block = sa.Table(
     sa.Column("offset", sa.BigInteger, nullable=False),
     sa.Column("nbytes", sa.BigInteger, nullable=False),
     sa.Column("xxh3", sa.String(32), nullable=False),
-    sa.Column("delta_l2", sa.Float, nullable=True),
-    sa.Column("delta_l1", sa.Float, nullable=True),
-    sa.Column("delta_max", sa.Float, nullable=True),
-    sa.Column("pos_frac", sa.Float, nullable=True),
+    sa.Column("delta_l2", sa.Double, nullable=True),
+    sa.Column("delta_l1", sa.Double, nullable=True),
+    sa.Column("delta_max", sa.Double, nullable=True),
+    sa.Column("pos_frac", sa.Double, nullable=True),
     sa.Column("sketch", sa.LargeBinary, nullable=True),
 )
 
@@ -137,7 +137,7 @@ snapshot = sa.Table(
     sa.Column("full_bytes", sa.BigInteger, nullable=False),
     sa.Column("base_bytes", sa.BigInteger, nullable=False),
     sa.Column("output_bytes", sa.BigInteger, nullable=False),
-    sa.Column("bound", sa.Float, nullable=True),
+    sa.Column("bound", sa.Double, nullable=True),
     sa.Column("seed", sa.BigInteger, nullable=False),
     sa.Column("created_at", sa.Text, nullable=False),
 )
