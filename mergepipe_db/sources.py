@@ -659,7 +659,7 @@ def export_delta(db: Any, name: str, out: str | Path, *, dtype: str = "float32")
                 else:
                     th0 = _tensor_from(reader.read(t.path, t.offset, t.nbytes), t.dtype, list(t.shape))
                     d = x - th0.to(torch.float32)
-            w.write(t.name, memoryview(d.to(torch_dtype(st_dtype)).contiguous().view(torch.uint8).reshape(-1).numpy()))
+            w.write(t.name, memoryview(d.to(torch_dtype(st_dtype)).contiguous().reshape(-1).view(torch.uint8).numpy()))
         w.close(fsync=True)
     if binfo.config is not None:
         (tmp / "config.json").write_text(json.dumps(binfo.config, indent=2), encoding="utf-8")

@@ -133,6 +133,24 @@ def test_export_delta_round_trip_is_exact(catalog, fam, tmp_path, capsys) -> Non
         catalog.export_delta("e0", tmp_path / "dx")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_export_delta_of_scalar_and_empty_tensors(catalog, tmp_path, dtype) -> None:
+    """0-d and empty tensors are exported like the others: Δ = θ − θ₀ in float32, exactly."""
+    from mergepipe_db.testing import write_model_dir
+
+    base = {"s": torch.tensor(1.0), "v": torch.arange(6.0), "z": torch.zeros(3, 0)}
+    expert = {"s": torch.tensor(1.75), "v": torch.arange(6.0) * 3, "z": torch.zeros(3, 0)}
+    for name, tensors in (("base", base), ("e0", expert)):
+        write_model_dir(tmp_path / name, [(k, v.to(dtype)) for k, v in tensors.items()], config={}, shard_bytes=None)
+    catalog.ingest(tmp_path / "base", name="base", block_bytes=BLOCK)
+    catalog.ingest(tmp_path / "e0", name="e0", base="base")
+    catalog.export_delta("e0", tmp_path / "d")
+    got = load_model(tmp_path / "d")
+    assert {k: tuple(v.shape) for k, v in got.items()} == {"s": (), "v": (6,), "z": (3, 0)}
+    for k in base:
+        assert torch.equal(got[k], expert[k].to(dtype).float() - base[k].to(dtype).float()), k
+
+
 def test_delta_bad_coordinates_are_refused(catalog, fam, tmp_path) -> None:
     _write_delta(tmp_path / "d", {"model.norm.weight": torch.zeros(63)})
     before = _counts(catalog)
