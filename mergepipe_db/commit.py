@@ -346,6 +346,7 @@ def _insert_output_checkpoint(conn: sa.Connection, plan: Plan, result: Execution
     for b in result.block_rows:
         blocks_by_tensor.setdefault(b["tensor_idx"], []).append(b)
     has_stats = True
+    base_xxh3 = {t.name: (t.dtype, t.xxh3) for t in plan.base_tensors}
     for t, h, off in zip(result.out_tensors, result.tensor_xxh3, result.tensor_offsets):
         bl = blocks_by_tensor.get(t.idx, [])
         with_stats = bool(bl) and all(b["delta_l2"] is not None for b in bl)
@@ -356,7 +357,8 @@ def _insert_output_checkpoint(conn: sa.Connection, plan: Plan, result: Execution
             "nbytes": t.nbytes, "n_rows": t.shape[0] if t.shape else 1,
             "rows_per_block": bl[0]["rows_per_block"] if bl else 1, "n_blocks": len(bl), "xxh3": h,
             "delta_l2": math.sqrt(math.fsum(b["delta_l2"] ** 2 for b in bl)) if with_stats else None,
-            "equal_to_base": all(b["delta_max"] == 0.0 for b in bl) if with_stats else None,
+            # the base's bytes, as ingest decides it (a tensor that differs in the sign of a zero is not)
+            "equal_to_base": base_xxh3.get(t.name) == (t.dtype, h) if with_stats else None,
         })
         for b in bl:
             blocks.append({

@@ -3,7 +3,9 @@
 --
 -- candidates: every (expert, block) — or (expert, whole tensor) for experts planned at tensor level — of the
 -- tensors in mp_plan_tensor, scored |c_k| * ||delta||_2, with tensor_idx the base's. Blocks whose delta is
--- exactly zero (delta_l2 = 0, e.g. bytes equal to the base's) are never candidates; a block with
+-- exactly zero (delta_l2 = 0, e.g. bytes equal to the base's) are never candidates; a whole tensor is one
+-- still if its bytes differ from the base's (equal_to_base false: only in the sign of some zeros), since
+-- slerp, the operator planned at tensor level, reads θ_k itself and gives +0.0 and -0.0 apart; a block with
 -- delta_max < prune_below (TIES: every element is below the trim threshold) is `pruned`, and not ranked either.
 -- A block held in the packed store (mp_packed_block) costs its compressed length: only the experts marked
 -- `packed` are joined with the store (a join per block row costs PostgreSQL ~0.1 s per 10^6 candidates, even
@@ -35,5 +37,5 @@ candidates AS (
     JOIN mp_plan_tensor pt ON pt.position = e.position
     JOIN mp_tensor t ON t.checkpoint_id = e.checkpoint_id AND t.tensor_idx = pt.tensor_idx
     WHERE e.tensor_level
-      AND (t.delta_l2 IS NULL OR t.delta_l2 <> 0)
+      AND (t.delta_l2 IS NULL OR t.delta_l2 <> 0 OR NOT t.equal_to_base)
 )

@@ -201,10 +201,45 @@ def test_snapshot_block_rows_equal_an_ingest_of_its_output(catalog, tiny_family,
         rows = {cid: conn.execute(sa.select(*(b.c[c] for c in cols)).where(b.c.checkpoint_id == cid)
                                   .order_by(b.c.tensor_idx, b.c.block_idx)).all()
                 for cid in (snap, again.checkpoint_id)}
-        hashes = {cid: conn.execute(sa.select(t.c.name, t.c.xxh3).where(t.c.checkpoint_id == cid)
-                                    .order_by(t.c.tensor_idx)).all() for cid in (snap, again.checkpoint_id)}
+        tensors = {cid: conn.execute(sa.select(t.c.name, t.c.xxh3, t.c.delta_l2, t.c.equal_to_base)
+                                     .where(t.c.checkpoint_id == cid).order_by(t.c.tensor_idx)).all()
+                   for cid in (snap, again.checkpoint_id)}
     assert len(rows[snap]) > 0 and rows[snap] == rows[again.checkpoint_id]
-    assert hashes[snap] == hashes[again.checkpoint_id]
+    assert tensors[snap] == tensors[again.checkpoint_id]
+    assert {r.equal_to_base for r in tensors[snap]} == {True, False}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slerp_keeps_the_sign_of_zeros_an_expert_changed(catalog, tmp_path, dtype) -> None:
+    """An expert tensor that differs from the base only where a -0.0 became +0.0 has Δ = 0 throughout, but
+    slerp reads θ_k itself (θ₀·(1−t) + θ_k·t: -0.0 + +0.0 = +0.0): it is read at full budget, and the output is
+    the naive full read's, zeros' signs included."""
+    from mergepipe_db.testing import write_model_dir
+
+    base = {"a": torch.tensor([-0.0, 1.0, -0.0, 2.0]), "b": torch.tensor([1.0, 2.0, 3.0, 4.0])}
+    expert = {"a": torch.tensor([0.0, 1.0, -0.0, 2.0]), "b": torch.tensor([1.5, 2.0, 3.0, 4.5])}
+    for name, tensors in (("base", base), ("e0", expert)):
+        write_model_dir(tmp_path / name, [(k, v.to(dtype)) for k, v in tensors.items()], config={}, shard_bytes=None)
+    catalog.ingest(tmp_path / "base", name="base", block_bytes=BLOCK)
+    catalog.ingest(tmp_path / "e0", name="e0", base="base")
+    spec = {"merge_method": "slerp", "base_model": "base", "models": [{"model": "e0"}], "parameters": {"t": 0.4}}
+    catalog.merge(spec, out=tmp_path / "out", budget="1.0")
+    got = load_output(tmp_path / "out")
+    assert_bytes_equal(got, reference_merge("slerp", tmp_path / "base", [tmp_path / "e0"], [{}], t=0.4))
+    assert torch.signbit(got["a"]).tolist() == [False, False, True, False]
+    # task arithmetic turns θ₀'s -0.0 into +0.0 (θ₀ + 0·λ): "a" is not the base's bytes, in the snapshot's rows
+    # as in an ingest of its output
+    spec = {"merge_method": "task_arithmetic", "base_model": "base", "models": [{"model": "e0",
+                                                                                  "parameters": {"weight": 1.0}}]}
+    res = catalog.merge(spec, out=tmp_path / "ta", budget="1.0")
+    again = catalog.ingest(tmp_path / "ta", name="again", base="base")
+    t = schema.tensor
+    with catalog.db.connect() as conn:
+        snap = conn.execute(sa.select(schema.checkpoint.c.id).where(schema.checkpoint.c.name == res.checkpoint)
+                            ).scalar_one()
+        equal = [dict(conn.execute(sa.select(t.c.name, t.c.equal_to_base).where(t.c.checkpoint_id == cid)).all())
+                 for cid in (snap, again.checkpoint_id)]
+    assert equal[0] == equal[1] == {"a": False, "b": False}
 
 
 def test_plan_is_budget_sound_monotone_and_deterministic(catalog, tiny_family) -> None:
