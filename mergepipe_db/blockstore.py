@@ -7,8 +7,11 @@ Store files (``<store>/blocks.mpstore``) are only ever appended to, under a file
 the catalog transaction that references them; a crash in between leaves unreferenced tail bytes, nothing
 else. The planner's cost of a packed block is its compressed length and the executor reads exactly that
 many bytes from the store (`PackedIndex.read`), then XORs with the base block it already holds.
-Only blocks that can be candidates (Δ ≠ 0) are packed; whole-tensor reads (slerp, tensors without
-statistics) still read the expert's own file.
+Only blocks that can be candidates (Δ ≠ 0) are packed, and only where the payload is smaller than the block
+(a dense float32 change can leave the low mantissa bytes incompressible): a packed block never costs more to
+read than the raw one, so a budget of 1.0 (the raw full read) still reads every candidate. Payloads a pack of an
+earlier version stored that are not smaller are ignored (`load_index`). Whole-tensor reads (slerp, tensors
+without statistics) still read the expert's own file.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class PackResult:
     raw_bytes: int  # uncompressed bytes of the packed blocks
     stored_bytes: int  # compressed bytes appended to the store by this call
     packed_bytes: int  # compressed bytes the packed blocks cost to read (dedup included)
+    blocks_left_raw: int = 0  # candidates whose payload would not be smaller: read from the expert's file
 
     @property
     def ratio(self) -> float:
@@ -132,11 +136,16 @@ def packed_checkpoints(conn: sa.Connection, checkpoint_ids: list[str]) -> set[st
 
 
 def load_index(conn: sa.Connection, checkpoint_id: str) -> PackedIndex:
-    pk, bl = schema.packed_block, schema.blob
+    """The packed blocks of an expert read from the store: those whose payload is smaller than the block, the
+    condition sql/plan_candidates.sql costs them by (the others cost, and are read as, the raw block)."""
+    pk, bl, b = schema.packed_block, schema.blob, schema.block
     rows = conn.execute(
         sa.select(pk.c.tensor_idx, pk.c.block_idx, bl.c.store_path, bl.c.offset, bl.c.clen, bl.c.raw_len,
                   pk.c.base_xxh3)
-        .join(bl, bl.c.hash == pk.c.blob_hash).where(pk.c.checkpoint_id == checkpoint_id)
+        .join(bl, bl.c.hash == pk.c.blob_hash)
+        .join(b, (b.c.checkpoint_id == pk.c.checkpoint_id) & (b.c.tensor_idx == pk.c.tensor_idx)
+              & (b.c.block_idx == pk.c.block_idx))
+        .where(pk.c.checkpoint_id == checkpoint_id, pk.c.clen < b.c.nbytes)
     ).all()
     return PackedIndex({(int(r[0]), int(r[1])): PackedBlock(str(r[2]), int(r[3]), int(r[4]), int(r[5]), str(r[6]))
                         for r in rows})
@@ -189,7 +198,7 @@ def pack(db: Any, name: str, *, store: str | Path | None = None) -> PackResult:
     cctx = zstandard.ZstdCompressor(level=LEVEL, write_checksum=True)
     new_blobs: list[dict[str, Any]] = []
     new_packed: list[dict[str, Any]] = []
-    raw_total = stored = packed_cost = dedup = 0
+    raw_total = stored = packed_cost = dedup = left_raw = 0
     with FileLock(str(store_path) + ".lock"), RangeReader(random=False) as reader:
         fd = os.open(store_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0), 0o644)
         try:
@@ -210,9 +219,15 @@ def pack(db: Any, name: str, *, store: str | Path | None = None) -> PackResult:
                 ph = xxh3_hex(x)
                 if ph in known:
                     clen = known[ph]
+                    if clen >= len(x):  # stored by an earlier version: not read (`load_index`)
+                        left_raw += 1
+                        continue
                     dedup += 1
                 else:
                     payload = cctx.compress(x)
+                    if len(payload) >= len(x):  # no smaller than the block: left to be read from the file
+                        left_raw += 1
+                        continue
                     _write_all(fd, payload)
                     clen = len(payload)
                     new_blobs.append({"hash": ph, "store_path": str(store_path), "offset": pos, "clen": clen,
@@ -234,4 +249,4 @@ def pack(db: Any, name: str, *, store: str | Path | None = None) -> PackResult:
         with db.connect() as conn:
             bulk_insert(conn, schema.blob, new_blobs)
             bulk_insert(conn, schema.packed_block, new_packed)
-    return PackResult(name, str(store_path), len(new_packed), dedup, raw_total, stored, packed_cost)
+    return PackResult(name, str(store_path), len(new_packed), dedup, raw_total, stored, packed_cost, left_raw)

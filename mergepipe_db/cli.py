@@ -295,6 +295,8 @@ def cmd_pack(args: argparse.Namespace) -> int:
     else:
         print(f"packed {res.blocks_packed} blocks of {res.expert} ({res.blocks_deduplicated} deduplicated): "
               f"{_fmt_bytes(res.raw_bytes)} -> {_fmt_bytes(res.packed_bytes)} (x{res.ratio:.2f}) in {res.store}")
+        if res.blocks_left_raw:
+            print(f"left {res.blocks_left_raw} blocks unpacked: compressed, they would not be smaller")
     return 0
 
 

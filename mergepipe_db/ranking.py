@@ -211,8 +211,8 @@ def _ascending(block: np.ndarray, position: np.ndarray, tensor: np.ndarray) -> b
 
 def take_all(conn: sa.Connection, budget: int) -> Selection | None:
     """Every candidate selected (sql/plan_take_all.sql), as sql/plan_rank.sql selects them for a budget that holds
-    all of them, without ranking; None when their read cost exceeds `budget` (packed blocks costing more than
-    their raw bytes, LoRA factors): then the planner ranks every candidate."""
+    all of them, without ranking; None when their read cost exceeds `budget` (LoRA factors, which cost more than
+    the rows they make): then the planner ranks every candidate."""
     cols = fetch_columns(conn, conn.execute(sa.text(sql_text("plan_take_all"))))
     reads, _rows = _sorted_reads(cols)
     if int(reads["nbytes"].sum()) > budget:

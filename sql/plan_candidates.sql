@@ -7,7 +7,8 @@
 -- still if its bytes differ from the base's (equal_to_base false: only in the sign of some zeros), since
 -- slerp, the operator planned at tensor level, reads θ_k itself and gives +0.0 and -0.0 apart; a block with
 -- delta_max < prune_below (TIES: every element is below the trim threshold) is `pruned`, and not ranked either.
--- A block held in the packed store (mp_packed_block) costs its compressed length: only the experts marked
+-- A block held in the packed store (mp_packed_block) costs its compressed length where that is smaller than the
+-- block (the others are read from the expert's file, `blockstore.load_index`): only the experts marked
 -- `packed` are joined with the store (a join per block row costs PostgreSQL ~0.1 s per 10^6 candidates, even
 -- with an empty store). A LoRA adapter's shared factor is block_idx -2 with the max delta_l2 of its tensor's
 -- blocks, so it ranks just before them.
@@ -27,7 +28,7 @@ candidates AS (
     JOIN mp_plan_tensor pt ON pt.position = e.position
     JOIN mp_block b ON b.checkpoint_id = e.checkpoint_id AND b.tensor_idx = pt.tensor_idx
     LEFT JOIN mp_packed_block pk ON pk.checkpoint_id = b.checkpoint_id AND pk.tensor_idx = b.tensor_idx
-                                AND pk.block_idx = b.block_idx
+                                AND pk.block_idx = b.block_idx AND pk.clen < b.nbytes
     WHERE NOT e.tensor_level AND e.packed
       AND (b.delta_l2 IS NULL OR b.delta_l2 <> 0)
     UNION ALL

@@ -289,6 +289,46 @@ def test_pack_costs_compressed_bytes_and_merges_identically(catalog, fam, tmp_pa
     assert small.realized_bytes == small.planned_bytes <= after.planned_bytes // 3
 
 
+def test_pack_leaves_incompressible_blocks_and_full_budget_reads_everything(catalog, tmp_path) -> None:
+    """A dense float32 change leaves the low mantissa bytes random: zstd(expert XOR base) of such a block is no
+    smaller than the block. pack leaves those blocks to be read from the expert's file, so budget 1.0 (the raw
+    full read) still reads every candidate and equals the naive full read; a payload an earlier version stored
+    although it is not smaller is ignored the same way."""
+    from mergepipe_db.testing import write_model_dir
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(64, 16, generator=g) * 0.02
+    dense = base + torch.randn(64, 16, generator=g) * 0.02  # every element changed
+    sparse = base.clone()
+    sparse[::8, 3] += 0.5  # one element in a few rows: those blocks compress
+    for name, w in (("base", base), ("e0", dense), ("e1", sparse)):
+        write_model_dir(tmp_path / name, [("w", w)], config={}, shard_bytes=None)
+    catalog.ingest(tmp_path / "base", name="base", block_bytes=64)
+    spec = {"merge_method": "task_arithmetic", "base_model": "base", "models": []}
+    for name, weight in (("e0", 1.0), ("e1", 0.5)):
+        catalog.ingest(tmp_path / name, name=name, base="base")
+        spec["models"].append({"model": name, "parameters": {"weight": weight}})
+    full = catalog.plan(spec, budget="1.0")
+    res = catalog.pack("e0", store=tmp_path / "store")
+    assert (res.blocks_left_raw, res.blocks_packed) == (64, 0)  # every block of the dense change
+    res1 = catalog.pack("e1", store=tmp_path / "store")
+    assert res1.blocks_packed > 0 and res1.packed_bytes < res1.raw_bytes
+    expected = reference_merge("task_arithmetic", tmp_path / "base", [tmp_path / "e0", tmp_path / "e1"],
+                               [{"weight": 1.0}, {"weight": 0.5}])
+    plans = [catalog.plan(spec, budget="1.0")]
+    with catalog.db.connect() as conn:  # as an earlier version could store them: e1's payloads not smaller
+        conn.execute(sa.update(schema.packed_block).values(clen=8192))
+    plans.append(catalog.plan(spec, budget="1.0"))
+    assert plans[0].planned_bytes < full.planned_bytes == plans[1].planned_bytes
+    for i, budget in enumerate(("1.0", str(full.full_bytes))):
+        plan = catalog.plan(spec, budget=budget)
+        assert plan.planned_bytes <= plan.budget_bytes == full.full_bytes
+        assert plan.selected_blocks(0, 0) == full.selected_blocks(0, 0)
+        out = catalog.merge(spec, out=tmp_path / f"out{i}", budget=budget, verify_reads=True)
+        assert out.realized_bytes == out.planned_bytes
+        assert_bytes_equal(load_output(tmp_path / f"out{i}"), expected)
+
+
 def test_pack_refuses_non_full_experts(catalog, fam, tmp_path) -> None:
     _write_delta(tmp_path / "d", {"model.norm.weight": torch.ones(64)})
     catalog.ingest(tmp_path / "d", name="d", base="base", kind="delta")
