@@ -91,12 +91,20 @@ class BaseTensor:
 
 
 def validate_checkpoint_name(name: str) -> None:
-    from mergepipe_db.formats.safetensors import validate_tensor_name
+    """A name users give a checkpoint (ingest) or a merge's ref: a usable key (`validate_tensor_name`'s rules),
+    without '@', which only snapshot names hold (``<ref>@<version>``: a name ``a@1`` would be taken for ref
+    ``a``'s first snapshot), and without whitespace at either end. BadCheckpointError otherwise."""
+    from mergepipe_db.formats.safetensors import show_name, validate_tensor_name
 
     try:
-        validate_tensor_name(name)
+        validate_tensor_name(name, "checkpoint name")
     except BadCheckpointError as e:
-        raise BadCheckpointError(f"invalid checkpoint name {name!r}: {e}") from e
+        raise BadCheckpointError(str(e)) from None
+    if "@" in name:
+        raise BadCheckpointError(f"checkpoint name {show_name(name)} holds '@', which only snapshot names "
+                                 f"(<ref>@<version>) hold; choose another name")
+    if name != name.strip():
+        raise BadCheckpointError(f"checkpoint name {show_name(name)} starts or ends with whitespace")
 
 
 def now_iso() -> str:

@@ -150,7 +150,7 @@ def load_spec(source: str | Path | dict[str, Any]) -> MergeSpec:
     if "slices" in raw:
         raise SpecError(f"spec {label}: `slices` are not supported; list models under `models`")
     if unknown:
-        raise SpecError(f"spec {label}: unknown key(s) {', '.join(sorted(map(str, unknown)))}")
+        raise SpecError(f"spec {label}: unknown key(s) {', '.join(sorted(map(repr, unknown)))}")
     method = raw.get("merge_method")
     if method not in METHODS:
         raise SpecError(f"spec {label}: unknown merge_method {method!r}; known: {', '.join(METHODS)}")
@@ -162,7 +162,7 @@ def load_spec(source: str | Path | dict[str, Any]) -> MergeSpec:
         raise SpecError(f"spec {label}: parameters must be a mapping")
     bad = set(gparams) - _GLOBAL_PARAMS
     if bad:
-        raise SpecError(f"spec {label}: unknown parameter(s) {', '.join(sorted(map(str, bad)))}")
+        raise SpecError(f"spec {label}: unknown parameter(s) {', '.join(sorted(map(repr, bad)))}")
     normalize = gparams.get("normalize")
     if normalize is not None and not isinstance(normalize, bool):
         raise SpecError(f"spec {label}: normalize must be true or false")
@@ -181,7 +181,7 @@ def load_spec(source: str | Path | dict[str, Any]) -> MergeSpec:
             raise SpecError(f"spec {label}: models[{i}].parameters must be a mapping")
         bad = set(p) - _MODEL_PARAMS
         if bad:
-            raise SpecError(f"spec {label}: models[{i}] unknown parameter(s) {', '.join(sorted(map(str, bad)))}")
+            raise SpecError(f"spec {label}: models[{i}] unknown parameter(s) {', '.join(sorted(map(repr, bad)))}")
         if m["model"] == base:
             continue  # MergeKit lists the base among the models; it is not an expert
         needs_weight = method not in ("slerp",)

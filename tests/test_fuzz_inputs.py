@@ -199,7 +199,9 @@ def test_known_crashers_are_refused(index_root: Path, spec_path: Path) -> None:
     assert load_spec(_write(spec_path, ok)).method == "linear"
     for text in (ok + "budget: 1e300TiB", ok + "seed: 2020-13-45", ok + "seed: !!float x", ok + "seed: !!int 0x",
                  ok + "seed: 99999999999999999999999", ok.replace("weight: 1", "weight: 1" + "0" * 400),
-                 ok + "budget: 2001-12-14t21:59:43.10+99:99", "a: " + "[" * 5000, "- " * 3000 + "x"):
+                 ok + "budget: 2001-12-14t21:59:43.10+99:99", "a: " + "[" * 5000, "- " * 3000 + "x",
+                 ok + '"bogus\\r": 1', ok + 'parameters: {"x\\ny": 1}',
+                 ok.replace("weight: 1", 'weight: 1, "\\r": 0')):  # unknown keys holding line breaks
         with pytest.raises(SpecError) as ei:
             load_spec(_write(spec_path, text))
         _refused(ei.value)

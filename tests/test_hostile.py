@@ -125,9 +125,16 @@ def test_bad_names_cli_and_the_1024_byte_limit(catalog, catalog_url, tmp_path) -
     assert r.returncode == 1 and one_line_error(r.stderr, "BadTensorNameError"), r.stderr
     ok = catalog.ingest(_raw_safetensors(tmp_path / "edge.safetensors", ["x" * 1024, "é" * 512]), name="edge")
     assert ok.n_tensors == 2
-    for name in ("", "a\x00b", "line\nbreak", "y" * 1025):
-        with pytest.raises(BadCheckpointError):
+    for name in ("", "a\x00b", "line\nbreak", "y" * 1025, "a@1", " lead", "trail ", " "):
+        with pytest.raises(BadCheckpointError, match="^checkpoint name") as ei:
             catalog.ingest(tmp_path / "edge.safetensors", name=name)
+        assert "\n" not in str(ei.value)
+    # '@' belongs to snapshot names (<ref>@<version>): a ref holding one is refused before anything is written
+    spec = {"merge_method": "task_arithmetic", "base_model": "edge", "models": [{"model": "edge",
+                                                                                 "parameters": {"weight": 1.0}}]}
+    with pytest.raises(BadCheckpointError, match="'@'"):
+        catalog.merge(spec, out=tmp_path / "out", ref="edge@2")
+    assert not (tmp_path / "out").exists()
 
 
 def _index_dir(root: Path, weight_map: dict[str, str]) -> Path:

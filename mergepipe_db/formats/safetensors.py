@@ -136,29 +136,29 @@ class SafetensorsHeader:
 # --- validation --------------------------------------------------------------------------------
 
 
-def validate_tensor_name(name: str) -> None:
-    """Raise `BadTensorNameError` unless `name` is a usable opaque tensor key.
+def validate_tensor_name(name: str, what: str = "tensor name") -> None:
+    """Raise `BadTensorNameError` unless `name` is a usable opaque tensor key (`what` names it in the message).
 
     Refused: non-strings, the empty string, more than 1,024 UTF-8 bytes, text that is not encodable as
     UTF-8 (lone surrogates), and any control character (Unicode category Cc, which includes NUL).
     Everything else (quotes, ';', '/', '..', spaces, non-ASCII) is accepted and kept exactly.
     """
     if not isinstance(name, str):
-        raise BadTensorNameError(f"tensor name {name!r} is not a string")
+        raise BadTensorNameError(f"{what} {name!r} is not a string")
     if not name:
-        raise BadTensorNameError("tensor name is empty")
+        raise BadTensorNameError(f"{what} is empty")
     try:
         size = len(name.encode("utf-8"))
     except UnicodeEncodeError:
-        raise BadTensorNameError(f"tensor name {show_name(name)} is not valid Unicode") from None
+        raise BadTensorNameError(f"{what} {show_name(name)} is not valid Unicode") from None
     if size > MAX_NAME_BYTES:
         raise BadTensorNameError(
-            f"tensor name {show_name(name[:40])} is {size} UTF-8 bytes, over the {MAX_NAME_BYTES}-byte limit"
+            f"{what} {show_name(name[:40])} is {size} UTF-8 bytes, over the {MAX_NAME_BYTES}-byte limit"
         )
     bad = _CONTROL.search(name)
     if bad is not None:
         raise BadTensorNameError(
-            f"tensor name {show_name(name)} holds control character U+{ord(bad.group()):04X}"
+            f"{what} {show_name(name)} holds control character U+{ord(bad.group()):04X}"
         )
 
 
