@@ -643,27 +643,33 @@ def export_delta(db: Any, name: str, out: str | Path, *, dtype: str = "float32")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     entries = [(t.name, st_dtype, t.shape) for t in todo]
-    with RangeReader(random=False) as reader, SafetensorsWriter(tmp / "model.safetensors", entries,
-                                                                {"format": "pt"}) as w:
-        for t in todo:
-            et = mine[t.name]
-            if t.name in lora:
-                e = lora[t.name]
-                a = _tensor_from(reader.read(et.path, e["a"][0], e["a"][1]), e["dtype"], e["a"][2])
-                b = _tensor_from(reader.read(et.path, e["b"][0], e["b"][1]), e["dtype"], e["b"][2])
-                d = delta_rows(a, b, e["scale"], e["transposed"])
-            else:
-                x = _tensor_from(reader.read(et.path, et.offset, et.nbytes), et.dtype, list(et.shape)).to(torch.float32)
-                if info.kind == "delta":
-                    d = x
+    try:
+        with RangeReader(random=False) as reader, SafetensorsWriter(tmp / "model.safetensors", entries,
+                                                                    {"format": "pt"}) as w:
+            for t in todo:
+                et = mine[t.name]
+                if t.name in lora:
+                    e = lora[t.name]
+                    a = _tensor_from(reader.read(et.path, e["a"][0], e["a"][1]), e["dtype"], e["a"][2])
+                    b = _tensor_from(reader.read(et.path, e["b"][0], e["b"][1]), e["dtype"], e["b"][2])
+                    d = delta_rows(a, b, e["scale"], e["transposed"])
                 else:
-                    th0 = _tensor_from(reader.read(t.path, t.offset, t.nbytes), t.dtype, list(t.shape))
-                    d = x - th0.to(torch.float32)
-            w.write(t.name, memoryview(d.to(torch_dtype(st_dtype)).contiguous().reshape(-1).view(torch.uint8).numpy()))
-        w.close(fsync=True)
-    if binfo.config is not None:
-        (tmp / "config.json").write_text(json.dumps(binfo.config, indent=2), encoding="utf-8")
-    fsync_dir(tmp)
+                    x = _tensor_from(reader.read(et.path, et.offset, et.nbytes), et.dtype, list(et.shape))
+                    x = x.to(torch.float32)
+                    if info.kind == "delta":
+                        d = x
+                    else:
+                        th0 = _tensor_from(reader.read(t.path, t.offset, t.nbytes), t.dtype, list(t.shape))
+                        d = x - th0.to(torch.float32)
+                stored = d.to(torch_dtype(st_dtype)).contiguous().reshape(-1)  # flat: a 0-d tensor too
+                w.write(t.name, memoryview(stored.view(torch.uint8).numpy()))
+            w.close(fsync=True)
+        if binfo.config is not None:
+            (tmp / "config.json").write_text(json.dumps(binfo.config, indent=2), encoding="utf-8")
+        fsync_dir(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written is left beside `out`
+        raise
     if out.exists():
         out.rmdir()
     os.replace(tmp, out)

@@ -151,6 +151,29 @@ def test_export_delta_of_scalar_and_empty_tensors(catalog, tmp_path, dtype) -> N
         assert torch.equal(got[k], expert[k].to(dtype).float() - base[k].to(dtype).float()), k
 
 
+def test_export_delta_that_fails_leaves_nothing(catalog, fam, tmp_path, monkeypatch) -> None:
+    """A failure while writing (here: a read error on the third tensor) leaves neither the output nor its
+    partial directory behind; the same call then succeeds."""
+    from mergepipe_db import sources
+
+    catalog.ingest(fam.experts[0], name="e0", base="base")
+    real, calls = sources._tensor_from, []
+
+    def failing(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls.append(1)
+        if len(calls) == 5:
+            raise OSError("read error")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sources, "_tensor_from", failing)
+    with pytest.raises(OSError, match="read error"):
+        catalog.export_delta("e0", tmp_path / "d")
+    assert not (tmp_path / "d").exists() and not (tmp_path / "d.partial").exists()
+    monkeypatch.setattr(sources, "_tensor_from", real)
+    catalog.export_delta("e0", tmp_path / "d")
+    assert (tmp_path / "d" / "model.safetensors").is_file() and not (tmp_path / "d.partial").exists()
+
+
 def test_delta_bad_coordinates_are_refused(catalog, fam, tmp_path) -> None:
     _write_delta(tmp_path / "d", {"model.norm.weight": torch.zeros(63)})
     before = _counts(catalog)
