@@ -260,7 +260,7 @@ class _FileStream:
         self.layout = layout
         self.sha: list[str] = [""] * len(layout.files)
         self._cuts = cuts  # per file, the sizes of the reads to come: the header, then each block in order
-        self._pool = RecyclingPool(piece + 2 * ALIGN, keep=_PIECES_KEPT)
+        self._pool = RecyclingPool.for_reads(piece, keep=_PIECES_KEPT)
         self._hashing = hashing
         self._drop_unknown = drop_unknown
         self._opened = 0  # files opened so far; the current one is the last of them while _file is open
@@ -346,7 +346,7 @@ def _reader(layouts, plans, base, out: queue.Queue, shas: list[list[str]], stop:
     piece = max(_MIN_PIECE, _MEMBER_READS // len(layouts) // ALIGN * ALIGN)
     streams = [_FileStream(layout, hashing, _file_reads(layout, plan), piece=piece, drop_unknown=drop_unknown)
                for layout, plan in zip(layouts, plans)]
-    base_reader = ReadAhead(RecyclingPool(_BASE_PIECE + 2 * ALIGN, keep=_PIECES_KEPT))
+    base_reader = ReadAhead(RecyclingPool.for_reads(_BASE_PIECE, keep=_PIECES_KEPT))
     base_drops: dict[str, DropBehind] = {}  # per base file (read in the members' order)
     waiting: collections.deque[tuple[Any, ...]] = collections.deque()  # blocks whose base read is ahead
     waiting_bytes = 0

@@ -350,6 +350,11 @@ class RecyclingPool:
         self._keep = keep
         self._bufs: list[np.ndarray] = []
 
+    @classmethod
+    def for_reads(cls, room: int, keep: int) -> RecyclingPool:
+        """A pool whose buffers take one read of up to `room` bytes at any file offset (see `room`)."""
+        return cls(room + 2 * ALIGN, keep)
+
     @property
     def room(self) -> int:
         """The most bytes one read may span in a buffer, whatever its offset in the file: O_DIRECT reads whole
