@@ -1186,6 +1186,11 @@ class _TiesFold(_DeltaFold):
         # the fused pass counts the nonzero |Δ| of the tile it has just read: no pass of its own
         return self._fits_stash(src)
 
+    def _set_expert(self, w: float) -> None:
+        # the kept inputs are earlier experts: they are folded first, as folding them sets their own w
+        self._flush_stash()
+        super()._set_expert(w)
+
     def _flush_stash(self) -> None:
         """Fold the kept inputs with the streaming kernels (in order) and stop keeping new ones."""
         stash, self._stash = self._stash, None
