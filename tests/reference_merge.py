@@ -146,6 +146,13 @@ def row_blocks(shape: tuple[int, ...], itemsize: int, block_bytes: int) -> list[
     return blocks
 
 
+def theta_from_delta(theta0: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """θ_k of a source that stores Δ_k (delta checkpoint, LoRA): θ₀ + Δ_k, or θ₀ itself, bit for bit, where Δ_k
+    is zero throughout the tensor (not stored, or stored as zeros): such a tensor is not read, and θ₀ + 0.0
+    would turn θ₀'s -0.0 into +0.0. Only slerp sees the difference: every other sum starts at +0.0."""
+    return theta0 + delta if bool(delta.any()) else theta0.clone()
+
+
 def block_generator(seed: int, expert_key: str, tensor_name: str, block_index: int) -> torch.Generator:
     key = hashlib.sha256(f"{seed}\x1f{expert_key}\x1f{tensor_name}\x1f{block_index}".encode()).digest()
     g = torch.Generator(device="cpu")
@@ -382,7 +389,8 @@ def reference_merge(
             expert_stored.append(stored)
         thetas = [s.to(torch.float32) for s in expert_stored]
         dgiven = [None if g is None else g.get(name, torch.zeros_like(theta0)).to(torch.float32) for g in given]
-        thetas = [th if d is None else theta0 + d for th, d in zip(thetas, dgiven)]
+        thetas = [th if d is None else theta_from_delta(theta0, d)
+                  for th, d in zip(thetas, dgiven)]
 
         if method == "slerp":
             merged = slerp_combine(theta0, thetas[0], t)
