@@ -6,17 +6,19 @@ One integer seed draws a case (`draw_case`, no files): a family of a base and 1-
 tensor equal to the base's or changed sparsely, densely, in a band of rows, below the dtype's resolution, by steps
 of one magnitude, or only in the sign of its zeros; a block size; one of the seven methods with random weights,
 densities, gammas, lambda, normalize, output dtype and seed; two partial budgets. `write_family` writes the files.
-Each case checks
+With `mixed_sources` the same seed also draws how each expert reaches the catalog (SOURCES: full, packed, delta
+checkpoint, LoRA adapter, snapshot of a merge; `catalogue_experts`). Each case checks
 
 1. at budget 1.0, the output equals the reference merge byte for byte;
 2. at each partial budget: planned bytes <= budget, realized == planned, the same plan hash when planned twice,
    and planned bytes non-decreasing with the budget;
-3. linear and task_arithmetic with float32 output: ||out_B - out_full||_2 <= the reported omitted-update bound.
+3. linear and task_arithmetic with float32 output: ||out_B - out_full||_2 <= the reported omitted-update bound
+   (plus what float32 rounding of the two outputs allows, `rounding_slack`).
 
 Inputs are finite (values are clamped): NaN payloads and Δ next to infinities are unspecified (docs/SEMANTICS.md).
 
-The default suite runs SEEDS (`test_fixed_seeds_cover_the_risky_cases` checks what they cover);
-`pytest -m fuzz tests/test_differential.py` runs MERGEPIPE_FUZZ_CASES (default 200) seeds from
+The default suite runs SEEDS and, with mixed sources, MIXED_SEEDS (two tests check what they cover);
+`pytest -m fuzz tests/test_differential.py` runs MERGEPIPE_FUZZ_CASES (default 200) seeds of each kind from
 MERGEPIPE_FUZZ_FIRST_SEED (default 1000). A failing seed is reproduced alone with both variables set
 (MERGEPIPE_FUZZ_CASES=1 MERGEPIPE_FUZZ_FIRST_SEED=<seed>).
 """
