@@ -1187,7 +1187,8 @@ class _TiesFold(_DeltaFold):
         return self._fits_stash(src)
 
     def _set_expert(self, w: float) -> None:
-        # the kept inputs are earlier experts: they are folded first, as folding them sets their own w
+        # every chunked fold starts here: the kept inputs are earlier experts, so they are folded first (in
+        # order), and before w is set, as folding them sets their own
         self._flush_stash()
         super()._set_expert(w)
 
@@ -1224,14 +1225,12 @@ class _TiesFold(_DeltaFold):
             self._stash.append((src, x, False, math.inf, self.weights[x.index], 0))
             self._stash_bytes += src.nbytes
             return
-        self._flush_stash()
         super()._fold_dare(x)
 
     def _dare_block_fast(self, src: np.ndarray, b: int, s0: int, e0: int, u: np.ndarray, d: float,
                          w: float) -> bool:
         if self._bflat is None:
             return False
-        self._flush_stash()  # experts are folded in order
         S, P, N, wp, wn = self._sums()
         _mk().ties_dare_span(S[s0:e0], P[s0:e0], N[s0:e0], wp[s0:e0], wn[s0:e0], self._bflat[s0:e0],
                              src[s0:e0], u, np.float32(d), np.float32(w), self.normalize, not self._touched[b])
@@ -1252,7 +1251,6 @@ class _TiesFold(_DeltaFold):
 
     def _init_sums(self) -> None:
         """Clear the sums of untouched blocks before a chunked fold (which adds to them)."""
-        self._flush_stash()
         if not self._touched.all():
             _mk().ties_clear_untouched(*self._sums(), self._bounds, self._touched, self.normalize)
 

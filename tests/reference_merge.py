@@ -389,8 +389,7 @@ def reference_merge(
             expert_stored.append(stored)
         thetas = [s.to(torch.float32) for s in expert_stored]
         dgiven = [None if g is None else g.get(name, torch.zeros_like(theta0)).to(torch.float32) for g in given]
-        thetas = [th if d is None else theta_from_delta(theta0, d)
-                  for th, d in zip(thetas, dgiven)]
+        thetas = [th if d is None else theta_from_delta(theta0, d) for th, d in zip(thetas, dgiven)]
 
         if method == "slerp":
             merged = slerp_combine(theta0, thetas[0], t)
