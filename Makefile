@@ -27,8 +27,10 @@ test-postgres:
 	MERGEPIPE_TEST_CATALOG="$$(bash .ci/start-postgres.sh | tail -n 1)" \
 	  $(BIN)/python -m pytest -q -n 2 -m "catalog and not fuzz and not slow"
 
-lint:
+# ruff, and the layer rules of docs/ARCHITECTURE.md (import-linter; function-local imports count)
+lint: install
 	$(BIN)/ruff check mergepipe_db tests benchmarks
+	$(BIN)/lint-imports
 
 bench: install
 	$(BIN)/python -m benchmarks.run

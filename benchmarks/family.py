@@ -11,7 +11,7 @@ from benchmarks.common import DATA, Config, dir_files
 
 
 def ensure_family(cfg: Config) -> dict[str, Any]:
-    from mergepipe_db.testing import make_family, shape_for_bytes
+    from mergepipe_db.demo.family import make_family, shape_for_bytes
 
     d = cfg.family_dir
     marker = d / "family.json"

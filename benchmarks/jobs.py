@@ -23,7 +23,7 @@ T_START = time.perf_counter()
 def main(argv: list[str]) -> None:
     cmd = argv[0]
     if cmd == "merge":  # as `mergepipe merge` does before it imports the catalog
-        from mergepipe_db import warmup
+        from mergepipe_db.kernels import warmup
 
         warmup.start(own_process=True)
     from mergepipe_db import Catalog

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from mergepipe_db import Catalog
-from mergepipe_db.testing import make_family, shape_for_bytes
+from mergepipe_db.demo.family import make_family, shape_for_bytes
 
 
 def _spec(names: list[str]) -> dict:

@@ -33,8 +33,8 @@ BACKENDS = ("duckdb", "postgresql")
 
 
 def _populate(url: str, n_blocks: int) -> None:
-    from mergepipe_db import Catalog, ranking
-    from mergepipe_db.db import schema
+    from mergepipe_db import Catalog
+    from mergepipe_db.db import rank_tables, schema
     from mergepipe_db.db.bulk import bulk_insert
 
     cat = Catalog.open(url)
@@ -73,7 +73,7 @@ def _populate(url: str, n_blocks: int) -> None:
                              "row_stop": b * 256 + 256, "offset": off + b * mb, "nbytes": mb, "xxh3": "0" * 32,
                              "delta_l2": rng.random() + 1e-9, "delta_l1": 1.0, "delta_max": delta_max,
                              "pos_frac": 0.5, "sketch": blob})
-        for r in ranking.in_rank_order(rows):  # as ingest inserts them
+        for r in rank_tables.in_rank_order(rows):  # as ingest inserts them
             for col in blocks_cols:
                 blocks_cols[col].append(r[col])
         rows.clear()
@@ -100,7 +100,7 @@ def _populate(url: str, n_blocks: int) -> None:
             with cur.copy(f"COPY mp_block ({cols_sql}) FROM STDIN") as cp:
                 cp.write(buf.getvalue())
         for ck in ckpts:  # the ranking summaries ingest writes beside the blocks
-            ranking.write(conn, ck["id"])
+            rank_tables.write(conn, ck["id"])
     if not url.startswith("postgresql"):
         return
     with sa.create_engine(url).connect() as c:
@@ -119,7 +119,7 @@ def _sketch_templates(rng: random.Random, n: int = 32) -> list[tuple[bytes, floa
     2^-10, as fine-tuning deltas), with the block's max |Δ| (the upper edge of its top bin), n of them."""
     import numpy as np
 
-    from mergepipe_db import sketch
+    from mergepipe_db.core import sketch
 
     edges = sketch.bin_edges()
     out = []
@@ -142,8 +142,8 @@ def _spec(method: str = "linear") -> dict[str, Any]:
 
 def _time(url: str, reps: int = 3, method: str = "linear", budget: str = "0.1") -> dict[str, Any]:
     from mergepipe_db import Catalog
-    from mergepipe_db.planner import build_plan
-    from mergepipe_db.spec import load_spec, parse_budget
+    from mergepipe_db.core.spec import load_spec, parse_budget
+    from mergepipe_db.pipeline.plan.build import build_plan
 
     cat = Catalog.open(url)
     spec = load_spec(_spec(method))

@@ -289,7 +289,7 @@ def candidates(cat: Any, full_plan: Any) -> list[Cand]:
 
     score = |c_k| · delta_l2 from the catalog's `blocks` view, as in sql/plan_rank.sql.
     """
-    from mergepipe_db.planner import Read
+    from mergepipe_db.core.plan import Read
 
     names = [e.checkpoint.name for e in full_plan.experts]
     quoted = ", ".join("'" + n.replace("'", "''") + "'" for n in names)
@@ -362,7 +362,7 @@ def plan_with_access(plan: Any, sel: list[Cand], all_cands: list[Cand], sketch_p
 
 def execute_plan(plan: Any, workdir: Path) -> dict[str, torch.Tensor]:
     """Run a (possibly hand-built) plan with mergepipe's executor into a scratch directory; load the output."""
-    from mergepipe_db.executor import execute
+    from mergepipe_db.pipeline.execute import execute
 
     staging = Path(tempfile.mkdtemp(prefix="exec-", dir=workdir))
     res = execute(plan, staging)

@@ -122,7 +122,7 @@ def fam_tensors(fam: Any) -> list[str]:
 
 def verify_all_snapshots(cat: Any) -> int:
     """Rehash every committed snapshot's files and tensors against its manifest; raise on any difference."""
-    from mergepipe_db.maintenance import committed_snapshots, verify_snapshot
+    from mergepipe_db.admin.maintenance import committed_snapshots, verify_snapshot
 
     names = committed_snapshots(cat.db)
     for name in names:
@@ -133,7 +133,7 @@ def verify_all_snapshots(cat: Any) -> int:
 
 def ingest_kills(cats: Catalogs, work: Path, n: int, seed: int) -> dict[str, Any]:
     from mergepipe_db import Catalog
-    from mergepipe_db.testing import make_family
+    from mergepipe_db.demo.family import make_family
 
     fam = make_family(work / "ingest-fam", n_experts=n, preset="tiny", dtype="bfloat16", seed=5, shard_bytes=48 << 10)
     scratch = Catalog.open(str(work / "ingest-scratch.duckdb"))
@@ -486,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"work {work}, backend {backend}, seed {args.seed}")
     t_start = time.monotonic()
     res: dict[str, Any] = {"seed": args.seed, "backend": backend}
-    from mergepipe_db.testing import make_family
+    from mergepipe_db.demo.family import make_family
 
     fam = make_family(work / "fam", n_experts=3, preset="tiny", dtype="bfloat16", seed=1, shard_bytes=48 << 10)
     sections = [
@@ -510,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{name} FAILED:\n{traceback.format_exc()}")
     problems, verified = 0, 0
     from mergepipe_db import Catalog
-    from mergepipe_db.fsck import problems as fsck_problems
+    from mergepipe_db.admin.fsck import problems as fsck_problems
 
     for name in ("kills", "ingest", "concurrency"):  # not "corrupt": its sources were damaged on purpose
         if name in cats.urls:

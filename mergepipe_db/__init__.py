@@ -12,8 +12,7 @@ Public API::
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
+from mergepipe_db.core.version import __version__  # noqa: E402
 from mergepipe_db.errors import MergePipeError  # noqa: E402
 
 __all__ = ["Catalog", "MergePipeError", "__version__"]

@@ -12,12 +12,13 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from mergepipe_db.core.manifest import build_manifest
+from mergepipe_db.core.plan import Plan
+from mergepipe_db.core.spec import Budget, MergeSpec, load_spec, parse_budget
 from mergepipe_db.db import schema
 from mergepipe_db.db.engine import Database, resolve_url
 from mergepipe_db.errors import DuplicateNameError, SpecError, UnknownCheckpointError
-from mergepipe_db.ingest import IngestResult
-from mergepipe_db.planner import Plan
-from mergepipe_db.spec import Budget, MergeSpec, load_spec, parse_budget
+from mergepipe_db.pipeline.ingest import IngestResult
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ class Catalog:
 
         `kind`: ``full`` (default; a directory with adapter_config.json is taken as ``lora``), ``delta`` (tensors
         hold Δ) or ``lora`` (a PEFT adapter directory); delta and lora need `base`."""
-        from mergepipe_db.ingest import ingest
+        from mergepipe_db.pipeline.ingest import ingest
 
         if name is None:
             name = _default_name(path)
@@ -97,7 +98,7 @@ class Catalog:
         written in one transaction: if one fails, none is catalogued. Their rows wait in memory for that
         transaction, ~2 KB per block (~0.2 % of the bytes ingested, with 1 MiB blocks): split a family of
         terabytes over several calls."""
-        from mergepipe_db.ingest import ingest_many
+        from mergepipe_db.pipeline.ingest import ingest_many
 
         paths = list(paths)
         if names is None:
@@ -110,7 +111,7 @@ class Catalog:
     def export_delta(self, expert: str, out: str | Path, *, dtype: str = "float32") -> dict[str, Any]:
         """Write Δ = expert − base (LoRA: B@A·s; delta: as stored) of every tensor the expert covers as an HF
         directory at `out` (must not exist or be empty), in `dtype` (float32: exact for BF16/F16 inputs)."""
-        from mergepipe_db.sources import export_delta
+        from mergepipe_db.admin.export_delta import export_delta
 
         return export_delta(self.db, expert, out, dtype=dtype)
 
@@ -118,7 +119,7 @@ class Catalog:
         """Store the candidate blocks of a full expert zstd-compressed (XOR base) in the content-addressed block
         store `store` (default: beside a DuckDB catalog, else ./mergepipe-store); plans then cost those blocks
         their compressed length and merges read them from the store. Idempotent. Returns a PackResult."""
-        from mergepipe_db.blockstore import pack
+        from mergepipe_db.admin.pack import pack
 
         return pack(self.db, expert, store=store)
 
@@ -172,9 +173,9 @@ class Catalog:
         """The plan, and the current version of `ref` if given. One catalog connection when every model is
         already catalogued (names resolved, family checked, planned and the ref read together); a model
         given by a new path is ingested first, with no connection held."""
-        from mergepipe_db import commit as cm
-        from mergepipe_db.planner import build_plan
-        from mergepipe_db.storage import check_fresh
+        from mergepipe_db.io.local import check_fresh
+        from mergepipe_db.pipeline import commit as cm
+        from mergepipe_db.pipeline.plan.build import build_plan
 
         s, b = self._spec(spec, budget, seed)
         refs = [s.base, *(m.ref for m in s.models)]
@@ -204,7 +205,7 @@ class Catalog:
               seed: int | None = None, ref: str | None = None, shard_bytes: int | None = None,
               progress: bool = False, verify_reads: bool = False) -> MergeResult:
         """Plan, execute and commit a merge; the output appears at `out` only once committed."""
-        from mergepipe_db import warmup
+        from mergepipe_db.kernels import warmup
 
         t_start = time.perf_counter()
         warmup.start()  # the kernels load while the merge is planned
@@ -221,8 +222,9 @@ class Catalog:
         planning. Refuses (ReplayError) when an input's content no longer matches the manifest; every
         expert range read is checked against the catalog's xxh3. With `verify`, a VerifyError names every
         output tensor whose hash differs from the record."""
-        from mergepipe_db import warmup
-        from mergepipe_db.replay import load_manifest, plan_from_manifest, verify_outputs
+        from mergepipe_db.kernels import warmup
+        from mergepipe_db.pipeline.plan.from_manifest import plan_from_manifest
+        from mergepipe_db.pipeline.replay import load_manifest, verify_outputs
 
         t_start = time.perf_counter()
         warmup.start()
@@ -238,8 +240,8 @@ class Catalog:
         return res
 
     def _check_outputs(self, out: str | Path, ref: str | None, shard_bytes: int | None) -> tuple[Path, str]:
-        from mergepipe_db.commit import check_out_dir
-        from mergepipe_db.ingest import validate_checkpoint_name
+        from mergepipe_db.core.names import validate_checkpoint_name
+        from mergepipe_db.pipeline.commit import check_out_dir
 
         out_path = check_out_dir(out)
         ref_name = ref or out_path.name
@@ -252,10 +254,10 @@ class Catalog:
                   shard_bytes: int | None, progress: bool, verify_reads: bool,
                   expected: int | None = None) -> MergeResult:
         """Execute `plan` into a staging directory, commit it to the catalog, then publish it at `out_path`."""
-        from mergepipe_db import commit as cm
-        from mergepipe_db import faults
-        from mergepipe_db.executor import DEFAULT_SHARD_BYTES, execute
-        from mergepipe_db.storage import check_fresh
+        from mergepipe_db.core import faults
+        from mergepipe_db.io.local import check_fresh
+        from mergepipe_db.pipeline import commit as cm
+        from mergepipe_db.pipeline.execute import DEFAULT_SHARD_BYTES, execute
 
         check_fresh(plan.base.files)
         for e in plan.experts:
@@ -273,7 +275,7 @@ class Catalog:
             t_exec = time.perf_counter() - t0
             faults.point("shards_written")
             parents = [plan.base.id] + [e.checkpoint.id for e in plan.experts]
-            manifest = cm.build_manifest(plan, result, parents=parents)
+            manifest = build_manifest(plan, result, parents=parents)
             timings = {"plan": t_plan, "execute": t_exec, **result.timings}
             t0 = time.perf_counter()
             mhash = cm.finish_staging(plan, result, staging, manifest, timings)
@@ -301,40 +303,40 @@ class Catalog:
 
     def sql(self, query: str) -> tuple[list[str], list[tuple[Any, ...]]]:
         """Run one read-only query over the documented views. Writes and file access are refused."""
-        from mergepipe_db.sqlquery import run_readonly
+        from mergepipe_db.db.readonly import run_readonly
 
         return run_readonly(self.db, query)
 
     def gc(self, *, dry_run: bool = True) -> list[str]:
         """List (or, with dry_run=False, remove) leftovers of interrupted merges; roll forward committed ones."""
-        from mergepipe_db.maintenance import gc
+        from mergepipe_db.admin.maintenance import gc
 
         return gc(self.db, dry_run=dry_run)
 
     def fsck(self, *, full: bool = False) -> list[Any]:
         """Cross-check catalog, manifests and files (`mergepipe_db.fsck`): a list of `Finding`s, each of kind
         ok, leftover (gc collects it), missing or corrupt. `full` also rehashes every file."""
-        from mergepipe_db.fsck import fsck
+        from mergepipe_db.admin.fsck import fsck
 
         return fsck(self.db, full=full)
 
     def verify(self, *, full: bool = False, checkpoint: str | None = None) -> list[str]:
         """Check source files against the catalog (size/mtime; sha256 with full=True). Returns problems."""
-        from mergepipe_db.maintenance import verify_sources
+        from mergepipe_db.admin.maintenance import verify_sources
 
         return verify_sources(self.db, full=full, checkpoint=checkpoint)
 
     def verify_snapshot(self, snapshot: str) -> list[str]:
         """Rehash a committed snapshot's output files and tensors against its manifest; returns problems,
         one line each naming the file or tensor. UnknownCheckpointError when `snapshot` is not one."""
-        from mergepipe_db.maintenance import verify_snapshot
+        from mergepipe_db.admin.maintenance import verify_snapshot
 
         return verify_snapshot(self.db, snapshot)
 
     def verify_all(self, name: str | None = None, *, full: bool = False) -> tuple[list[str], list[str]]:
         """`mergepipe verify [NAME]`: a snapshot/ref → its outputs; another checkpoint → its sources; no
         NAME → every original checkpoint's sources and every committed snapshot. Returns (problems, checked)."""
-        from mergepipe_db.maintenance import verify_all
+        from mergepipe_db.admin.maintenance import verify_all
 
         return verify_all(self.db, name, full=full)
 
@@ -343,14 +345,14 @@ class Catalog:
     def lineage(self, snapshot: str) -> dict[str, Any]:
         """Lineage DAG of a snapshot (checkpoint name, ref or snapshot id) back to original checkpoints;
         see `mergepipe_db.lineage.lineage_graph`. UnknownCheckpointError for an unknown name."""
-        from mergepipe_db.lineage import lineage_graph
+        from mergepipe_db.audit.lineage import lineage_graph
 
         return lineage_graph(self.db, snapshot)
 
     def report(self, snapshot: str, *, out: str | Path) -> Path:
         """Write an audit report of a committed snapshot: HTML (`.html`) or Markdown (`.md`, heatmap PNG
         beside it). Returns the report path."""
-        from mergepipe_db.reports import write_report
+        from mergepipe_db.audit.reports import write_report
 
         return write_report(self.db, snapshot, out)
 
@@ -359,7 +361,7 @@ class Catalog:
               bar: bool = False) -> Any:
         """Merge `spec` at each budget into `out/budget-<b>/` (full budget always included) and write
         `out/frontier.{csv,md,png}`; returns a `mergepipe_db.sweep.SweepResult`."""
-        from mergepipe_db.sweep import run_sweep
+        from mergepipe_db.audit.sweep import run_sweep
 
         return run_sweep(self, spec, budgets, out, seed=seed, shard_bytes=shard_bytes, progress=progress, bar=bar)
 

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from mergepipe_db import __version__
+from mergepipe_db.core.version import __version__
 from mergepipe_db.errors import MergePipeError
 
 EPILOG = "Catalog: --catalog URL, else $MERGEPIPE_CATALOG, else ./mergepipe.duckdb (a DuckDB file)."
@@ -56,7 +56,7 @@ def _catalog(args: argparse.Namespace):
 
 
 def _parse_size(text: str) -> int:
-    from mergepipe_db.spec import parse_budget
+    from mergepipe_db.core.spec import parse_budget
 
     b = parse_budget(text)
     if b.nbytes is None:
@@ -119,7 +119,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    from mergepipe_db import warmup
+    from mergepipe_db.kernels import warmup
 
     warmup.start(own_process=True)  # the merge kernels load while the catalog is imported, opened and planned
     cat = _catalog(args)
@@ -141,7 +141,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from mergepipe_db import warmup
+    from mergepipe_db.kernels import warmup
 
     warmup.start(own_process=True)
     cat = _catalog(args)
@@ -210,7 +210,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_lineage(args: argparse.Namespace) -> int:
-    from mergepipe_db.lineage import render
+    from mergepipe_db.audit.lineage import render
 
     cat = _catalog(args)
     print(render(cat.lineage(args.snapshot), args.format))
@@ -228,7 +228,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from mergepipe_db import warmup
+    from mergepipe_db.kernels import warmup
 
     warmup.start(own_process=True)
     cat = _catalog(args)
@@ -260,7 +260,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_fsck(args: argparse.Namespace) -> int:
-    from mergepipe_db.fsck import problems
+    from mergepipe_db.admin.fsck import problems
 
     cat = _catalog(args)
     findings = cat.fsck(full=args.full)
@@ -301,7 +301,7 @@ def cmd_pack(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from mergepipe_db.demo import run_demo
+    from mergepipe_db.demo.run import run_demo
 
     return run_demo(Path(args.dir), catalog=args.catalog, method=args.method, budget=args.budget,
                     experts=args.experts, preset=args.preset, progress=_progress(args))

@@ -70,7 +70,7 @@ def catalog(catalog_url: str):
 @pytest.fixture(scope="session")
 def tiny_family(tmp_path_factory: pytest.TempPathFactory):
     """A tiny BF16 Llama family: base + 3 experts, sharded (small shards to exercise the index)."""
-    from mergepipe_db.testing import make_family
+    from mergepipe_db.demo.family import make_family
 
     return make_family(tmp_path_factory.mktemp("fam_bf16"), n_experts=3, preset="tiny", dtype="bfloat16",
                        seed=1, shard_bytes=48 * 1024)
@@ -78,7 +78,7 @@ def tiny_family(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="session")
 def tiny_family_f32(tmp_path_factory: pytest.TempPathFactory):
-    from mergepipe_db.testing import make_family
+    from mergepipe_db.demo.family import make_family
 
     return make_family(tmp_path_factory.mktemp("fam_f32"), n_experts=3, preset="tiny", dtype="float32", seed=2)
 
@@ -86,7 +86,7 @@ def tiny_family_f32(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def tiny_family_f16(tmp_path_factory: pytest.TempPathFactory):
     """F16: the one dtype the executor converts to float32 before the operators see it."""
-    from mergepipe_db.testing import make_family
+    from mergepipe_db.demo.family import make_family
 
     return make_family(tmp_path_factory.mktemp("fam_f16"), n_experts=3, preset="tiny", dtype="float16", seed=3)
 
@@ -107,7 +107,7 @@ def ingest_family(catalog, family, *, block_bytes: int = BLOCK) -> list[str]:
 def cold_or_skip(path: Path) -> None:
     """Evict `path` from the page cache (its pages must be clean: written and synced); skip where the kernel
     cannot report residency (cachestat, Linux 6.5+) or keeps the pages (tmpfs)."""
-    from mergepipe_db import storage
+    from mergepipe_db.io import local as storage
 
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -169,7 +169,7 @@ def merge_kill_trials(catalog_url: str, spec_path: Path, work: Path, *, n: int, 
                       reference: dict[str, str], n_tensors: int, ref: str = "crash", seed: int = 0,
                       log: Any = None) -> KillStats:
     """Kill `n` CLI merges of `spec_path` at random moments; check the invariants after each (AssertionError)."""
-    from mergepipe_db import faults
+    from mergepipe_db.core import faults
 
     stats = KillStats(seed=seed)
     window = 0.3  # seconds after the staging directory appears, adapted so most outside kills land
@@ -220,7 +220,7 @@ def check_after_merge_kill(catalog_url: str, spec_path: Path, work: Path, out: P
     """The invariants after one killed merge. Returns the outcome ('completed', 'rolled_back' or
     'rolled_forward') and the number of leftovers gc collected."""
     from mergepipe_db import Catalog
-    from mergepipe_db.fsck import problems
+    from mergepipe_db.admin.fsck import problems
 
     reopened = Catalog.open(catalog_url)  # the catalog reopens (DuckDB replays its WAL here)
     cols, rows = reopened.sql("SELECT * FROM snapshots")

@@ -7,6 +7,8 @@ import math
 
 import sqlalchemy as sa
 
+from mergepipe_db.db import rank_tables
+
 SCORES = {
     "as_ingested": None,
     # a few scores equal, NULL (no statistics), NaN and inf (sort above every number), subnormal, tiny, huge
@@ -20,8 +22,7 @@ SCORES = {
 
 def set_scores(catalog, case: str, *, rewrite_summaries: bool = False) -> None:
     """Give the catalog's candidate blocks the delta_l2 of SCORES[case] (None: leave them as ingested); with
-    `rewrite_summaries`, also the ranking summaries ingest keeps beside them (`ranking.rewrite`)."""
-    from mergepipe_db import ranking
+    `rewrite_summaries`, also the ranking summaries ingest keeps beside them (`rank_tables.rewrite`)."""
 
     expr = SCORES[case]
     if expr is None:
@@ -30,7 +31,7 @@ def set_scores(catalog, case: str, *, rewrite_summaries: bool = False) -> None:
         conn.execute(sa.text(f"UPDATE mp_block SET delta_l2 = {expr} "  # noqa: S608 (test constants)
                              "WHERE delta_l2 IS NULL OR delta_l2 <> 0"), {"nan": math.nan, "inf": math.inf})
         if rewrite_summaries:
-            ranking.rewrite(conn, [r[0] for r in conn.execute(sa.text("SELECT id FROM mp_checkpoint"))])
+            rank_tables.rewrite(conn, [r[0] for r in conn.execute(sa.text("SELECT id FROM mp_checkpoint"))])
         conn.commit()
 
 
@@ -39,8 +40,8 @@ def plan_each(catalog, spec: dict, budgets: list) -> list:
     catalog connection: what Catalog.plan does per call (resolve the models, build the plan) without opening
     the catalog again for each budget, which is most of a small plan's time."""
     from mergepipe_db.catalog import _find_models
-    from mergepipe_db.planner import build_plan
-    from mergepipe_db.spec import parse_budget
+    from mergepipe_db.core.spec import parse_budget
+    from mergepipe_db.pipeline.plan.build import build_plan
 
     s, _ = catalog._spec(spec, None, None)
     with catalog.db.connect() as conn:

@@ -203,7 +203,7 @@ def test_failed_ingest_leaves_catalog_unchanged(catalog: Catalog, tiny_family, t
             raise RuntimeError("injected failure while inserting blocks")
         return real(conn, table, rows)
 
-    monkeypatch.setattr("mergepipe_db.ingest.bulk_insert", failing)
+    monkeypatch.setattr("mergepipe_db.pipeline.ingest.bulk_insert", failing)
     with pytest.raises(RuntimeError, match="injected"):
         catalog.ingest(tiny_family.experts[0], name="e0", base="base")
     assert calls["n"] >= 2  # files and tensors were inserted before the failure ...
@@ -278,6 +278,6 @@ def test_schema_head_is_the_only_head_of_the_migrations() -> None:
     from alembic.script import ScriptDirectory
 
     from mergepipe_db.db.engine import SCHEMA_HEAD
-    from mergepipe_db.resources import data_dir
+    from mergepipe_db.db.sql_files import data_dir
 
     assert ScriptDirectory(str(data_dir("migrations"))).get_heads() == [SCHEMA_HEAD]

@@ -131,7 +131,7 @@ def test_four_writers_retrying_lose_no_update(catalog, catalog_url, tiny_family,
 def test_racing_first_commits_to_a_new_ref_one_wins(catalog, tiny_family, tmp_path, monkeypatch) -> None:
     """Two merges create the same ref at once: one commits, the other gets CommitConflictError (on PostgreSQL
     the loser's INSERT waits on the winner's unique key, then fails: translated, not a raw database error)."""
-    from mergepipe_db import commit as cm
+    from mergepipe_db.pipeline import commit as cm
 
     names = ingest_family(catalog, tiny_family)
     spec = write_spec(tmp_path / "spec.yml", names)
@@ -179,7 +179,7 @@ def test_racing_first_commits_to_a_new_ref_one_wins(catalog, tiny_family, tmp_pa
 
 def test_stale_expected_version_is_a_conflict_and_publishes_nothing(catalog, tiny_family, tmp_path,
                                                                      monkeypatch) -> None:
-    from mergepipe_db import commit as cm
+    from mergepipe_db.pipeline import commit as cm
 
     names = ingest_family(catalog, tiny_family)
     spec = write_spec(tmp_path / "spec.yml", names)
@@ -200,7 +200,7 @@ def test_catalog_lock_timeout_is_a_one_line_retryable_error(catalog, catalog_url
     assert catalog.db.is_duckdb
     from filelock import FileLock
 
-    from mergepipe_db import commit as cm
+    from mergepipe_db.pipeline import commit as cm
 
     names = ingest_family(catalog, tiny_family)
     spec = write_spec(tmp_path / "spec.yml", names)

@@ -21,8 +21,8 @@ import xxhash
 from conftest import ingest_family
 from crashkit import cli, one_line_error, staging_dirs, write_spec
 
-from mergepipe_db import storage
 from mergepipe_db.errors import IntegrityError, StaleSourceError
+from mergepipe_db.io import local as storage
 
 pytestmark = pytest.mark.catalog
 

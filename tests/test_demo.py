@@ -5,7 +5,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 
 from mergepipe_db import Catalog
-from mergepipe_db.demo import run_demo
+from mergepipe_db.demo.run import run_demo
 
 
 def test_demo_runs_and_upgrades_its_own_older_catalog(tmp_path, monkeypatch, capsys) -> None:

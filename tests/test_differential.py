@@ -45,7 +45,7 @@ from reference_merge import (
 )
 from safetensors.torch import save_file
 
-from mergepipe_db.testing import write_model_dir
+from mergepipe_db.demo.family import write_model_dir
 
 pytestmark = pytest.mark.catalog
 

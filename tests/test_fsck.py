@@ -16,8 +16,8 @@ import sqlalchemy as sa
 from conftest import ingest_family
 from crashkit import cli, one_line_error, write_spec
 
+from mergepipe_db.admin.fsck import problems
 from mergepipe_db.db import schema
-from mergepipe_db.fsck import problems
 
 pytestmark = pytest.mark.catalog
 

@@ -22,9 +22,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
+from mergepipe_db.core.spec import METHODS, load_spec, parse_budget
 from mergepipe_db.errors import MergePipeError
 from mergepipe_db.formats.hf_layout import INDEX_FILE, resolve_checkpoint
-from mergepipe_db.spec import METHODS, load_spec, parse_budget
 
 FAST = settings(max_examples=100, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])

@@ -21,12 +21,14 @@ from crashkit import cli, one_line_error
 from reference_merge import load_model
 from safetensors.torch import save_file
 
-from mergepipe_db import Catalog, ingest, storage
+from mergepipe_db import Catalog
+from mergepipe_db.core.dtypes import ARITHMETIC_DTYPES
 from mergepipe_db.db import schema
 from mergepipe_db.errors import CoordinateMismatchError, DuplicateNameError, SpecError
-from mergepipe_db.formats.dtypes import ARITHMETIC_DTYPES
 from mergepipe_db.formats.hf_layout import resolve_checkpoint
-from mergepipe_db.storage import ReadAhead, memory_for_cache, page_cached
+from mergepipe_db.io import local as storage
+from mergepipe_db.io.local import ReadAhead, memory_for_cache, page_cached
+from mergepipe_db.pipeline import ingest
 
 pytestmark = pytest.mark.catalog
 
@@ -174,7 +176,7 @@ def test_a_failure_catalogues_none_of_them(catalog, tiny_family, tmp_path, monke
                 raise RuntimeError("injected failure while inserting blocks")
         return real(conn, table, rows)
 
-    monkeypatch.setattr("mergepipe_db.ingest.bulk_insert", failing)
+    monkeypatch.setattr("mergepipe_db.pipeline.ingest.bulk_insert", failing)
     with pytest.raises(RuntimeError, match="injected"):
         catalog.ingest_many(tiny_family.experts, names=["e0", "e1", "e2"], base="base")
     assert calls["blocks"] == 2 and _counts(catalog) == before

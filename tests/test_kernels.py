@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from mergepipe_db import kernels, sketch
+from mergepipe_db.core import sketch
+from mergepipe_db.kernels import block_stats as kernels
 
 
 @pytest.mark.parametrize("dtype,name", [(torch.bfloat16, "BF16"), (torch.float32, "F32"), (torch.float16, "F16")])
@@ -115,7 +116,7 @@ def test_same_bytes_agrees_with_bytes_equality() -> None:
 
 
 def test_widen_into_is_torch_bf16_to_float32_for_every_bit_pattern() -> None:
-    from mergepipe_db import merge_kernels
+    from mergepipe_db.kernels import merge as merge_kernels
 
     bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)  # every BF16 value, NaNs and subnormals too
     out = np.empty(bits.size, np.float32)
@@ -127,7 +128,7 @@ def test_widen_into_is_torch_bf16_to_float32_for_every_bit_pattern() -> None:
 def test_narrow_bf16_rounds_as_torch() -> None:
     """Ties to even, carries into the exponent, overflow to inf, subnormals, ±0 and ±inf: every non-NaN
     float32 rounds to torch's BF16 bits; a NaN anywhere makes the kernel refuse (torch is asked then)."""
-    from mergepipe_db import merge_kernels
+    from mergepipe_db.kernels import merge as merge_kernels
 
     rng = np.random.default_rng(3)
     hi = np.arange(1 << 16, dtype=np.uint32) << 16
@@ -147,8 +148,8 @@ def test_narrow_bf16_rounds_as_torch() -> None:
 @pytest.mark.parametrize("dtype", ["F32", "BF16", "F16"])
 @pytest.mark.parametrize("nan", [False, True])
 def test_output_cast_is_torchs(dtype: str, nan: bool) -> None:
-    from mergepipe_db.executor import _cast_into
-    from mergepipe_db.formats.dtypes import torch_dtype
+    from mergepipe_db.core.dtypes import torch_dtype
+    from mergepipe_db.pipeline.execute import _cast_into
 
     g = torch.Generator().manual_seed(9)
     merged = (torch.randn(4098, generator=g) * torch.logspace(-42, 38, 4098)).reshape(3, -1)
@@ -171,8 +172,8 @@ def test_skipped_blocks_copied_with_exceptions_equal_the_table_lookup(method, we
     """Where the base-only table is the identity but for a few patterns (−0 → +0 for sums of θ₀·w), skipped
     blocks are copied with those replaced: the same bits, and the same NaN verdict, as looking every element
     up in the table — over every BF16 pattern, in blocks with and without NaN."""
-    from mergepipe_db import merge_kernels
-    from mergepipe_db.operators import ExpertParams, make_operator
+    from mergepipe_db.kernels import merge as merge_kernels
+    from mergepipe_db.operators.fold import ExpertParams, make_operator
 
     op = make_operator(method, [ExpertParams(key=f"{i:032x}", weight=w, density=0.5) for i, w in enumerate(weights)],
                        normalize=normalize)
@@ -254,14 +255,14 @@ def test_delta_stats_skip_zero_tiles_without_changing_a_statistic(dtype: torch.d
 _NUMBA_WITHOUT_SCIPY = """
 import sys
 import numpy as np
-from mergepipe_db import warmup
+from mergepipe_db.kernels import warmup
 if sys.argv[1] == "scipy-first":
     import scipy.linalg
 print(warmup.import_numba_without_scipy())
 print("scipy.linalg" in sys.modules)
 from numba.np import arraymath
 print(arraymath._HAVE_BLAS)
-from mergepipe_db import merge_kernels
+from mergepipe_db.kernels import merge as merge_kernels
 out = np.empty(3, np.uint16)
 merge_kernels.narrow_bf16(out, np.array([1.0, -2.5, 3.0], np.float32))
 print(out.tolist())

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from conftest import ingest_family
 
+from mergepipe_db.audit.lineage import render
 from mergepipe_db.cli import main
 from mergepipe_db.errors import UnknownCheckpointError
 from mergepipe_db.formats.safetensors import read_header
-from mergepipe_db.lineage import render
 
 pytestmark = pytest.mark.catalog
 

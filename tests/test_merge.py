@@ -17,13 +17,7 @@ from reference_merge import assert_bytes_equal, load_output, reference_merge
 
 from mergepipe_db import Catalog
 from mergepipe_db.db import schema
-from mergepipe_db.errors import (
-    BudgetError,
-    MergePipeError,
-    OutputExistsError,
-    SpecError,
-    UnknownCheckpointError,
-)
+from mergepipe_db.errors import BudgetError, MergePipeError, OutputExistsError, SpecError, UnknownCheckpointError
 
 pytestmark = pytest.mark.catalog
 
@@ -71,7 +65,7 @@ def test_full_budget_is_bit_identical_to_naive_full_read(catalog, request, tmp_p
                                                          family_name, read_path) -> None:
     """Both read paths of `RangeReader.read_aligned`: a copy from the page cache (the test's files are warm,
     so the cache is what a merge would use; forced here, whatever the kernel reports) and O_DIRECT."""
-    from mergepipe_db import storage
+    from mergepipe_db.io import local as storage
 
     family = request.getfixturevalue(family_name)
     names = ingest_family(catalog, family)
@@ -90,7 +84,7 @@ def test_full_budget_is_bit_identical_to_naive_full_read(catalog, request, tmp_p
 def test_empty_tensors_are_merged_and_written(catalog, tmp_path, method) -> None:
     """Tensors with no elements ((2, 0), (0,)) between ordinary ones: written (empty) in their place, the rest
     equal to the naive full read, at full budget and at a partial one."""
-    from mergepipe_db.testing import write_model_dir
+    from mergepipe_db.demo.family import write_model_dir
 
     g = torch.Generator().manual_seed(4)
     base = {"a.weight": torch.randn(64, 40, generator=g), "b.empty": torch.zeros(2, 0),
@@ -151,7 +145,7 @@ def test_unread_blocks_from_the_base_table_equal_the_computed_ones(catalog, tiny
                                                                    method) -> None:
     """At a partial budget the executor writes blocks no expert reads from the operator's base-only table
     (`executor._BaseOnly`); the output is byte for byte the one computed with every block folded."""
-    from mergepipe_db import executor
+    from mergepipe_db.pipeline import execute as executor
 
     names = ingest_family(catalog, tiny_family)
     spec = make_spec(method, names)
@@ -178,7 +172,7 @@ def test_snapshot_block_rows_equal_an_ingest_of_its_output(catalog, tiny_family,
     base), with shortcuts: blocks that are θ₀'s bytes are written from θ₀'s buffer (never copied) and not
     compared with it, and the tensor hash is fed block by block. Ingesting the output directory afterwards,
     from the files, gives the same rows."""
-    from mergepipe_db import executor
+    from mergepipe_db.pipeline import execute as executor
 
     names = ingest_family(catalog, tiny_family)
     marked: list[int] = []
@@ -214,7 +208,7 @@ def test_slerp_keeps_the_sign_of_zeros_an_expert_changed(catalog, tmp_path, dtyp
     """An expert tensor that differs from the base only where a -0.0 became +0.0 has Δ = 0 throughout, but
     slerp reads θ_k itself (θ₀·(1−t) + θ_k·t: -0.0 + +0.0 = +0.0): it is read at full budget, and the output is
     the naive full read's, zeros' signs included."""
-    from mergepipe_db.testing import write_model_dir
+    from mergepipe_db.demo.family import write_model_dir
 
     base = {"a": torch.tensor([-0.0, 1.0, -0.0, 2.0]), "b": torch.tensor([1.0, 2.0, 3.0, 4.0])}
     expert = {"a": torch.tensor([0.0, 1.0, -0.0, 2.0]), "b": torch.tensor([1.5, 2.0, 3.0, 4.5])}
@@ -288,7 +282,7 @@ def test_budgeted_merge_reads_exactly_the_plan_and_is_deterministic(catalog, tin
 
 
 def test_omitted_blocks_are_never_read(catalog, tiny_family, tmp_path, monkeypatch) -> None:
-    from mergepipe_db import storage
+    from mergepipe_db.io import local as storage
 
     names = ingest_family(catalog, tiny_family)
     plan = catalog.plan(make_spec("task_arithmetic", names), budget=0.15)
@@ -355,7 +349,7 @@ def test_output_directory_loads_with_transformers(catalog, tiny_family, tmp_path
 
 
 def test_manifest_is_deterministic_and_stored(catalog, tiny_family, tmp_path) -> None:
-    from mergepipe_db.commit import manifest_hash
+    from mergepipe_db.core.manifest import manifest_hash
 
     names = ingest_family(catalog, tiny_family)
     res = catalog.merge(make_spec("linear", names), out=tmp_path / "m", budget=0.4)

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from mergepipe_db import sketch
+from mergepipe_db.core import sketch
 from mergepipe_db.errors import SpecError, UnsupportedDtypeError
-from mergepipe_db.operators import (
+from mergepipe_db.operators.fold import (
     OPERATORS,
     ExpertInput,
     ExpertParams,
@@ -574,7 +574,7 @@ def test_partial_ties_sketch_tau_in_one_pass(monkeypatch, case: str) -> None:
     as the |Δ|-in-memory path and as SEMANTICS.md, in each branch: every element of τ's bin read (exact),
     only some (interpolated), τ in bin 0, and a NaN or inf read that the sketch did not announce (NaN: τ =
     NaN, T_k = 0; inf: τ stays 0)."""
-    from mergepipe_db import operators as ops
+    from mergepipe_db.operators import fold as ops
 
     shape, rpb = (160, 30), 10
     base, thetas = make_data(shape, 2, 77)
@@ -635,7 +635,7 @@ def test_mt19937_uniforms_are_torch_rand_bit_for_bit(n) -> None:
     """DARE's uniforms come from mergepipe_db.mt19937, not torch: the same bits as torch.rand for a generator
     given manual_seed(s), for seeds over the whole 63-bit range (torch keeps the low 32 bits) and sizes
     around MT19937's 624-word state."""
-    from mergepipe_db.mt19937 import torch_rand_into
+    from mergepipe_db.kernels.torch_rand import torch_rand_into
 
     rng = np.random.default_rng(n)
     for seed in [0, 1, 2**32 - 1, 2**32, 2**63 - 1, *rng.integers(0, 2**63 - 1, size=6).tolist()]:
@@ -772,7 +772,7 @@ def test_input_errors() -> None:
 @pytest.mark.parametrize("chunk", [3001, 1 << 20])
 def test_exact_selection_equals_sort(monkeypatch, chunk: int) -> None:
     """The radix select behind TIES/breadcrumbs thresholds: the k-th of torch's descending sort (NaN first)."""
-    import mergepipe_db.operators as ops
+    import mergepipe_db.operators.fold as ops
 
     monkeypatch.setattr(ops, "_RADIX_CHUNK", chunk)
     monkeypatch.setattr(ops, "_RADIX_SMALL", 16)
@@ -797,7 +797,7 @@ def test_full_selection_tau_from_the_sketch_is_exact(monkeypatch, case: str, fus
     """On a full read, TIES takes τ's bin from the catalog sketch (one pass over that bin, or a count when τ
     is 0, made by the fused pass when the inputs are kept for it) — and a sketch the data contradicts is
     ignored: the result is the literal formula's, bit for bit, fused (1 GiB) or streamed (0)."""
-    from mergepipe_db import operators
+    from mergepipe_db.operators import fold as operators
 
     monkeypatch.setattr(operators, "_FUSE_BYTES", fuse_bytes)
     shape, rpb = (300, 64), 16
@@ -825,7 +825,7 @@ def test_grouped_fused_and_streamed_additive_paths_match(monkeypatch, method: st
     """linear and task arithmetic keep experts' values up to `_GROUP_BYTES` and fold each group in one fused
     pass (0: each expert streamed; 40 kB: groups of one or two, experts that selected nothing in between;
     1 GiB: one pass): every split gives the literal result, bit for bit."""
-    from mergepipe_db import operators
+    from mergepipe_db.operators import fold as operators
 
     monkeypatch.setattr(operators, "_GROUP_BYTES", group_bytes)
     shape, rpb = (120, 64), 16
@@ -842,7 +842,7 @@ def test_grouped_fused_and_streamed_additive_paths_match(monkeypatch, method: st
 def test_ties_streaming_and_partly_fused_paths_match(monkeypatch, fuse_bytes: int) -> None:
     """TIES folds the experts of a tensor in one fused pass while their bytes fit `_FUSE_BYTES`, else one
     by one (or the first few fused, then streamed): every mix gives the literal result, bit for bit."""
-    from mergepipe_db import operators
+    from mergepipe_db.operators import fold as operators
 
     monkeypatch.setattr(operators, "_FUSE_BYTES", fuse_bytes)
     shape, rpb = (120, 64), 16
@@ -863,7 +863,7 @@ def test_dare_ties_streaming_and_fused_paths_match(monkeypatch, fuse_bytes: int,
     (0), partly fused (40 kB) or fused (1 GiB), with a density-1 expert (no mask) among them, inf and NaN
     deltas, and blocks of 4 × 700 elements (the generator's 624-word state and the 2,048-element tile
     boundaries fall inside blocks): the literal result, bit for bit."""
-    from mergepipe_db import operators
+    from mergepipe_db.operators import fold as operators
 
     monkeypatch.setattr(operators, "_FUSE_BYTES", fuse_bytes)
     shape, rpb = (22, 700), 4
@@ -881,7 +881,7 @@ def test_dare_ties_streaming_and_fused_paths_match(monkeypatch, fuse_bytes: int,
 def test_held_inputs_are_released_once_folded(monkeypatch, method: str) -> None:
     """An operator reports as held only the inputs still waiting for a fused pass: the executor gives the
     others' buffers back, so memory stays bounded by one group, not by the number of experts."""
-    from mergepipe_db import operators
+    from mergepipe_db.operators import fold as operators
 
     shape, rpb = (120, 64), 16  # 30,720 bytes of float32 per expert: two fit in 70 kB
     monkeypatch.setattr(operators, "_GROUP_BYTES", 70_000)

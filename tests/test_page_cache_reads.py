@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import cold_or_skip
 
-from mergepipe_db import storage
+from mergepipe_db.io import local as storage
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

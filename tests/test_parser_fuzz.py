@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import save as np_save
 
+from mergepipe_db.core.dtypes import DTYPE_BITS
 from mergepipe_db.errors import MergePipeError
-from mergepipe_db.formats.dtypes import DTYPE_BITS
 from mergepipe_db.formats.safetensors import SafetensorsHeader, build_header, parse_header
 
 FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from conftest import ingest_family
 from planner_scores import SCORES, set_scores
 
-from mergepipe_db.spec import Budget
+from mergepipe_db.core.spec import Budget
 
 pytestmark = pytest.mark.catalog
 

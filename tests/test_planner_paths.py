@@ -13,8 +13,10 @@ from conftest import ingest_family
 from test_merge import make_spec
 
 from mergepipe_db import __version__
+from mergepipe_db.core.hashing import sha256_hex
+from mergepipe_db.core.plan import Plan, Read, plan_hash
 from mergepipe_db.db import fetch
-from mergepipe_db.planner import ARITHMETIC, Plan, Read, plan_hash, sha256_hex
+from mergepipe_db.pipeline.plan.build import ARITHMETIC_DTYPES
 
 pytestmark = pytest.mark.catalog
 
@@ -78,7 +80,7 @@ def _independent_selection(catalog, plan: Plan) -> set[tuple[int, int, int]]:
                 "ON t.checkpoint_id = b.checkpoint_id AND t.tensor_idx = b.tensor_idx WHERE b.checkpoint_id = :c"),
                 {"c": e.checkpoint.id}).all()
             for name, dtype, bidx, nbytes, l2 in rows:
-                if dtype in ARITHMETIC and name in base_idx and (l2 is None or l2 != 0):
+                if dtype in ARITHMETIC_DTYPES and name in base_idx and (l2 is None or l2 != 0):
                     score = None if l2 is None else abs(e.coef) * l2
                     cands.append((score, base_idx[name], bidx, e.position, nbytes))
     cands.sort(key=lambda c: (c[0] is None, -(c[0] or 0.0), c[1], c[2], c[3]))

@@ -12,9 +12,10 @@ import sqlalchemy as sa
 from conftest import ingest_family
 from planner_scores import SCORES, plan_each, set_scores
 
-from mergepipe_db import planner, ranking
-from mergepipe_db.resources import sql_text
-from mergepipe_db.spec import Budget
+from mergepipe_db.core.spec import Budget
+from mergepipe_db.db.sql_files import sql_text
+from mergepipe_db.pipeline.plan import build as planner
+from mergepipe_db.pipeline.plan import ranking
 
 pytestmark = pytest.mark.catalog
 

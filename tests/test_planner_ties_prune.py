@@ -16,7 +16,9 @@ from conftest import BLOCK, ingest_family
 from reference_merge import assert_bytes_equal, load_model, load_output, reference_merge
 from test_sources import _lora_factors, _materialize_lora, _write_adapter, _write_delta
 
-from mergepipe_db import planner, sketch
+from mergepipe_db.core import sketch
+from mergepipe_db.core.dtypes import ARITHMETIC_DTYPES
+from mergepipe_db.pipeline.plan import build as planner
 
 pytestmark = pytest.mark.catalog
 
@@ -40,7 +42,7 @@ def _nonzero_blocks(catalog, plan) -> list[tuple[int, int, int, int, int, float,
                 "FROM mp_block b JOIN mp_tensor t ON t.checkpoint_id = b.checkpoint_id "
                 "AND t.tensor_idx = b.tensor_idx WHERE b.checkpoint_id = :c"), {"c": e.checkpoint.id}).all()
             for name, dtype, bidx, r0, r1, dmax, nbytes, l2 in rows:
-                if dtype in planner.ARITHMETIC and l2 != 0:
+                if dtype in ARITHMETIC_DTYPES and l2 != 0:
                     out.append((e.position, base_idx[name], bidx, r0, r1, dmax, nbytes))
     return out
 

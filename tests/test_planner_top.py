@@ -19,9 +19,10 @@ from hypothesis import strategies as st
 from planner_scores import SCORES, plan_each, set_scores
 from test_planner_threshold import _state
 
-from mergepipe_db import ranking, sketch
+from mergepipe_db.core import sketch
+from mergepipe_db.core.spec import Budget
 from mergepipe_db.db import schema
-from mergepipe_db.spec import Budget
+from mergepipe_db.pipeline.plan import ranking
 
 pytestmark = pytest.mark.catalog
 

@@ -15,8 +15,9 @@ from conftest import ingest_family
 from test_merge import make_spec
 from test_planner_threshold import _state
 
-from mergepipe_db import ranking
+from mergepipe_db.db import rank_tables
 from mergepipe_db.errors import IntegrityError
+from mergepipe_db.pipeline.plan import ranking
 
 pytestmark = pytest.mark.catalog
 
@@ -82,7 +83,7 @@ def test_a_tensor_with_a_zero_delta_block_keeps_its_block_reads(catalog, tiny_fa
                                       "AND block_idx = 1"), {"c": e.checkpoint.id, "t": et.idx}).scalar_one()
         conn.execute(sa.text("UPDATE mp_block SET delta_l2 = 0 WHERE checkpoint_id = :c AND tensor_idx = :t "
                              "AND block_idx = 1"), {"c": e.checkpoint.id, "t": et.idx})
-        ranking.rewrite(conn, [e.checkpoint.id])
+        rank_tables.rewrite(conn, [e.checkpoint.id])
     again = catalog.plan(make_spec("linear", names), budget="1.0")
     got = again.access[(pos, tidx)]
     assert [r.block_idx for r in got] == [b for b in range(et.n_blocks) if b != 1]

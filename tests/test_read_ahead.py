@@ -15,8 +15,8 @@ from conftest import ingest_family
 from reference_merge import assert_bytes_equal, load_output
 from test_merge import make_spec, reference_for
 
-from mergepipe_db import executor
-from mergepipe_db.executor import _Item, _ReadAhead, _Stopped
+from mergepipe_db.pipeline import execute as executor
+from mergepipe_db.pipeline.execute import _Item, _ReadAhead, _Stopped
 
 
 def _item(nbytes: int) -> _Item:
@@ -133,7 +133,7 @@ def test_an_error_reading_the_base_stops_the_merge_and_publishes_nothing(catalog
                                                                         monkeypatch) -> None:
     """The base is read ahead on a thread of its own (`_BaseAhead`): its error is the merge's error, no reader
     thread is left behind, nothing appears at --out, and the same merge then commits."""
-    from mergepipe_db import storage
+    from mergepipe_db.io import local as storage
 
     names = ingest_family(catalog, tiny_family)
     base_files = {str(p.resolve()) for p in tiny_family.base.glob("*.safetensors")}

@@ -76,7 +76,7 @@ def test_replay_refuses_changed_inputs_and_unknown_snapshots(catalog, tiny_famil
 
 
 def test_replay_verify_names_differing_tensors(catalog, tiny_family, tmp_path, monkeypatch) -> None:
-    from mergepipe_db import replay as rp
+    from mergepipe_db.pipeline import replay as rp
 
     base, experts = _family_copy(tmp_path, tiny_family)
     names = _ingest(catalog, base, experts)

@@ -10,9 +10,9 @@ from html.parser import HTMLParser
 import pytest
 from conftest import BLOCK
 
+from mergepipe_db.audit.reports import layer_group, report_data
 from mergepipe_db.cli import main
 from mergepipe_db.errors import SpecError
-from mergepipe_db.reports import layer_group, report_data
 
 pytestmark = pytest.mark.catalog
 

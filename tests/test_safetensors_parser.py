@@ -14,7 +14,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mergepipe_db import errors as E
-from mergepipe_db.formats import dtypes
+from mergepipe_db.core import dtypes, names
+from mergepipe_db.core.names import validate_tensor_name
 from mergepipe_db.formats import safetensors as stf
 from mergepipe_db.formats.safetensors import (
     MAX_HEADER_BYTES,
@@ -22,7 +23,6 @@ from mergepipe_db.formats.safetensors import (
     build_header,
     parse_header,
     read_header,
-    validate_tensor_name,
 )
 
 
@@ -583,7 +583,7 @@ def test_control_character_set_is_category_cc() -> None:
 
     for cp in range(sys.maxunicode + 1):
         ch = chr(cp)
-        assert (stf._CONTROL.match(ch) is not None) == (unicodedata.category(ch) == "Cc"), hex(cp)
+        assert (names.CONTROL_CHARS.match(ch) is not None) == (unicodedata.category(ch) == "Cc"), hex(cp)
 
 
 @pytest.mark.parametrize("sizes", [(1,), (3, 4093, 5), (2 << 20, 4096, 7), ((8 << 20) + 11,),

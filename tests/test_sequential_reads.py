@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mergepipe_db import storage
+from mergepipe_db.io import local as storage
 
 PIECE = 64 << 10
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from mergepipe_db import sketch
+from mergepipe_db.core import sketch
 from mergepipe_db.errors import UnsupportedDtypeError
 
 

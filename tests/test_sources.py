@@ -17,7 +17,7 @@ from mergepipe_db import Catalog
 from mergepipe_db.cli import main
 from mergepipe_db.db import schema
 from mergepipe_db.errors import CoordinateMismatchError, LoraAdapterError, MergePipeError, PackError
-from mergepipe_db.sources import FACTOR_BLOCK, lora_scale
+from mergepipe_db.sources.adapters import FACTOR_BLOCK, lora_scale
 
 pytestmark = pytest.mark.catalog
 
@@ -136,7 +136,7 @@ def test_export_delta_round_trip_is_exact(catalog, fam, tmp_path, capsys) -> Non
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_export_delta_of_scalar_and_empty_tensors(catalog, tmp_path, dtype) -> None:
     """0-d and empty tensors are exported like the others: Δ = θ − θ₀ in float32, exactly."""
-    from mergepipe_db.testing import write_model_dir
+    from mergepipe_db.demo.family import write_model_dir
 
     base = {"s": torch.tensor(1.0), "v": torch.arange(6.0), "z": torch.zeros(3, 0)}
     expert = {"s": torch.tensor(1.75), "v": torch.arange(6.0) * 3, "z": torch.zeros(3, 0)}
@@ -154,10 +154,10 @@ def test_export_delta_of_scalar_and_empty_tensors(catalog, tmp_path, dtype) -> N
 def test_export_delta_that_fails_leaves_nothing(catalog, fam, tmp_path, monkeypatch) -> None:
     """A failure while writing (here: a read error on the third tensor) leaves neither the output nor its
     partial directory behind; the same call then succeeds."""
-    from mergepipe_db import sources
+    from mergepipe_db.admin import export_delta as sources
 
     catalog.ingest(fam.experts[0], name="e0", base="base")
-    real, calls = sources._tensor_from, []
+    real, calls = sources.tensor_from_bytes, []
 
     def failing(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         calls.append(1)
@@ -165,11 +165,11 @@ def test_export_delta_that_fails_leaves_nothing(catalog, fam, tmp_path, monkeypa
             raise OSError("read error")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(sources, "_tensor_from", failing)
+    monkeypatch.setattr(sources, "tensor_from_bytes", failing)
     with pytest.raises(OSError, match="read error"):
         catalog.export_delta("e0", tmp_path / "d")
     assert not (tmp_path / "d").exists() and not (tmp_path / "d.partial").exists()
-    monkeypatch.setattr(sources, "_tensor_from", real)
+    monkeypatch.setattr(sources, "tensor_from_bytes", real)
     catalog.export_delta("e0", tmp_path / "d")
     assert (tmp_path / "d" / "model.safetensors").is_file() and not (tmp_path / "d.partial").exists()
 
@@ -317,7 +317,7 @@ def test_pack_leaves_incompressible_blocks_and_full_budget_reads_everything(cata
     smaller than the block. pack leaves those blocks to be read from the expert's file, so budget 1.0 (the raw
     full read) still reads every candidate and equals the naive full read; a payload an earlier version stored
     although it is not smaller is ignored the same way."""
-    from mergepipe_db.testing import write_model_dir
+    from mergepipe_db.demo.family import write_model_dir
 
     g = torch.Generator().manual_seed(0)
     base = torch.randn(64, 16, generator=g) * 0.02

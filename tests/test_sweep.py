@@ -9,10 +9,10 @@ import pytest
 import yaml
 from conftest import ingest_family
 
+from mergepipe_db.audit.sweep import parse_budgets, rel_l2_deviation
 from mergepipe_db.cli import main
+from mergepipe_db.core.spec import Budget
 from mergepipe_db.errors import BudgetError, OutputExistsError
-from mergepipe_db.spec import Budget
-from mergepipe_db.sweep import parse_budgets, rel_l2_deviation
 
 pytestmark = pytest.mark.catalog
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from mergepipe_db.testing import (
+from mergepipe_db.demo.family import (
     PRESETS,
     Family,
     LlamaShape,

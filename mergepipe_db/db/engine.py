@@ -125,7 +125,7 @@ class Database:
     def _alembic_config(self, conn: Connection):  # -> alembic.config.Config
         from alembic.config import Config
 
-        from mergepipe_db.resources import data_dir
+        from mergepipe_db.db.sql_files import data_dir
 
         cfg = Config()
         cfg.set_main_option("script_location", str(data_dir("migrations")))

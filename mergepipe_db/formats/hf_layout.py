@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mergepipe_db.core.names import show_name, show_path, validate_tensor_name
 from mergepipe_db.errors import (
     BadCheckpointError,
     BadTensorNameError,
@@ -22,14 +23,7 @@ from mergepipe_db.errors import (
     ShardSymlinkEscapeError,
     SymlinkEscapeError,
 )
-from mergepipe_db.formats.safetensors import (
-    SafetensorsHeader,
-    loads_strict,
-    read_header,
-    show_name,
-    show_path,
-    validate_tensor_name,
-)
+from mergepipe_db.formats.safetensors import SafetensorsHeader, loads_strict, read_header
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -14,9 +14,7 @@ import errno
 import hashlib
 import json
 import os
-import re
 import stat
-import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from mergepipe_db.core.dtypes import DTYPE_BITS
+from mergepipe_db.core.names import show_name, show_path, show_text, validate_tensor_name
 from mergepipe_db.errors import (
     BadCheckpointError,
     BadTensorNameError,
@@ -42,43 +42,17 @@ from mergepipe_db.errors import (
     TruncatedDataError,
     UnknownDtypeError,
 )
-from mergepipe_db.formats.dtypes import DTYPE_BITS
 
 #: Largest header (JSON) length accepted, in bytes.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
-#: Longest tensor name accepted, in UTF-8 bytes.
-MAX_NAME_BYTES = 1024
 
 _METADATA_KEY = "__metadata__"
 _ENTRY_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
 _MEMORY = Path("<memory>")
 _U64 = 2**64
-#: Unicode category Cc is exactly these two ranges.
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 # --- message helpers ---------------------------------------------------------------------------
-
-
-def _show(text: str, limit: int = 200) -> str:
-    """`text` made safe for a one-line message: control and line-separator characters escaped, truncated."""
-    out = []
-    for ch in text[:limit]:
-        if unicodedata.category(ch) in ("Cc", "Zl", "Zp", "Cs"):
-            out.append(ch.encode("unicode_escape", "backslashreplace").decode("ascii"))
-        else:
-            out.append(ch)
-    return "".join(out) + ("..." if len(text) > limit else "")
-
-
-def show_name(name: str) -> str:
-    """A tensor or file name quoted for a one-line error message."""
-    return "'" + _show(name) + "'"
-
-
-def show_path(path: Path | str) -> str:
-    """A path made safe for a one-line error message."""
-    return _show(str(path), limit=400)
 
 
 # --- parsed form -------------------------------------------------------------------------------
@@ -136,32 +110,6 @@ class SafetensorsHeader:
 # --- validation --------------------------------------------------------------------------------
 
 
-def validate_tensor_name(name: str, what: str = "tensor name") -> None:
-    """Raise `BadTensorNameError` unless `name` is a usable opaque tensor key (`what` names it in the message).
-
-    Refused: non-strings, the empty string, more than 1,024 UTF-8 bytes, text that is not encodable as
-    UTF-8 (lone surrogates), and any control character (Unicode category Cc, which includes NUL).
-    Everything else (quotes, ';', '/', '..', spaces, non-ASCII) is accepted and kept exactly.
-    """
-    if not isinstance(name, str):
-        raise BadTensorNameError(f"{what} {name!r} is not a string")
-    if not name:
-        raise BadTensorNameError(f"{what} is empty")
-    try:
-        size = len(name.encode("utf-8"))
-    except UnicodeEncodeError:
-        raise BadTensorNameError(f"{what} {show_name(name)} is not valid Unicode") from None
-    if size > MAX_NAME_BYTES:
-        raise BadTensorNameError(
-            f"{what} {show_name(name[:40])} is {size} UTF-8 bytes, over the {MAX_NAME_BYTES}-byte limit"
-        )
-    bad = _CONTROL.search(name)
-    if bad is not None:
-        raise BadTensorNameError(
-            f"{what} {show_name(name)} holds control character U+{ord(bad.group()):04X}"
-        )
-
-
 class _DuplicateKey(Exception):
     def __init__(self, key: str) -> None:
         self.key = key
@@ -202,7 +150,7 @@ def loads_strict(text: str) -> Any:
     except RecursionError:
         raise ValueError("nested too deeply") from None
     except ValueError as e:  # JSONDecodeError, int digit limits
-        raise ValueError(_show(str(e).splitlines()[0] if str(e) else type(e).__name__)) from None
+        raise ValueError(show_text(str(e).splitlines()[0] if str(e) else type(e).__name__)) from None
 
 
 def _is_uint(x: object) -> bool:
@@ -227,7 +175,7 @@ def _parse_json(where: str, raw: bytes) -> dict[str, Any]:
         raise HeaderJsonError(f"{where}: header JSON is nested too deeply") from None
     except ValueError as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise HeaderJsonError(f"{where}: header is not valid JSON: {_show(first)}") from None
+        raise HeaderJsonError(f"{where}: header is not valid JSON: {show_text(first)}") from None
     if end != len(body):
         raise HeaderJsonError(f"{where}: header has bytes after the JSON object other than space padding")
     if not isinstance(obj, dict):
@@ -282,13 +230,13 @@ def _parse_entry(where: str, name: str, value: object) -> TensorEntry:
         for d in shape:
             n *= d
             if n >= _U64:
-                raise SizeMismatchError(f"{label}: shape {_show(str(shape), 80)} has 2**64 or more elements")
+                raise SizeMismatchError(f"{label}: shape {show_text(str(shape), 80)} has 2**64 or more elements")
     bits = n * DTYPE_BITS[dtype]
     if bits % 8:
         raise SizeMismatchError(f"{label}: {n} {dtype} elements are not a whole number of bytes")
     if end - begin != bits // 8:
         raise SizeMismatchError(
-            f"{label}: data_offsets span {end - begin} bytes but {dtype} shape {_show(str(shape), 80)} "
+            f"{label}: data_offsets span {end - begin} bytes but {dtype} shape {show_text(str(shape), 80)} "
             f"needs {bits // 8}"
         )
     return TensorEntry(name=name, dtype=dtype, shape=tuple(shape), begin=begin, end=end)
@@ -475,7 +423,7 @@ class _DirectSink:
     def __init__(self, fd: int, hasher: Any = None) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
-        from mergepipe_db.storage import aligned_empty
+        from mergepipe_db.io.local import aligned_empty
 
         self._fd: int | None = fd
         self._bufs = (aligned_empty(self._BUF), aligned_empty(self._BUF))
@@ -541,7 +489,7 @@ class _DirectSink:
     def finish(self, fd: int) -> None:
         """Write what is buffered (padded to whole pages), wait for the writes and cut the file to its
         exact size via `fd`."""
-        from mergepipe_db.storage import ALIGN
+        from mergepipe_db.io.local import ALIGN
 
         size = self._written + self._fill
         if self._fill:
@@ -735,7 +683,6 @@ class SafetensorsWriter:
 
 __all__ = [
     "MAX_HEADER_BYTES",
-    "MAX_NAME_BYTES",
     "SafetensorsHeader",
     "SafetensorsWriter",
     "TensorEntry",
@@ -743,7 +690,4 @@ __all__ = [
     "loads_strict",
     "parse_header",
     "read_header",
-    "show_name",
-    "show_path",
-    "validate_tensor_name",
 ]

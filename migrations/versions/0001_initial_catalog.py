@@ -10,7 +10,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from mergepipe_db.resources import data_dir
+from mergepipe_db.db.sql_files import data_dir
 
 revision = "0001"
 down_revision = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from mergepipe_db.resources import data_dir
+from mergepipe_db.db.sql_files import data_dir
 
 revision = "0003"
 down_revision = "0002"

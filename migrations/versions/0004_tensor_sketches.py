@@ -18,7 +18,7 @@ depends_on = None
 
 
 def upgrade() -> None:
-    from mergepipe_db.ranking import write_tensor_sketches  # the function ingest and commit call
+    from mergepipe_db.db.rank_tables import write_tensor_sketches  # the function ingest and commit call
 
     op.create_table(
         "mp_tensor_sketch",

@@ -1,0 +1,1 @@
+"""Administration of a catalog and its files: pack, export-delta, gc, verify, fsck."""

@@ -1,0 +1,1 @@
+"""Audit: lineage, reports and budget sweeps."""

@@ -1,0 +1,212 @@
+"""The plan: immutable facts about checkpoints and tensors, the selected reads, and the plan that carries them
+from the planner to the executor, with its canonical form and hash."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from itertools import chain
+from operator import attrgetter
+from typing import Any
+
+import numpy as np
+
+from mergepipe_db.core.hashing import canonical_json
+from mergepipe_db.core.spec import MergeSpec
+from mergepipe_db.core.version import __version__
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    idx: int
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    path: str
+    offset: int  # absolute byte offset in `path`
+    nbytes: int
+    rows_per_block: int
+    n_blocks: int
+    xxh3: str
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    id: str
+    name: str
+    kind: str
+    root: str
+    has_stats: bool
+    block_bytes: int
+    files: tuple[FileStamp, ...]
+    file_hashes: tuple[tuple[str, str], ...]  # (relpath, sha256)
+    config: dict[str, Any] | None
+    base_id: str | None = None  # the base its delta statistics are against (None for an original base)
+
+
+@dataclass(frozen=True, slots=True)
+class Read:
+    """One selected unit: a block (block_idx ≥ 0) or a whole tensor (block_idx = -1)."""
+
+    block_idx: int
+    offset: int
+    nbytes: int
+    xxh3: str
+
+
+@dataclass
+class ExpertPlan:
+    position: int
+    checkpoint: CheckpointInfo
+    weight: float
+    density: float
+    gamma: float
+    coef: float
+    tensors: dict[str, TensorInfo]  # by name
+    planned_bytes: int = 0
+    blocks_selected: int = 0
+    pruned_bytes: int = 0  # TIES: bytes of nonzero-delta blocks trimmed to zero entirely (not candidates)
+    blocks_pruned: int = 0
+
+
+@dataclass
+class Plan:
+    spec: MergeSpec
+    base: CheckpointInfo
+    base_tensors: list[TensorInfo]  # checkpoint order
+    experts: list[ExpertPlan]
+    out_dtype: str | None
+    budget_bytes: int
+    full_bytes: int  # what a full read of every expert tensor costs (the naive merge)
+    candidate_bytes: int  # bytes of blocks with a non-zero delta
+    planned_bytes: int
+    access: dict[tuple[int, int], tuple[Read, ...]]  # (position, base tensor_idx) -> reads, block order
+    full_selection: dict[tuple[int, int], bool]  # every candidate block of (expert, tensor) selected
+    bound_per_tensor: dict[int, float] | None
+    bound_total: float | None
+    plan_hash: str = ""
+    sketches: dict[tuple[int, int], Any] = field(default_factory=dict)
+    sources: dict[int, Any] = field(default_factory=dict)  # position -> sources.ExpertSource (delta/LoRA/packed)
+    pruned_bytes: int = 0  # TIES: read cost of nonzero-delta blocks that trim to zero (never candidates)
+    pruned_blocks: int = 0
+
+    def selected_blocks(self, position: int, tensor_idx: int) -> tuple[int, ...]:
+        """The block indices expert `position` reads of base tensor `tensor_idx` (all of its blocks for a
+        whole-tensor read; a LoRA factor unit is block -2)."""
+        reads = self.access.get((position, tensor_idx), ())
+        if any(r.block_idx == -1 for r in reads):
+            name = next(t.name for t in self.base_tensors if t.idx == tensor_idx)
+            return tuple(range(self.experts[position].tensors[name].n_blocks))
+        return tuple(r.block_idx for r in reads)
+
+    def access_mask(self) -> list[list[Any]]:
+        """Compact access set: [position, tensor name, [[first_block, stop_block], ...]] sorted."""
+        out: list[list[Any]] = []
+        names = {t.idx: t for t in self.base_tensors}
+        for (pos, tidx), reads in sorted(self.access.items()):
+            t = names[tidx]
+            ranges: list[list[int]] = []
+            for r in reads:
+                if r.block_idx == -1:
+                    ranges.append([0, t.n_blocks])
+                elif ranges and ranges[-1][1] == r.block_idx:
+                    ranges[-1][1] = r.block_idx + 1
+                else:
+                    ranges.append([r.block_idx, r.block_idx + 1])
+            out.append([pos, t.name, ranges])
+        return out
+
+    def canonical(self) -> dict[str, Any]:
+        """Deterministic content the plan hash is computed from (`plan_hash`: its canonical JSON, hashed)."""
+        return {**self._canonical_head(), "access": self.access_mask()}
+
+    def _canonical_head(self) -> dict[str, Any]:
+        s = self.spec
+        return {
+            "method": s.method,
+            "normalize": s.normalize,
+            "lambda": s.lam,
+            "t": s.t,
+            "seed": s.seed,
+            "dtype": self.out_dtype,
+            "base": self.base.id,
+            "experts": [[e.checkpoint.id, e.weight, e.density, e.gamma] for e in self.experts],
+            "budget_bytes": self.budget_bytes,
+        }
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "plan_hash": self.plan_hash,
+            "method": self.spec.method,
+            "base": self.base.name,
+            "budget_bytes": self.budget_bytes,
+            "full_bytes": self.full_bytes,
+            "candidate_bytes": self.candidate_bytes,
+            "planned_bytes": self.planned_bytes,
+            "pruned_bytes": self.pruned_bytes,
+            "pruned_blocks": self.pruned_blocks,
+            "bound": self.bound_total,
+            "experts": [
+                {"name": e.checkpoint.name, "position": e.position, "planned_bytes": e.planned_bytes,
+                 "blocks_selected": e.blocks_selected, "pruned_bytes": e.pruned_bytes,
+                 "blocks_pruned": e.blocks_pruned, "coef": e.coef}
+                for e in self.experts
+            ],
+        }
+
+
+def _access_mask_json(plan: Plan) -> str:
+    """``json.dumps(plan.access_mask())`` in canonical form (compact separators, ASCII), built directly as
+    text: the same bytes, without a list per range (10^5 selected blocks in a few tens of ms).
+
+    The ranges come out of numpy: read i covers [lo_i, hi_i) ([0, n_blocks) for a whole tensor, block_idx
+    -1) and extends the open range, as in `Plan.access_mask`, where it is a block (not -1) of the same key
+    starting at the previous read's hi."""
+    tensors = {t.idx: t for t in plan.base_tensors}
+    keys = sorted(plan.access)
+    counts = np.fromiter((len(plan.access[k]) for k in keys), dtype=np.int64, count=len(keys))
+    b = np.fromiter(map(_BLOCK_IDX, chain.from_iterable(plan.access[k] for k in keys)), dtype=np.int64,
+                    count=int(counts.sum()))
+    whole = b == -1
+    lo = np.where(whole, 0, b)
+    hi = np.where(whole, np.repeat(np.array([tensors[t].n_blocks for _p, t in keys], dtype=np.int64), counts),
+                  b + 1)
+    first = np.zeros(len(b), dtype=bool)
+    first[(np.cumsum(counts) - counts)[counts > 0]] = True
+    starts = np.flatnonzero(first | whole | np.r_[True, hi[:-1] != b[1:]])
+    ends = np.append(starts[1:], len(b))[:len(starts)] - 1  # each range's last read
+    ranges = list(map("[{},{}]".format, lo[starts].tolist(), hi[ends].tolist()))
+    # ranges per key: a key's reads are counts[k] consecutive ones, and its first read starts a range
+    per_key = np.searchsorted(starts, np.cumsum(counts) - counts).tolist() + [len(ranges)]
+    out = [f"[{int(pos)},{json.dumps(tensors[tidx].name)},[{','.join(ranges[per_key[k]:per_key[k + 1]])}]]"
+           for k, (pos, tidx) in enumerate(keys)]
+    return "[" + ",".join(out) + "]"
+
+
+_BLOCK_IDX = attrgetter("block_idx")
+
+
+def plan_hash(plan: Plan) -> str:
+    """sha256 of the canonical JSON of ``{"tool": major version, **plan.canonical()}`` (sorted keys, compact).
+
+    "access" is the first key in sorted order, so the text is ``{"access":<mask>,`` followed by the canonical
+    JSON of the other keys; the mask's text comes from `_access_mask_json`. Equal, byte for byte, to
+    ``sha256_hex({"tool": ..., **plan.canonical()})`` (tests/test_planner_speed.py checks both).
+    """
+    head = canonical_json({"tool": __version__.split(".")[0], **plan._canonical_head()})
+    assert head[:1] == b"{"  # every other key sorts after "access"
+    h = hashlib.sha256(b'{"access":')
+    h.update(_access_mask_json(plan).encode("ascii"))
+    h.update(b"," if len(head) > 2 else b"")
+    h.update(head[1:])
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class FileStamp:
+    """What ingest recorded about a file, for stale detection."""
+
+    path: str
+    size: int
+    mtime_ns: int

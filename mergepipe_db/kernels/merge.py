@@ -1,0 +1,673 @@
+"""Fused merge kernels (numba): one pass over an expert's stored values per operator step, no temporaries.
+
+Each kernel does, per element, exactly the float32 operations of docs/SEMANTICS.md in the same order as the
+torch formulas (``x * w`` with ``w`` the float32 of the Python float, sums into +0.0-started accumulators),
+so results are identical bit for bit; numba compiles without fast-math, so nothing is reassociated or
+contracted into FMAs. Expert values come straight from the stored bytes — ``raw`` is the tensor's BF16 bit
+patterns (uint16) or its float32 values, flat — and only the selected element ranges are touched
+(``ranges``: sorted, disjoint ``[start, stop)`` rows of an int64 array); elsewhere the expert equals the base
+(Δ = 0) and its bytes were never read. Loops run over zero-based slices so LLVM vectorizes them. All
+kernels release the GIL.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from mergepipe_db.kernels import torch_rand as mt19937
+from mergepipe_db.kernels.float_bits import f32_to_bits, widen
+
+HIST_BINS = 1 << 15  # top 16 bits of a non-negative float32 (NaN included: 0x7FFF.... >> 16 < 2**15)
+_INF_PREFIX = 0x7F80  # top 16 bits of +inf; every NaN is at or above it
+
+
+def pack(arrays: list[np.ndarray]) -> tuple[np.ndarray, ...]:
+    """Flat arrays of one dtype as the `raws` tuple of the fused kernels, padded with empty arrays to a power
+    of two: the kernels are compiled (and cached on disk) once per dtype and padded length. A numba typed
+    List would need no padding, but building one compiles its methods in every process (~0.5 s per item
+    type here). The kernels index only the first ``selected.shape[0]`` entries."""
+    n = 1 << max(len(arrays) - 1, 0).bit_length()
+    pad = np.empty(0, arrays[0].dtype)
+    return tuple(np.ascontiguousarray(a).reshape(-1) for a in arrays) + (pad,) * (n - len(arrays))
+
+
+@numba.njit(cache=True, nogil=True)
+def _linear_span(acc: np.ndarray, src: np.ndarray, w: np.float32, first: bool) -> None:
+    zero = np.float32(0.0)
+    if first:
+        for i in range(acc.shape[0]):
+            acc[i] = zero + widen(src[i]) * w
+    else:
+        for i in range(acc.shape[0]):
+            acc[i] = acc[i] + widen(src[i]) * w
+
+
+@numba.njit(cache=True, nogil=True)
+def widen_into(out: np.ndarray, raw: np.ndarray) -> None:
+    """out = the stored values `raw` as float32 (BF16 bits widened exactly), flat arrays of one length."""
+    for i in range(raw.shape[0]):
+        out[i] = widen(raw[i])
+
+
+@numba.njit(cache=True, nogil=True)
+def narrow_bf16(out: np.ndarray, x: np.ndarray) -> bool:
+    """out = the BF16 bits (uint16) of float32 `x`, rounded to nearest, ties to even, as torch rounds. False
+    when `x` holds a NaN: torch writes a NaN's BF16 bits differently in its vector and scalar loops, so the
+    caller converts such a tensor with torch itself."""
+    finite_or_inf = True
+    for i in range(x.shape[0]):
+        u = f32_to_bits(x[i])
+        out[i] = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+        finite_or_inf &= x[i] == x[i]
+    return finite_or_inf
+
+
+@numba.njit(cache=True, nogil=True)
+def narrow_bf16_with_table(out: np.ndarray, x: np.ndarray, base: np.ndarray, bounds: np.ndarray, skip: np.ndarray,
+                           table: np.ndarray, lut: np.ndarray, exceptions: np.ndarray, unchanged: np.ndarray) -> bool:
+    """`narrow_bf16` of `x` on the blocks not skipped; on a block with ``skip[b]``, out = lut[base] (`base`: θ₀'s
+    BF16 bits; `table`: the operator's float32 result there as a function of them; `lut`: its BF16 bits).
+    False when a NaN is met in either (the caller converts with torch).
+
+    A non-empty `exceptions` (rows [bits, lut[bits]], as `near_identity` gives them) says that `lut` maps
+    every other pattern to itself and `table` is NaN exactly on the NaN patterns: a skipped block is then
+    scanned for those patterns (and NaN, from θ₀'s bits) without table lookups; one holding none of them is
+    θ₀'s bytes and is not written: ``unchanged[b]`` says so, and the caller takes its bytes from `base`. The
+    others are copied with the patterns replaced. `unchanged` is False for every other block."""
+    ok = True
+    fast = exceptions.shape[0] > 0
+    for b in range(skip.shape[0]):
+        s0, e0 = bounds[b], bounds[b + 1]
+        unchanged[b] = False
+        if skip[b] and fast:
+            no_nan, moved = _scan_except(base[s0:e0], exceptions)
+            ok &= no_nan
+            if moved:
+                _copy_except(out[s0:e0], base[s0:e0], exceptions)
+            else:
+                unchanged[b] = True
+        elif skip[b]:
+            for i in range(s0, e0):
+                v = base[i]
+                out[i] = lut[v]
+                ok &= table[v] == table[v]
+        elif not narrow_bf16(out[s0:e0], x[s0:e0]):
+            ok = False
+    return ok
+
+
+@numba.njit(cache=True, nogil=True)
+def _scan_except(base: np.ndarray, exceptions: np.ndarray) -> tuple[bool, bool]:
+    """(no NaN in `base` (BF16 bits: exponent all ones, mantissa non-zero), some element of `base` that an
+    exceptions row maps to other bits), in one read of `base` for the first row."""
+    nan = np.uint16(0)
+    moved = 0
+    for r in range(exceptions.shape[0]):
+        v, o = exceptions[r, 0], exceptions[r, 1]
+        hits = 0
+        if r == 0:
+            for i in range(base.shape[0]):
+                u = base[i]
+                nan |= np.uint16((u & np.uint16(0x7FFF)) > np.uint16(0x7F80))
+                hits += u == v
+        elif v != o:
+            for i in range(base.shape[0]):
+                hits += base[i] == v
+        if v != o:
+            moved += hits
+    return nan == 0, moved > 0
+
+
+@numba.njit(cache=True, nogil=True)
+def _copy_except(out: np.ndarray, base: np.ndarray, exceptions: np.ndarray) -> None:
+    """out = base with each exceptions[r, 0] replaced by exceptions[r, 1] (BF16 bits)."""
+    for r in range(exceptions.shape[0]):
+        v, o = exceptions[r, 0], exceptions[r, 1]
+        if r == 0:
+            for i in range(base.shape[0]):
+                u = base[i]
+                out[i] = o if u == v else u
+        else:
+            for i in range(out.shape[0]):
+                if base[i] == v:
+                    out[i] = o
+
+
+def near_identity(table: np.ndarray, lut: np.ndarray, max_exceptions: int = 4) -> np.ndarray:
+    """Rows [bits, lut[bits]] (uint16, at least one) of the BF16 patterns that `lut` does not map to
+    themselves, when `table` is NaN exactly on the NaN patterns and there are at most `max_exceptions` of
+    them (e.g. −0 → +0 for θ₀·w sums); an empty array otherwise (`narrow_bf16_with_table`)."""
+    bits = np.arange(1 << 16, dtype=np.uint32)
+    nan_bits = (bits & 0x7FFF) > 0x7F80
+    if not np.array_equal(np.isnan(table), nan_bits):
+        return np.empty((0, 2), np.uint16)
+    moved = np.flatnonzero((lut.astype(np.uint32) != bits) & ~nan_bits)
+    if moved.size > max_exceptions:
+        return np.empty((0, 2), np.uint16)
+    if moved.size == 0:  # the identity: one row that never matches a number (a NaN pattern, which fails anyway)
+        return np.array([[0x7FC1, 0x7FC1]], np.uint16)
+    return np.stack([moved, lut[moved]], axis=1).astype(np.uint16)
+
+
+_TILE = 2048  # elements per tile of `_catch_up`: the accumulator tile stays in L1 across the experts
+
+
+@numba.njit(cache=True, nogil=True)
+def _catch_up(acc: np.ndarray, base: np.ndarray, weights: np.ndarray, first: bool) -> None:
+    """acc = acc + θ₀ * w for each w of `weights` in order (``first``: acc starts at +0.0), tile by tile, so
+    the accumulator is read and written once however many experts are folded."""
+    zero = np.float32(0.0)
+    n = acc.shape[0]
+    for t0 in range(0, n, _TILE):
+        a = acc[t0:min(n, t0 + _TILE)]
+        b = base[t0:min(n, t0 + _TILE)]
+        for j in range(weights.shape[0]):
+            w = weights[j]
+            if first and j == 0:
+                for i in range(a.shape[0]):
+                    a[i] = zero + b[i] * w
+            else:
+                for i in range(a.shape[0]):
+                    a[i] = a[i] + b[i] * w
+
+
+@numba.njit(cache=True, nogil=True)
+def linear_fold(acc: np.ndarray, base: np.ndarray, raw: np.ndarray, bounds: np.ndarray, selected: np.ndarray,
+                pending: np.ndarray, weights: np.ndarray, k: int) -> None:
+    """Linear step for expert k on its selected blocks: acc = acc + θ_k * w_k in spec order.
+
+    Block b spans elements [bounds[b], bounds[b+1]); pending[b] is the first expert not yet folded into it.
+    Experts that skipped a block contribute θ₀ * w_j there; they are folded in only when the block is next
+    touched (or by `linear_fused`), in order, so each element costs one pass however many experts omit it.
+    """
+    for b in range(selected.shape[0]):
+        if not selected[b]:
+            continue
+        s0, e0 = bounds[b], bounds[b + 1]
+        j = pending[b]
+        if j < k:
+            _catch_up(acc[s0:e0], base[s0:e0], weights[j:k], j == 0)
+        _linear_span(acc[s0:e0], raw[s0:e0], weights[k], j == 0 and k == 0)
+        pending[b] = k + 1
+
+
+@numba.njit(cache=True, nogil=True)
+def linear_fused(acc: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], slot: np.ndarray,
+                 selected: np.ndarray, bounds: np.ndarray, weights: np.ndarray, pending: np.ndarray, j1: int,
+                 skip: np.ndarray, divisor: np.float32, divide: bool) -> None:
+    """Linear steps for experts pending[b]..j1-1 on each block b in one tiled pass, when the stored values
+    of those with a slot are at hand: expert j is ``raws[slot[j]]`` on the blocks b with
+    ``selected[slot[j], b]`` and θ₀ elsewhere (and everywhere when ``slot[j] < 0``); with ``divide`` (the
+    last pass of a normalized merge), then acc = acc / divisor. Tile by tile the accumulator stays in L1
+    while the experts are folded in order (expert 0 starts it at +0.0): the same operations as
+    `linear_fold`, catching up and the normalizing division, the same bits, with one pass over the
+    accumulator instead of one per expert. Blocks with ``skip[b]`` (no expert selected them; the caller
+    writes them from θ₀ alone) are left as they are; the others end with pending[b] = j1."""
+    for b in range(bounds.shape[0] - 1):
+        if skip[b]:
+            continue
+        j0 = pending[b]
+        for t0 in range(bounds[b], bounds[b + 1], _TILE):
+            m = min(_TILE, bounds[b + 1] - t0)
+            a = acc[t0:t0 + m]
+            for j in range(j0, j1):
+                s = slot[j]
+                if s >= 0 and selected[s, b]:
+                    _linear_span(a, raws[s][t0:t0 + m], weights[j], j == 0)
+                else:
+                    _linear_span(a, base[t0:t0 + m], weights[j], j == 0)
+            if divide:
+                for i in range(m):
+                    a[i] = a[i] / divisor
+        pending[b] = j1
+
+
+@numba.njit(cache=True, nogil=True)
+def delta_fused(mixed: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], selected: np.ndarray,
+                bounds: np.ndarray, w: np.ndarray, skip: np.ndarray, start: bool, finish: bool,
+                normalize: bool, divisor: np.float32, lam: np.float32) -> None:
+    """`delta_add` for every expert k of ``raws`` in order (on the blocks with ``selected[k, b]``), tile by
+    tile, so the sum and the base stay in L1: the same bits as one `delta_add` per expert. Blocks with
+    ``skip[b]`` are left as they are. With ``start`` the sum starts at +0.0 (``mixed`` holds nothing yet);
+    with ``finish`` (the last pass) each element then ends as the additive operators' `_finish` makes it:
+    θ₀ + (mixed / divisor, where ``normalize``) · λ, in that order. One pass instead of a zeroing pass before
+    and three after."""
+    zero = np.float32(0.0)
+    for b in range(bounds.shape[0] - 1):
+        if skip[b]:
+            continue
+        for t0 in range(bounds[b], bounds[b + 1], _TILE):
+            m = min(_TILE, bounds[b + 1] - t0)
+            mm, bb = mixed[t0:t0 + m], base[t0:t0 + m]
+            if start:
+                for i in range(m):
+                    mm[i] = zero
+            for k in range(selected.shape[0]):
+                if not selected[k, b]:
+                    continue
+                x, wk = raws[k][t0:t0 + m], w[k]
+                for i in range(m):
+                    mm[i] = mm[i] + (widen(x[i]) - bb[i]) * wk
+            if finish:
+                for i in range(m):
+                    v = mm[i] / divisor if normalize else mm[i]
+                    mm[i] = v * lam + bb[i]
+
+
+@numba.njit(cache=True, nogil=True)
+def delta_add(mixed: np.ndarray, base: np.ndarray, raw: np.ndarray, ranges: np.ndarray, w: np.float32) -> None:
+    """mixed = mixed + (θ_k − θ₀) * w on `ranges` (task arithmetic; elsewhere Δ_k = 0 adds nothing)."""
+    for r in range(ranges.shape[0]):
+        s0, e0 = ranges[r, 0], ranges[r, 1]
+        m, b, x = mixed[s0:e0], base[s0:e0], raw[s0:e0]
+        for i in range(m.shape[0]):
+            m[i] = m[i] + (widen(x[i]) - b[i]) * w
+
+
+@numba.njit(cache=True, nogil=True)
+def absdelta(out: np.ndarray, base: np.ndarray, raw: np.ndarray, ranges: np.ndarray) -> None:
+    """out[:n_read] = |θ_k − θ₀| of the elements on `ranges`, packed in order."""
+    o = 0
+    for r in range(ranges.shape[0]):
+        s0, e0 = ranges[r, 0], ranges[r, 1]
+        y, b, x = out[o:o + e0 - s0], base[s0:e0], raw[s0:e0]
+        for i in range(y.shape[0]):
+            y[i] = abs(widen(x[i]) - b[i])
+        o += e0 - s0
+
+
+@numba.njit(cache=True, nogil=True)
+def absdelta_hist(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray, hist: np.ndarray) -> None:
+    """hist[bits(|Δ|) >> 16] += 1 over the elements on `ranges` (non-negative float32 order = bit order)."""
+    for r in range(ranges.shape[0]):
+        s0, e0 = ranges[r, 0], ranges[r, 1]
+        b, x = base[s0:e0], raw[s0:e0]
+        for i in range(b.shape[0]):
+            hist[f32_to_bits(abs(widen(x[i]) - b[i])) >> np.uint32(16)] += 1
+
+
+@numba.njit(cache=True, nogil=True)
+def absdelta_collect(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray, prefix: np.uint32,
+                     out: np.ndarray) -> int:
+    """Bit patterns of the |Δ| on `ranges` whose top 16 bits equal `prefix`, into `out`; returns how many."""
+    o = 0
+    for r in range(ranges.shape[0]):
+        s0, e0 = ranges[r, 0], ranges[r, 1]
+        b, x = base[s0:e0], raw[s0:e0]
+        for i in range(b.shape[0]):
+            bits = f32_to_bits(abs(widen(x[i]) - b[i]))
+            if (bits >> np.uint32(16)) == prefix:
+                out[o] = bits
+                o += 1
+    return o
+
+
+@numba.njit(cache=True, nogil=True)
+def absdelta_bin(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray, lo: np.float32, hi: np.float32,
+                 out: np.ndarray) -> tuple[int, int, int]:
+    """One pass over the |Δ| on `ranges`: the bit patterns of those in [lo, hi) into `out` (stops storing once
+    it is full); returns (how many are in [lo, hi), how many are >= hi, how many are NaN)."""
+    got = 0
+    above = 0
+    nan = 0
+    cap = out.shape[0]
+    for r in range(ranges.shape[0]):
+        s0, e0 = ranges[r, 0], ranges[r, 1]
+        b, x = base[s0:e0], raw[s0:e0]
+        for i in range(b.shape[0]):
+            a = abs(widen(x[i]) - b[i])
+            if a != a:
+                nan += 1
+            elif a >= hi:
+                above += 1
+            elif a >= lo:
+                if got < cap:
+                    out[got] = f32_to_bits(a)
+                got += 1
+    return got, above, nan
+
+
+@numba.njit(cache=True, nogil=True)
+def _absdelta_count_span(b: np.ndarray, x: np.ndarray) -> tuple[int, int]:
+    """(how many |Δ| of the span are finite and nonzero, how many are inf or NaN)."""
+    nonzero = 0
+    finite = 0
+    zero = np.float32(0.0)
+    inf = np.float32(np.inf)
+    for i in range(b.shape[0]):  # branch-free, so it vectorizes
+        a = abs(widen(x[i]) - b[i])
+        finite += np.int64(a < inf)
+        nonzero += np.int64(a < inf) & np.int64(a > zero)
+    return nonzero, b.shape[0] - finite
+
+
+@numba.njit(cache=True, nogil=True)
+def absdelta_count(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray) -> tuple[int, int]:
+    """(how many |Δ| on `ranges` are finite and nonzero, how many are inf or NaN)."""
+    nonzero = 0
+    special = 0
+    for r in range(ranges.shape[0]):
+        s0, e0 = ranges[r, 0], ranges[r, 1]
+        nz, sp = _absdelta_count_span(base[s0:e0], raw[s0:e0])
+        nonzero += nz
+        special += sp
+    return nonzero, special
+
+
+@numba.njit(cache=True, nogil=True)
+def _ties_span(S: np.ndarray, P: np.ndarray, N: np.ndarray, WP: np.ndarray, WN: np.ndarray, b: np.ndarray,
+               x: np.ndarray, trim: bool, tau: np.float32, w: np.float32, weights: bool, init: bool,
+               ) -> None:
+    """One expert's TIES sums on a span: T = Δ, or where(|Δ| >= τ, Δ, 0.0) with ``trim``."""
+    zero = np.float32(0.0)
+    for i in range(S.shape[0]):
+        d = widen(x[i]) - b[i]
+        if trim:
+            d = d if abs(d) >= tau else zero
+        dw = d * w
+        if init:  # fresh accumulators: +0.0 + term
+            S[i] = zero + dw
+            P[i] = zero + (dw if dw > zero else zero)
+            N[i] = zero + (dw if dw < zero else zero)
+            if weights:
+                WP[i] = zero + (w if dw > zero else zero)
+                WN[i] = zero + (w if dw < zero else zero)
+        else:
+            S[i] = S[i] + dw
+            P[i] = P[i] + (dw if dw > zero else zero)
+            N[i] = N[i] + (dw if dw < zero else zero)
+            if weights:
+                WP[i] = WP[i] + (w if dw > zero else zero)
+                WN[i] = WN[i] + (w if dw < zero else zero)
+
+
+@numba.njit(cache=True, nogil=True)
+def ties_dare_span(S: np.ndarray, P: np.ndarray, N: np.ndarray, WP: np.ndarray, WN: np.ndarray, b: np.ndarray,
+                   x: np.ndarray, u: np.ndarray, dens: np.float32, w: np.float32, weights: bool, init: bool) -> None:
+    """dare_ties: the TIES sums of one block's DARE task vector T = where(u < d, Δ / d, 0.0), tile by tile:
+    T into an L1 tile, then `_ties_span` on it against zeros (T − 0 = T, bit for bit)."""
+    zero = np.float32(0.0)
+    t = np.empty(_TILE, np.float32)
+    z = np.zeros(_TILE, np.float32)
+    n = S.shape[0]
+    for t0 in range(0, n, _TILE):
+        m = min(_TILE, n - t0)
+        xs, bs, us = x[t0:t0 + m], b[t0:t0 + m], u[t0:t0 + m]
+        for i in range(m):
+            q = (widen(xs[i]) - bs[i]) / dens
+            t[i] = q if us[i] < dens else zero
+        _ties_span(S[t0:t0 + m], P[t0:t0 + m], N[t0:t0 + m], WP[t0:t0 + m], WN[t0:t0 + m], z[:m], t[:m], False,
+                   np.float32(np.inf), w, weights, init)
+
+
+@numba.njit(cache=True, nogil=True)
+def dare_delta_span(mixed: np.ndarray, b: np.ndarray, x: np.ndarray, u: np.ndarray, dens: np.float32,
+                    w: np.float32) -> None:
+    """mixed = mixed + where(u < d, Δ / d, 0.0) * w on one block (dare_linear)."""
+    zero = np.float32(0.0)
+    for i in range(mixed.shape[0]):
+        t = (widen(x[i]) - b[i]) / dens
+        mixed[i] = mixed[i] + (t if u[i] < dens else zero) * w
+
+
+@numba.njit(cache=True, nogil=True)
+def ties_add(S: np.ndarray, P: np.ndarray, N: np.ndarray, WP: np.ndarray, WN: np.ndarray, base: np.ndarray,
+             raw: np.ndarray, bounds: np.ndarray, blocks: np.ndarray, touched: np.ndarray, trim: bool,
+             tau: np.float32, w: np.float32, weights: bool) -> None:
+    """TIES steps 1-2 and the streaming sums of steps 3-5 for one expert on its selected `blocks` (block b
+    spans elements [bounds[b], bounds[b+1]); elsewhere D_k = 0 and nothing is touched):
+    T = where(|Δ| >= τ, Δ, 0.0) (``trim``; else T = Δ), D = T * w, S += D, P += where(D > 0, D, 0),
+    N += where(D < 0, D, 0) and, with ``weights`` (normalize), WP += where(D > 0, w, 0), WN likewise.
+    A block not yet `touched` holds garbage: its sums start at +0.0 here (written, not cleared and added to)."""
+    for j in range(blocks.shape[0]):
+        b = blocks[j]
+        s0, e0 = bounds[b], bounds[b + 1]
+        # WP / WN are empty without ``weights``: their slices stay empty and are never indexed
+        _ties_span(S[s0:e0], P[s0:e0], N[s0:e0], WP[s0:e0], WN[s0:e0], base[s0:e0], raw[s0:e0], trim, tau, w,
+                   weights, not touched[b])
+        touched[b] = True
+
+
+@numba.njit(cache=True, nogil=True)
+def ties_clear_untouched(S: np.ndarray, P: np.ndarray, N: np.ndarray, WP: np.ndarray, WN: np.ndarray,
+                         bounds: np.ndarray, touched: np.ndarray, weights: bool) -> None:
+    """Start every block not yet touched at +0.0 (before a torch-path fold, which adds), and mark it."""
+    zero = np.float32(0.0)
+    for b in range(touched.shape[0]):
+        if not touched[b]:
+            s0, e0 = bounds[b], bounds[b + 1]
+            S[s0:e0] = zero
+            P[s0:e0] = zero
+            N[s0:e0] = zero
+            if weights:
+                WP[s0:e0] = zero
+                WN[s0:e0] = zero
+            touched[b] = True
+
+
+@numba.njit(cache=True, nogil=True)
+def _ties_finish_span(out: np.ndarray, P: np.ndarray, S: np.ndarray, N: np.ndarray, WP: np.ndarray,
+                      WN: np.ndarray, base: np.ndarray, normalize: bool, lam: np.float32) -> None:
+    """out = θ₀ + (mixed / div if normalize else mixed) * λ from the sums (`out` may be P)."""
+    zero = np.float32(0.0)
+    one = np.float32(1.0)
+    if normalize:
+        for i in range(out.shape[0]):
+            pos = S[i] >= zero
+            div = WP[i] if pos else WN[i]
+            out[i] = base[i] + (P[i] if pos else N[i]) / (one if div == zero else div) * lam
+    else:
+        for i in range(out.shape[0]):
+            out[i] = base[i] + (P[i] if S[i] >= zero else N[i]) * lam
+
+
+@numba.njit(cache=True, nogil=True)
+def _untouched_span(out: np.ndarray, base: np.ndarray, lam: np.float32) -> None:
+    """Where no expert contributed every sum is 0, so the formula gives θ₀ + (+0.0 * λ)."""
+    c = np.float32(0.0) * lam
+    for i in range(out.shape[0]):
+        out[i] = base[i] + c
+
+
+@numba.njit(cache=True, nogil=True)
+def ties_finish(P: np.ndarray, S: np.ndarray, N: np.ndarray, WP: np.ndarray, WN: np.ndarray, base: np.ndarray,
+                bounds: np.ndarray, touched: np.ndarray, normalize: bool, lam: np.float32, skip: np.ndarray) -> None:
+    """TIES steps 3-6 into P: mixed = where(S >= 0, P, N); div = where(S >= 0, WP, WN), 1 where 0;
+    P = θ₀ + (mixed / div if normalize else mixed) * λ; blocks no expert touched skip the sums, and blocks
+    with ``skip[b]`` (the caller writes them from θ₀ alone) are left as they are."""
+    for b in range(touched.shape[0]):
+        s0, e0 = bounds[b], bounds[b + 1]
+        if skip[b]:
+            continue
+        if touched[b]:
+            _ties_finish_span(P[s0:e0], P[s0:e0], S[s0:e0], N[s0:e0], WP[s0:e0], WN[s0:e0], base[s0:e0],
+                              normalize, lam)
+        else:
+            _untouched_span(P[s0:e0], base[s0:e0], lam)
+
+
+@numba.njit(cache=True, nogil=True)
+def _ties_tile(acc: np.ndarray, b: np.ndarray, x: np.ndarray, trim: bool, tau: np.float32, w: np.float32,
+               weights: bool, init: bool) -> None:
+    """`_ties_span` on one tile whose sums S, P, N, WP, WN are the planar `_TILE`-element rows of the one
+    array `acc`: the compiler sees constant distances between them instead of five arrays that might
+    overlap, so it vectorizes the loop without runtime overlap checks."""
+    zero = np.float32(0.0)
+    keep_all = not trim
+    T = _TILE
+    if weights:
+        for i in range(b.shape[0]):
+            d = widen(x[i]) - b[i]
+            d = d if keep_all | (abs(d) >= tau) else zero
+            dw = d * w
+            s, p, n, wp, wn = acc[i], acc[T + i], acc[2 * T + i], acc[3 * T + i], acc[4 * T + i]
+            acc[i] = (zero if init else s) + dw
+            acc[T + i] = (zero if init else p) + (dw if dw > zero else zero)
+            acc[2 * T + i] = (zero if init else n) + (dw if dw < zero else zero)
+            acc[3 * T + i] = (zero if init else wp) + (w if dw > zero else zero)
+            acc[4 * T + i] = (zero if init else wn) + (w if dw < zero else zero)
+    else:
+        for i in range(b.shape[0]):
+            d = widen(x[i]) - b[i]
+            d = d if keep_all | (abs(d) >= tau) else zero
+            dw = d * w
+            s, p, n = acc[i], acc[T + i], acc[2 * T + i]
+            acc[i] = (zero if init else s) + dw
+            acc[T + i] = (zero if init else p) + (dw if dw > zero else zero)
+            acc[2 * T + i] = (zero if init else n) + (dw if dw < zero else zero)
+
+
+@numba.njit(cache=True, nogil=True)
+def ties_fused(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], selected: np.ndarray,
+               bounds: np.ndarray, trim: np.ndarray, tau: np.ndarray, w: np.ndarray, weights: bool,
+               lam: np.float32, count: np.ndarray, counts: np.ndarray, skip: np.ndarray) -> None:
+    """The whole TIES fold of one tensor in one pass, when every expert's stored values are at hand:
+    tile by tile (`_TILE` elements), the sums of `ties_add` for experts k = 0..K-1 in order (those with
+    ``selected[k, b]`` on block b; elsewhere D_k = 0 adds nothing) stay in L1, then `ties_finish`'s formula
+    writes `out`. Same operations, same order as the streaming kernels: the same bits, without reading and
+    writing five tensor-sized sums once per expert. For each k with ``count[k]``, `counts[k]` gets what
+    `absdelta_count` would give on its selected blocks (from the tile just read, still in cache). Blocks with
+    ``skip[b]`` (no expert selected them; the caller writes them) are left as they are."""
+    T = _TILE
+    acc = np.empty(5 * T, np.float32)  # the tile's S, P, N, WP, WN (`_ties_tile`)
+    for b in range(bounds.shape[0] - 1):
+        if skip[b]:
+            continue
+        for t0 in range(bounds[b], bounds[b + 1], _TILE):
+            m = min(_TILE, bounds[b + 1] - t0)
+            bb = base[t0:t0 + m]
+            fresh = True
+            for k in range(selected.shape[0]):
+                if not selected[k, b]:
+                    continue
+                xk = raws[k][t0:t0 + m]
+                _ties_tile(acc, bb, xk, trim[k], tau[k], w[k], weights, fresh)
+                fresh = False
+                if count[k]:
+                    nonzero, special = _absdelta_count_span(bb, xk)
+                    counts[k, 0] += nonzero
+                    counts[k, 1] += special
+            if fresh:
+                _untouched_span(out[t0:t0 + m], bb, lam)
+            else:
+                _ties_finish_span(out[t0:t0 + m], acc[T:T + m], acc[:m], acc[2 * T:2 * T + m], acc[3 * T:3 * T + m],
+                                  acc[4 * T:4 * T + m], bb, weights, lam)
+
+
+@numba.njit(cache=True, nogil=True)
+def dare_ties_fused(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], selected: np.ndarray,
+                    bounds: np.ndarray, dens: np.ndarray, seeds: np.ndarray, w: np.ndarray, weights: bool,
+                    lam: np.float32, skip: np.ndarray) -> None:
+    """The whole dare_ties fold of one tensor in one pass, as `ties_fused` does for ties: tile by tile, for
+    experts k = 0..K-1 in order (those with ``selected[k, b]``), T = where(u < d_k, Δ_k / d_k, 0.0) with u
+    drawn from the block's stream (`seeds[k, b]`; `mt19937`), or T = Δ_k where d_k >= 1 (no mask is drawn),
+    then `ties_dare_span`'s sums, kept in L1, and `ties_finish`'s formula into `out`. Same operations, same
+    order: the same bits as folding the experts one by one with `ties_dare_span`, without a block of uniforms
+    and five tensor-sized sums per expert."""
+    T = _TILE
+    K = selected.shape[0]
+    zero = np.float32(0.0)
+    inf = np.float32(np.inf)
+    acc = np.empty(5 * T, np.float32)
+    t = np.empty(T, np.float32)
+    u = np.empty(T, np.float32)
+    z = np.zeros(T, np.float32)
+    states = np.empty((K, mt19937.STATE_WORDS), np.uint32)
+    bufs = np.empty((K, mt19937.STATE_WORDS), np.float32)
+    pos = np.zeros(K, np.int64)
+    for b in range(bounds.shape[0] - 1):
+        if skip[b]:
+            continue
+        for k in range(K):
+            if selected[k, b] and dens[k] < np.float32(1.0):
+                pos[k] = mt19937.stream_start(states[k], seeds[k, b])
+        for t0 in range(bounds[b], bounds[b + 1], T):
+            m = min(T, bounds[b + 1] - t0)
+            bb = base[t0:t0 + m]
+            fresh = True
+            for k in range(K):
+                if not selected[k, b]:
+                    continue
+                xk = raws[k][t0:t0 + m]
+                d = dens[k]
+                if d < np.float32(1.0):
+                    pos[k] = mt19937.stream_fill(u[:m], states[k], bufs[k], pos[k])
+                    for i in range(m):
+                        q = (widen(xk[i]) - bb[i]) / d
+                        t[i] = q if u[i] < d else zero
+                    _ties_tile(acc, z[:m], t[:m], False, inf, w[k], weights, fresh)
+                else:  # no mask drawn: T = Δ (`ties_add`)
+                    _ties_tile(acc, bb, xk, False, inf, w[k], weights, fresh)
+                fresh = False
+            if fresh:
+                _untouched_span(out[t0:t0 + m], bb, lam)
+            else:
+                _ties_finish_span(out[t0:t0 + m], acc[T:T + m], acc[:m], acc[2 * T:2 * T + m], acc[3 * T:3 * T + m],
+                                  acc[4 * T:4 * T + m], bb, weights, lam)
+
+
+def _rth_largest(bits: np.ndarray, r: int) -> float:
+    """The r-th largest (1-based) of non-negative float32 values given by their bit patterns."""
+    j = bits.shape[0] - r  # == its j-th smallest
+    return float(np.array([np.partition(bits, j)[j]], np.uint32).view(np.float32)[0])
+
+
+def kth_largest_abs_delta(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray, n_read: int, n_total: int,
+                          k: int) -> float | None:
+    """The k-th largest |Δ| (1 <= k <= n_total) of a tensor whose unread elements are 0: equal to
+    ``torch.topk(|Δ|.flatten(), k).values.min()`` when every |Δ| read is finite; None when some is inf or NaN
+    (the caller then takes its literal path). Radix select: a histogram of the top 16 bits finds the k-th
+    largest's bucket, then only the elements in that bucket are collected and partitioned."""
+    hist = np.zeros(HIST_BINS, np.int64)
+    absdelta_hist(base, raw, ranges, hist)
+    if hist[_INF_PREFIX:].any():
+        return None
+    hist[0] += n_total - n_read  # unread elements are zeros
+    from_top = np.cumsum(hist[::-1])
+    i = int(np.searchsorted(from_top, k, side="left"))
+    prefix = HIST_BINS - 1 - i
+    above = int(from_top[i]) - int(hist[prefix])
+    r = k - above  # rank inside the prefix bucket, 1-based from the top
+    out = np.empty(max(int(hist[prefix]), 1), np.uint32)
+    got = absdelta_collect(base, raw, ranges, np.uint32(prefix), out)
+    if r > got:  # only in bucket 0: the k-th largest is one of the unread zeros (the smallest values)
+        return 0.0
+    return _rth_largest(out[:got], r)
+
+
+def kth_largest_in_bin(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray, k: int, lo: float, hi: float,
+                       in_bin: int, above: int) -> float | None:
+    """The k-th largest |Δ| when the catalog's sketch says it lies in [lo, hi), a bin holding `in_bin` values
+    with `above` values at or above `hi` (the unread elements all below `lo`): one pass collects that bin
+    only. None when the rows read disagree with the sketch (the caller then takes the radix select)."""
+    out = np.empty(max(in_bin, 1), np.uint32)
+    got, n_above, _nan = absdelta_bin(base, raw, ranges, np.float32(lo), np.float32(hi), out)
+    if got != in_bin or n_above != above or not 0 < k - above <= got:
+        return None
+    return _rth_largest(out[:got], k - above)
+
+
+def sketch_tau(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray, hist: np.ndarray, k: int, lo: float,
+               hi: float) -> float:
+    """TIES τ of a partly read tensor (docs/SEMANTICS.md), when its sketch `hist` is complete and holds no
+    inf/NaN and puts the k-th largest |Δ| in bin [lo, hi) (not bin 0): NaN if a NaN is read; the exact value
+    when every element of that bin was read (its rank inside the bin is known); else the sketch's
+    interpolation. One pass over the rows read (`absdelta_bin`)."""
+    from mergepipe_db.core import sketch
+
+    b, above = sketch.locate_kth_largest(hist, k)
+    out = np.empty(max(int(hist[b]), 1), np.uint32)
+    got, _n_above, nan = absdelta_bin(base, raw, ranges, np.float32(lo), np.float32(hi), out)
+    if nan:
+        return float("nan")
+    if got == int(hist[b]):
+        return _rth_largest(out[:got], k - above)
+    return float(np.float32(sketch.kth_largest(hist, k)))
+
+
+def kth_largest_is_zero(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray, k: int) -> bool | None:
+    """Whether the k-th largest |Δ| of a tensor whose unread elements are 0 is 0 (fewer than k nonzero
+    values); None when some |Δ| read is inf or NaN."""
+    nonzero, special = absdelta_count(base, raw, ranges)
+    return None if special else nonzero < k

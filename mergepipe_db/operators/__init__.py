@@ -1,0 +1,1 @@
+"""Merge operators: pure tensor math on one tensor's blocks (no I/O)."""

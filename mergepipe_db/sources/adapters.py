@@ -1,0 +1,605 @@
+"""Expert sources beyond full checkpoints: explicit delta checkpoints and PEFT LoRA adapters.
+
+How Δ is formed per source (docs/SEMANTICS.md, "Expert sources"):
+
+- ``full``: Δ = θ_k − θ₀ (float32), the default path of the executor;
+- ``delta``: the tensors hold Δ itself, in any arithmetic dtype (upcast to float32); only the tensors named
+  are covered, every other tensor has Δ = 0;
+- ``lora``: ΔW = transpose?(B @ A) · s in float32 per module, s = α/r (α/√r with ``use_rslora``, per-module
+  ``rank_pattern``/``alpha_pattern`` matched like PEFT), transposed for ``fan_in_fan_out`` and embeddings;
+  ``modules_to_save`` weights are full replacement tensors (Δ = θ − θ₀ like a full checkpoint).
+
+A LoRA tensor is catalogued under the base tensor's name with virtual row blocks that follow the base's
+blocking: block b costs exactly the bytes of the factor rows/columns it needs (rows of B; for transposed
+modules the columns of A), and the factor every block needs (A; B when transposed) is its own unit,
+block ``FACTOR_BLOCK`` (-2), whose score is the max score of the tensor's blocks, so the ranking puts it
+just before them and a selected block always has its factor (realized bytes == planned bytes).
+
+This module also holds the executor's read hook for these experts (`ExpertSource.read`), which returns Δ
+(float32) directly, and attaches the packed block store (`mergepipe_db.blockstore`) for packed experts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mergepipe_db.core.dtypes import ARITHMETIC_DTYPES, DTYPE_BITS
+from mergepipe_db.core.geometry import block_byte_range, block_ranges, row_count
+from mergepipe_db.errors import (
+    BadCheckpointError,
+    CoordinateMismatchError,
+    IntegrityError,
+    LoraAdapterError,
+    PlanExecutionMismatchError,
+)
+
+KINDS = ("full", "delta", "lora")
+FACTOR_BLOCK = -2
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+_PREFIX = "base_model.model."
+_SUFFIXES = {  # key suffix -> (factor letter, is embedding)
+    ".lora_A.weight": ("a", False),
+    ".lora_B.weight": ("b", False),
+    ".lora_embedding_A": ("a", True),
+    ".lora_embedding_B": ("b", True),
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# Kind detection and coordinates
+# --------------------------------------------------------------------------------------------------
+
+
+def detect_kind(path: str | Path, kind: str | None, base: str | None) -> str:
+    """The checkpoint kind to ingest `path` as: `kind`, or ``lora`` when the directory holds an
+    adapter_config.json. BadCheckpointError for an unknown kind or a delta/LoRA without a base."""
+    p = Path(path)
+    if kind in (None, "full", "auto") and p.is_dir() and (p / ADAPTER_CONFIG).is_file():
+        kind = "lora"
+    kind = kind or "full"
+    if kind == "auto":
+        kind = "full"
+    if kind not in KINDS:
+        raise BadCheckpointError(f"unsupported checkpoint kind {kind!r}; supported: {', '.join(KINDS)}")
+    if kind != "full" and base is None:
+        raise BadCheckpointError(f"a {kind} checkpoint is relative to a base: give --base NAME")
+    return kind
+
+
+def check_coordinates(kind: str, layout: Any, base: dict[str, Any], *, what: str) -> None:
+    """Delta: every tensor names a base tensor of the same shape, arithmetic dtype (may differ from the
+    base's). LoRA: validates the adapter against the base and fills ``layout.config["lora"]``."""
+    if kind == "lora":
+        _validate_lora(layout, base, what=what)
+        return
+    problems: list[str] = []
+    n = 0
+    for h in layout.files:
+        for t in h.tensors:
+            n += 1
+            b = base.get(t.name)
+            if b is None:
+                problems.append(f"tensor {t.name!r} is not in the base")
+            elif tuple(t.shape) != b.shape:
+                problems.append(f"{t.name!r} shape {list(t.shape)} != base {list(b.shape)}")
+            elif t.dtype not in ARITHMETIC_DTYPES or b.dtype not in ARITHMETIC_DTYPES:
+                problems.append(f"{t.name!r}: a delta needs arithmetic dtypes (delta {t.dtype}, base {b.dtype})")
+    if not n:
+        problems.append("it holds no tensors")
+    if problems:
+        more = f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise CoordinateMismatchError(f"{what} does not fit the base's coordinates: {'; '.join(problems[:5])}{more}")
+
+
+# --------------------------------------------------------------------------------------------------
+# LoRA adapters: layout and validation
+# --------------------------------------------------------------------------------------------------
+
+
+def lora_layout(path: str | Path) -> Any:
+    """A CheckpointLayout for a PEFT adapter directory (adapter_config.json + adapter_model.safetensors).
+
+    ``config`` holds ``{"adapter_config": ..., "lora": {}}``; `check_coordinates` fills ``lora``.
+    LoraAdapterError when a file is missing or the config is not a LoRA config.
+    """
+    from mergepipe_db.formats.hf_layout import CheckpointLayout
+    from mergepipe_db.formats.safetensors import read_header
+
+    root = Path(path)
+    if not root.is_dir():
+        raise LoraAdapterError(f"{root}: a LoRA adapter is a directory with {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
+    cfg_path = root / ADAPTER_CONFIG
+    if not cfg_path.is_file():
+        raise LoraAdapterError(f"{root}: missing {ADAPTER_CONFIG} (not a PEFT LoRA adapter directory)")
+    weights = root / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        if (root / "adapter_model.bin").exists():
+            raise LoraAdapterError(f"{root}: adapter_model.bin is a pickle file and is refused; save the adapter "
+                                   f"with safe_serialization=True")
+        raise LoraAdapterError(f"{root}: missing {ADAPTER_WEIGHTS}")
+    try:
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise LoraAdapterError(f"{cfg_path}: not valid JSON ({e})") from e
+    if not isinstance(cfg, dict):
+        raise LoraAdapterError(f"{cfg_path}: not a JSON object")
+    if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
+        raise LoraAdapterError(f"{cfg_path}: peft_type {cfg.get('peft_type')!r} is not LORA")
+    if cfg.get("use_dora"):
+        raise LoraAdapterError(f"{cfg_path}: DoRA adapters (use_dora) are not supported")
+    if cfg.get("lora_bias"):
+        raise LoraAdapterError(f"{cfg_path}: adapters with a LoRA bias (lora_bias) are not supported")
+    header = read_header(weights)
+    return CheckpointLayout(root=root, files=(header,), tensor_file=dict.fromkeys(header.by_name(), 0),
+                            side_files=(cfg_path,), config={"adapter_config": cfg, "lora": {}})
+
+
+def _pattern_key(patterns: dict[str, Any], module: str, where: str) -> str:
+    """PEFT's `get_pattern_key`: the first pattern key k with re.match(rf"(.*\\.)?({k})$", module)."""
+    for key in patterns:
+        try:
+            if re.match(rf"(.*\.)?({key})$", module):
+                return key
+        except re.error as e:
+            raise LoraAdapterError(f"{where}: bad pattern {key!r} in rank_pattern/alpha_pattern: {e}") from e
+    return module
+
+
+def lora_scale(cfg: dict[str, Any], module: str, where: str = ADAPTER_CONFIG) -> tuple[int, float]:
+    """(r, s) of `module` as PEFT computes them: rank_pattern/alpha_pattern, α/r or α/√r (use_rslora)."""
+    rank_pattern = cfg.get("rank_pattern") or {}
+    alpha_pattern = cfg.get("alpha_pattern") or {}
+    if not isinstance(rank_pattern, dict) or not isinstance(alpha_pattern, dict):
+        raise LoraAdapterError(f"{where}: rank_pattern and alpha_pattern must be objects")
+    r = rank_pattern.get(_pattern_key(rank_pattern, module, where), cfg.get("r", 8))
+    alpha = alpha_pattern.get(_pattern_key(alpha_pattern, module, where), cfg.get("lora_alpha", 8))
+    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
+        raise LoraAdapterError(f"{where}: rank r of {module!r} must be a positive integer, got {r!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise LoraAdapterError(f"{where}: lora_alpha of {module!r} must be a finite number, got {alpha!r}")
+    s = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+    return r, float(s)
+
+
+def _validate_lora(layout: Any, base: dict[str, Any], *, what: str) -> None:
+    cfg = layout.config["adapter_config"]
+    header = layout.files[0]
+    where = f"LoRA adapter {what}"
+    fif = bool(cfg.get("fan_in_fan_out", False))
+    factors: dict[str, dict[str, Any]] = {}
+    full: list[str] = []
+    same: list[tuple[str, str]] = []  # copies of base weights PEFT saves beside embedding factors
+    for entry in header.tensors:
+        key = entry.name
+        if not key.startswith(_PREFIX):
+            raise LoraAdapterError(f"{where}: unknown key {key!r} (PEFT keys start with {_PREFIX!r})")
+        rest = key[len(_PREFIX):]
+        for suffix, (letter, emb) in _SUFFIXES.items():
+            if rest.endswith(suffix):
+                module = rest[: -len(suffix)]
+                slot = factors.setdefault(module, {"embedding": emb})
+                if slot["embedding"] != emb:
+                    raise LoraAdapterError(f"{where}: module {module!r} mixes linear and embedding LoRA factors")
+                slot[letter] = entry
+                break
+        else:
+            if rest.endswith(".base_layer.weight") and rest[: -len(".base_layer.weight")] + ".weight" in base:
+                same.append((key, rest[: -len(".base_layer.weight")] + ".weight"))  # save_embedding_layers
+            elif rest in base:
+                full.append(rest)  # a modules_to_save weight: a full replacement tensor
+            else:
+                raise LoraAdapterError(f"{where}: key {key!r} names no LoRA factor and no base tensor "
+                                       f"(unknown module)")
+    if not factors and not full:
+        raise LoraAdapterError(f"{where}: the adapter holds no LoRA factors")
+    lora: dict[str, dict[str, Any]] = {}
+    for module, slot in sorted(factors.items()):
+        tname = f"{module}.weight"
+        if "a" not in slot or "b" not in slot:
+            raise LoraAdapterError(f"{where}: module {module!r} lacks its lora_{'B' if 'a' in slot else 'A'} factor")
+        bt = base.get(tname)
+        if bt is None:
+            raise LoraAdapterError(f"{where}: unknown module {module!r}: the base has no tensor {tname!r}")
+        a, b = slot["a"], slot["b"]
+        r, s = lora_scale(cfg, module, where)
+        emb = slot["embedding"]
+        transposed = emb or fif
+        if len(bt.shape) != 2:
+            raise LoraAdapterError(f"{where}: {tname!r} has shape {list(bt.shape)}; LoRA needs a 2-d weight")
+        if a.dtype != b.dtype or a.dtype not in ARITHMETIC_DTYPES or bt.dtype not in ARITHMETIC_DTYPES:
+            raise LoraAdapterError(f"{where}: {module!r} factors have dtypes {a.dtype}/{b.dtype} (base "
+                                   f"{bt.dtype}); need one arithmetic dtype")
+        rows, cols = bt.shape  # ΔW's shape = the base weight's
+        out_dim, in_dim = (cols, rows) if transposed else (rows, cols)
+        want_a, want_b = (r, in_dim), (out_dim, r)
+        if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
+            raise LoraAdapterError(
+                f"{where}: {module!r} shapes A {list(a.shape)} B {list(b.shape)} do not fit r={r} and base "
+                f"{tname!r} {list(bt.shape)} (want A {list(want_a)}, B {list(want_b)})")
+        lora[tname] = {
+            "module": module, "r": r, "scale": s, "transposed": transposed, "embedding": emb, "dtype": a.dtype,
+            "a": [header.absolute_offset(a), a.nbytes, list(a.shape)],
+            "b": [header.absolute_offset(b), b.nbytes, list(b.shape)],
+        }
+    for tname in full:
+        entry = header.by_name()[_PREFIX + tname]
+        bt = base[tname]
+        if tname in lora:
+            raise LoraAdapterError(f"{where}: {tname!r} is both a LoRA module and a modules_to_save weight")
+        if tuple(entry.shape) != bt.shape or entry.dtype != bt.dtype:
+            raise LoraAdapterError(f"{where}: modules_to_save weight {tname!r} is {entry.dtype} "
+                                   f"{list(entry.shape)}, base {bt.dtype} {list(bt.shape)}")
+    for key, tname in same:
+        entry, bt = header.by_name()[key], base[tname]
+        if tuple(entry.shape) != bt.shape or entry.dtype != bt.dtype:
+            raise LoraAdapterError(f"{where}: saved base layer {key!r} is {entry.dtype} {list(entry.shape)}, base "
+                                   f"{bt.dtype} {list(bt.shape)} (resized vocabulary is not supported)")
+    layout.config["lora"] = lora
+    layout.config["full"] = sorted(full)
+    layout.config["same_as_base"] = sorted(same)
+
+
+# --------------------------------------------------------------------------------------------------
+# LoRA math
+# --------------------------------------------------------------------------------------------------
+
+
+def delta_rows(a_part: Any, b_part: Any, scale: float, transposed: bool) -> Any:
+    """Rows of ΔW in float32, PEFT's formula on factor slices: transpose?(B @ A) · s.
+
+    Non-transposed: ``b_part`` = rows of B, ``a_part`` = A. Transposed (fan_in_fan_out, embeddings):
+    ``b_part`` = B, ``a_part`` = the columns of A for those rows."""
+    import torch
+
+    d = torch.matmul(b_part.to(torch.float32), a_part.to(torch.float32))
+    if transposed:
+        d = d.T
+    return (d * scale).contiguous()
+
+
+def _lora_pieces(entry: dict[str, Any], rows: tuple[int, int]) -> list[tuple[int, int]]:
+    """The (absolute offset, nbytes) ranges of the sliced factor that rows [r0, r1) of ΔW need."""
+    isz = DTYPE_BITS[entry["dtype"]] // 8
+    r0, r1 = rows
+    if entry["transposed"]:
+        off, _n, (r, n_in) = entry["a"]
+        return [(off + (j * n_in + r0) * isz, (r1 - r0) * isz) for j in range(r)]
+    off, _n, (_out, r) = entry["b"]
+    return [(off + r0 * r * isz, (r1 - r0) * r * isz)]
+
+
+def _factor_name(entry: dict[str, Any]) -> str:
+    return "b" if entry["transposed"] else "a"
+
+
+def _slice_tensor(buf: bytes | bytearray, entry: dict[str, Any], rows: tuple[int, int]) -> Any:
+    """The sliced factor's part for rows [r0, r1) from the concatenated bytes of its pieces."""
+    import torch
+
+    from mergepipe_db.core.dtypes import torch_dtype
+
+    t = torch.frombuffer(bytearray(buf), dtype=torch_dtype(entry["dtype"])) if len(buf) else torch.empty(
+        0, dtype=torch_dtype(entry["dtype"]))
+    n = rows[1] - rows[0]
+    if entry["transposed"]:
+        return t.reshape(entry["a"][2][0], n)
+    return t.reshape(n, entry["b"][2][1])
+
+
+def tensor_from_bytes(buf: bytes | bytearray, dtype: str, shape: list[int]) -> Any:
+    import torch
+
+    from mergepipe_db.core.dtypes import torch_dtype
+
+    if not len(buf):
+        return torch.empty(shape, dtype=torch_dtype(dtype))
+    return torch.frombuffer(bytearray(buf), dtype=torch_dtype(dtype)).reshape(shape)
+
+
+def _stats_f32(d: Any) -> dict[str, Any]:
+    import torch
+
+    from mergepipe_db.core import sketch
+
+    d = d.reshape(-1)
+    if d.numel() == 0:
+        return {"delta_l2": 0.0, "delta_l1": 0.0, "delta_max": 0.0, "pos_frac": 0.0,
+                "sketch": sketch.encode(sketch.histogram(torch.zeros(0)))}
+    a = d.abs()
+    return {
+        "delta_l2": float(torch.linalg.vector_norm(d, dtype=torch.float64)),
+        "delta_l1": float(a.sum(dtype=torch.float64)),
+        "delta_max": float(a.max()),
+        "pos_frac": float((d > 0).sum()) / d.numel(),
+        "sketch": sketch.encode(sketch.histogram(a)),
+    }
+
+
+def scan_lora(layout: Any, *, block_bytes: int, base: dict[str, Any], progress: bool = False,
+              delta: bool = False) -> tuple[list[dict], list[dict], list[dict], list[str], int]:
+    """Ingest scan of a LoRA adapter: (file rows, tensor rows, block rows, sha256s, bytes read).
+
+    The adapter file is read once; ΔW is formed one base row block at a time (never whole on disk or in
+    memory beyond a block); modules_to_save weights are compared with the base block by block."""
+    import xxhash
+
+    from mergepipe_db.core.hashing import xxh3_hex
+    from mergepipe_db.io.local import RangeReader
+    from mergepipe_db.kernels.block_stats import delta_block_stats, zero_block_stats
+
+    del block_bytes, progress, delta
+    header = layout.files[0]
+    data = Path(header.path).read_bytes()
+    sha = hashlib.sha256(data).hexdigest()
+    lora: dict[str, dict[str, Any]] = layout.config["lora"]
+    full = set(layout.config.get("full", []))
+    tensor_rows: list[dict] = []
+    block_rows: list[dict] = []
+    by_name = header.by_name()
+    for key, tname in layout.config.get("same_as_base", []):
+        entry, bt = by_name[key], base[tname]
+        off0 = header.absolute_offset(entry)
+        for bi, rows in enumerate(block_ranges(bt.shape, bt.rows_per_block)):
+            rel, length = block_byte_range(entry.shape, DTYPE_BITS[entry.dtype], rows)
+            if bi >= len(bt.block_xxh3) or xxh3_hex(data[off0 + rel:off0 + rel + length]) != bt.block_xxh3[bi]:
+                raise LoraAdapterError(f"LoRA adapter {layout.root}: saved base layer {key!r} differs from the base's "
+                                       f"{tname!r}; an adapter that also replaces the base weight is not supported")
+    base_reader = RangeReader(random=False)
+    try:
+        for bt in sorted(base.values(), key=lambda x: x.idx):
+            if bt.name not in lora and bt.name not in full:
+                continue
+            tidx = len(tensor_rows)
+            ranges = block_ranges(bt.shape, bt.rows_per_block)
+            if bt.name in full:
+                entry = by_name[_PREFIX + bt.name]
+                off0 = header.absolute_offset(entry)
+                tx = xxhash.xxh3_128()
+                l2sq, all_equal = 0.0, True
+                for bi, rows in enumerate(ranges):
+                    rel, length = block_byte_range(entry.shape, DTYPE_BITS[entry.dtype], rows)
+                    chunk = data[off0 + rel: off0 + rel + length]
+                    tx.update(chunk)
+                    h = xxh3_hex(chunk)
+                    same = bi < len(bt.block_xxh3) and bt.block_xxh3[bi] == h
+                    stats = zero_block_stats(length, entry.dtype) if same else delta_block_stats(
+                        bytearray(chunk), base_reader.read(bt.path, bt.offset + rel, length), entry.dtype)
+                    l2sq += stats["delta_l2"] ** 2
+                    all_equal &= stats["delta_max"] == 0.0 and same
+                    block_rows.append({"tensor_idx": tidx, "block_idx": bi, "row_start": rows[0], "row_stop": rows[1],
+                                       "offset": off0 + rel, "nbytes": length, "xxh3": h, **stats})
+                tensor_rows.append({
+                    "tensor_idx": tidx, "name": bt.name, "dtype": entry.dtype, "shape": json.dumps(list(entry.shape)),
+                    "file_idx": 0, "offset": off0, "nbytes": entry.nbytes, "n_rows": row_count(entry.shape),
+                    "rows_per_block": bt.rows_per_block, "n_blocks": len(ranges), "xxh3": tx.hexdigest(),
+                    "delta_l2": l2sq ** 0.5, "equal_to_base": all_equal})
+                continue
+            e = lora[bt.name]
+            a_off, a_n, a_shape = e["a"]
+            b_off, b_n, b_shape = e["b"]
+            a = tensor_from_bytes(data[a_off:a_off + a_n], e["dtype"], a_shape)
+            b = tensor_from_bytes(data[b_off:b_off + b_n], e["dtype"], b_shape)
+            l2sq, best = 0.0, 0.0
+            for bi, rows in enumerate(ranges):
+                pieces = _lora_pieces(e, rows)
+                chunk = b"".join(data[o:o + n] for o, n in pieces)
+                r0, r1 = rows
+                d = delta_rows(a[:, r0:r1], b, e["scale"], True) if e["transposed"] else delta_rows(
+                    a, b[r0:r1], e["scale"], False)
+                stats = _stats_f32(d)
+                l2sq += stats["delta_l2"] ** 2
+                best = max(best, stats["delta_l2"])
+                block_rows.append({"tensor_idx": tidx, "block_idx": bi, "row_start": r0, "row_stop": r1,
+                                   "offset": pieces[0][0], "nbytes": sum(n for _o, n in pieces),
+                                   "xxh3": xxh3_hex(chunk), **stats})
+            f_off, f_n, _shape = e[_factor_name(e)]
+            block_rows.append({"tensor_idx": tidx, "block_idx": FACTOR_BLOCK, "row_start": 0, "row_stop": 0,
+                               "offset": f_off, "nbytes": f_n, "xxh3": xxh3_hex(data[f_off:f_off + f_n]),
+                               "delta_l2": best, "delta_l1": None, "delta_max": None, "pos_frac": None,
+                               "sketch": None})
+            tx = xxhash.xxh3_128()
+            tx.update(data[a_off:a_off + a_n])
+            tx.update(data[b_off:b_off + b_n])
+            tx.update(json.dumps([e["scale"], e["transposed"]]).encode())  # the scaling is content too
+            tensor_rows.append({
+                "tensor_idx": tidx, "name": bt.name, "dtype": e["dtype"], "shape": json.dumps(list(bt.shape)),
+                "file_idx": 0, "offset": min(a_off, b_off), "nbytes": a_n + b_n, "n_rows": row_count(bt.shape),
+                "rows_per_block": bt.rows_per_block, "n_blocks": len(ranges), "xxh3": tx.hexdigest(),
+                "delta_l2": l2sq ** 0.5, "equal_to_base": l2sq == 0.0})
+    finally:
+        base_reader.close()
+    st = os.stat(header.path)
+    file_rows = [{"file_idx": 0, "relpath": os.path.relpath(header.path, layout.root),
+                  "path": str(Path(header.path).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                  "sha256": sha, "header_len": header.header_len}]
+    return file_rows, tensor_rows, block_rows, [sha], len(data)
+
+
+# --------------------------------------------------------------------------------------------------
+# Plan time: attach per-expert sources; the executor's read hook
+# --------------------------------------------------------------------------------------------------
+
+
+def _fill_rows(dst: np.ndarray, src: np.ndarray, rows: list[tuple[int, int]]) -> None:
+    """dst[rows] = src[rows] as float32 (`src`: stored values, BF16 as uint16 bits)."""
+    from mergepipe_db.core.dtypes import as_float32
+
+    if dst.ndim == 0:
+        dst[...] = as_float32(src)
+        return
+    for s, e in rows:
+        dst[s:e] = as_float32(src[s:e])
+
+
+def _check_hash(data: Any, expected: str, what: str) -> None:
+    from mergepipe_db.core.hashing import xxh3_hex
+
+    got = xxh3_hex(data)
+    if got != expected:
+        raise IntegrityError(f"corrupted read in {what}: xxh3 {got} != catalog {expected}")
+
+
+@dataclass
+class ExpertSource:
+    """How the executor reads one non-plain expert (`read` runs in the executor's reader thread)."""
+
+    kind: str  # delta | lora | packed
+    expert: Any  # planner.ExpertPlan
+    lora: dict[str, dict[str, Any]] | None = None
+    packed: Any = None  # blockstore.PackedIndex for packed full experts
+
+    def read(self, item_cls: Any, t: Any, reads: tuple[Any, ...], base: Any, reader: Any, verify: bool) -> Any:
+        """Read the planned units of tensor `t` and return the executor's item: Δ (float32, base shape, 0 on
+        omitted rows) for delta/LoRA, the expert's stored bytes (uint8, selected rows filled) when packed.
+        Every read goes through `reader`, so realized bytes are counted where they are issued."""
+        from mergepipe_db.sources.selection import selected_rows
+
+        e = self.expert
+        et = e.tensors[t.name]
+        if self.kind == "packed":
+            buf, n = self.packed.read(et, t, reads, base, reader, verify, e.checkpoint.name)
+            blocks, rows = selected_rows(et, reads)
+            return item_cls("expert", t.idx, e.position, buf, rows, blocks, n)
+        if self.kind == "lora" and self.lora is not None and t.name in self.lora:
+            return self._read_lora(item_cls, t, et, reads, reader, verify)
+        return self._read_delta(item_cls, t, et, reads, reader, verify)
+
+    def _read_delta(self, item_cls: Any, t: Any, et: Any, reads: tuple[Any, ...], reader: Any,
+                    verify: bool) -> Any:
+        from mergepipe_db.core.dtypes import numpy_storage_dtype
+        from mergepipe_db.sources.selection import read_selected, selected_rows
+
+        e = self.expert
+        buf, n_read = read_selected(reader, et, reads, e.checkpoint.name, verify)
+        blocks, rows = selected_rows(et, reads)
+        if self.kind == "lora":  # a modules_to_save weight: θ bytes like a full checkpoint
+            return item_cls("expert", t.idx, e.position, buf, rows, blocks, n_read)
+        raw = buf.view(numpy_storage_dtype(et.dtype)).reshape(t.shape)
+        delta = np.zeros(t.shape, dtype=np.float32)
+        _fill_rows(delta, raw, rows)
+        return item_cls("expert", t.idx, e.position, delta, rows, blocks, n_read)
+
+    def _read_lora(self, item_cls: Any, t: Any, et: Any, reads: tuple[Any, ...], reader: Any,
+                   verify: bool) -> Any:
+        import torch
+
+        from mergepipe_db.sources.selection import selected_rows
+
+        e = self.expert
+        entry = self.lora[t.name]  # type: ignore[index]
+        idxs = {r.block_idx for r in reads}
+        ranges = block_ranges(t.shape, et.rows_per_block)
+        whole = -1 in idxs
+        blocks = list(range(len(ranges))) if whole else sorted(b for b in idxs if b >= 0)
+        if blocks and not (whole or FACTOR_BLOCK in idxs):
+            raise PlanExecutionMismatchError(f"plan selects LoRA blocks of {t.name!r} in expert "
+                                             f"{e.checkpoint.name!r} without their shared factor")
+        by_idx = {r.block_idx: r for r in reads}
+        n_read = 0
+        fname = _factor_name(entry)
+        factor = None
+        if whole or FACTOR_BLOCK in idxs:
+            off, n, shape = entry[fname]
+            raw = reader.read(et.path, off, n)
+            n_read += n
+            if verify and FACTOR_BLOCK in by_idx:
+                _check_hash(raw, by_idx[FACTOR_BLOCK].xxh3, f"LoRA factor of {t.name!r} ({e.checkpoint.name!r})")
+            factor = tensor_from_bytes(raw, entry["dtype"], shape)
+        delta = torch.zeros(t.shape, dtype=torch.float32)
+        if whole:  # tensor-level plan: the sliced factor is read whole, once
+            other = "a" if fname == "b" else "b"
+            off, n, shape = entry[other]
+            whole_other = tensor_from_bytes(reader.read(et.path, off, n), entry["dtype"], shape)
+            n_read += n
+        for bi in blocks:
+            r0, r1 = ranges[bi]
+            if whole:
+                part = whole_other[:, r0:r1] if entry["transposed"] else whole_other[r0:r1]
+            else:
+                chunk = bytearray()
+                for off, n in _lora_pieces(entry, (r0, r1)):
+                    chunk += reader.read(et.path, off, n)
+                    n_read += n
+                if verify:
+                    _check_hash(chunk, by_idx[bi].xxh3, f"LoRA block {bi} of {t.name!r} ({e.checkpoint.name!r})")
+                part = _slice_tensor(chunk, entry, (r0, r1))
+            if entry["transposed"]:
+                delta[r0:r1] = delta_rows(part, factor, entry["scale"], True)
+            else:
+                delta[r0:r1] = delta_rows(factor, part, entry["scale"], False)
+        sel_blocks, rows = selected_rows(et, tuple(r for r in reads if r.block_idx >= -1))
+        return item_cls("expert", t.idx, e.position, delta.numpy(), rows, tuple(blocks) if whole else sel_blocks,
+                        n_read)
+
+
+def attach_sources(conn: Any, plan: Any) -> None:
+    """Give the plan an `ExpertSource` per delta, LoRA or packed expert (``plan.sources[position]``), make
+    each packed block's read cost its compressed length, and recompute planned bytes from the reads.
+
+    Called for planned and replayed plans alike (planner.finalize), so both cost the same bytes."""
+    from mergepipe_db.sources import packed as blockstore
+
+    changed = False
+    with_packed = blockstore.packed_checkpoints(conn, [e.checkpoint.id for e in plan.experts
+                                                       if e.checkpoint.kind == "full"])
+    for e in plan.experts:
+        kind = e.checkpoint.kind
+        packed = blockstore.load_index(conn, e.checkpoint.id) if e.checkpoint.id in with_packed else None
+        if kind == "lora":
+            cfg = e.checkpoint.config or {}
+            plan.sources[e.position] = ExpertSource("lora", e, lora=cfg.get("lora", {}))
+            _normalize_lora_reads(plan, e, cfg.get("lora", {}))
+        elif kind == "delta":
+            plan.sources[e.position] = ExpertSource("delta", e)
+        elif packed:
+            plan.sources[e.position] = ExpertSource("packed", e, packed=packed)
+            for key, reads in list(plan.access.items()):
+                if key[0] != e.position:
+                    continue
+                t = next(x for x in plan.base_tensors if x.idx == key[1])
+                new = tuple(replace(r, nbytes=packed.cost(e.tensors[t.name].idx, r)) for r in reads)
+                if new != reads:
+                    plan.access[key] = new
+                    changed = True
+        else:
+            continue
+        changed = True
+    if changed:
+        total = 0
+        for e in plan.experts:
+            e.planned_bytes = sum(r.nbytes for (pos, _t), reads in plan.access.items() if pos == e.position
+                                  for r in reads)
+            total += e.planned_bytes
+        plan.planned_bytes = total
+
+
+def _normalize_lora_reads(plan: Any, e: Any, lora: dict[str, Any]) -> None:
+    """A replayed tensor-level LoRA read (every block, no factor unit) becomes the whole-tensor read."""
+    from mergepipe_db.core.plan import Read
+
+    for t in plan.base_tensors:
+        key = (e.position, t.idx)
+        reads = plan.access.get(key)
+        if not reads or t.name not in lora:
+            continue
+        idxs = {r.block_idx for r in reads}
+        et = e.tensors[t.name]
+        if FACTOR_BLOCK not in idxs and -1 not in idxs and idxs == set(range(et.n_blocks)):
+            plan.access[key] = (Read(-1, et.offset, et.nbytes, et.xxh3),)
+
+
+# --------------------------------------------------------------------------------------------------
+# Export: Δ = expert − base as an HF directory
+# --------------------------------------------------------------------------------------------------
+
+
