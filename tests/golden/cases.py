@@ -3,7 +3,7 @@
 Shared by the recorder (``python -m tests.golden.record``) and the test (tests/test_golden.py), so both build
 exactly the same thing. Only stable entry points are used: ``mergepipe_db.Catalog`` (open, ingest, ingest_many,
 pack, export_delta, merge), the ``manifest.json`` a merge writes into its output directory, and the family
-generator ``mergepipe_db.testing.make_family``; LoRA adapters are written here with safetensors + torch.
+generator ``mergepipe_db.demo.family.make_family``; LoRA adapters are written here with safetensors + torch.
 
 Four families (tiny Llama shape, ~92 K parameters per model):
 
@@ -230,7 +230,7 @@ class BuiltFamily:
 def build_family(fam: FamilySpec, root: Path) -> BuiltFamily:
     """Generate `fam` under `root` (must be empty or absent) and catalogue it in root/catalog.duckdb."""
     from mergepipe_db import Catalog
-    from mergepipe_db.testing import make_family
+    from mergepipe_db.demo.family import make_family
 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
