@@ -39,13 +39,14 @@ def plan_each(catalog, spec: dict, budgets: list) -> list:
     """`catalog.plan(spec, budget=b)` for each of `budgets` (a Budget or a string), every plan built on one
     catalog connection: what Catalog.plan does per call (resolve the models, build the plan) without opening
     the catalog again for each budget, which is most of a small plan's time."""
-    from mergepipe_db.catalog import _find_models
     from mergepipe_db.core.spec import parse_budget
+    from mergepipe_db.db.lookup import find_models
+    from mergepipe_db.jobs import resolve_spec
     from mergepipe_db.pipeline.plan.build import build_plan
 
-    s, _ = catalog._spec(spec, None, None)
+    s, _ = resolve_spec(spec, None, None)
     with catalog.db.connect() as conn:
-        found = _find_models(conn, [s.base, *(m.ref for m in s.models)])
+        found = find_models(conn, [s.base, *(m.ref for m in s.models)])
         assert all(f is not None for f in found), found
         ids = [f[0] for f in found]
         return [build_plan(conn, s, base_id=ids[0], expert_ids=ids[1:],
