@@ -890,7 +890,7 @@ def write_md(cfg: Config, R: dict[str, Any]) -> None:
     a("* Realized expert bytes equal planned bytes for every run (asserted by the executor).")
     a("")
     a("Reproduce: `.venv/bin/python -m benchmarks.quality` (add `--help` for options); smoke test: "
-      "`tests/test_quality_smoke.py`.")
+      "`tests/integration/test_quality_smoke.py`.")
     a("")
     assert cfg.md_path is not None
     cfg.md_path.parent.mkdir(parents=True, exist_ok=True)

@@ -28,7 +28,7 @@ class ExecutionResult:
     reads: dict[tuple[int, int], int]  # (position, tensor_idx) -> bytes read
     base_bytes: int
     output_bytes: int
-    cached_bytes: int  # of the base and expert bytes read, those copied from the page cache (storage.py)
+    cached_bytes: int  # of the base and expert bytes read, those copied from the page cache (io/local.py)
     tensor_offsets: list[int]  # absolute offset of each output tensor in its shard
     header_lens: list[int]
     timings: dict[str, float] = field(default_factory=dict)

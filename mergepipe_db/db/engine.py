@@ -24,7 +24,7 @@ from mergepipe_db.errors import CatalogError, CatalogLockedError, CatalogOutOfDa
 DEFAULT_CATALOG = "./mergepipe.duckdb"
 ENV_CATALOG = "MERGEPIPE_CATALOG"
 ENV_LOCK_TIMEOUT = "MERGEPIPE_LOCK_TIMEOUT"
-#: the newest migration in migrations/versions (tests/test_catalog.py checks it is alembic's only head)
+#: the newest migration in migrations/versions (tests/integration/test_catalog.py checks it is alembic's only head)
 SCHEMA_HEAD = "0005"
 
 

@@ -85,7 +85,7 @@ block = sa.Table(
 # its zone maps skip what lies below the threshold).
 sa.Index("ix_mp_block_rank", block.c.checkpoint_id, block.c.delta_l2).ddl_if(dialect="postgresql")
 
-# Ranking summaries (mergepipe_db/ranking.py): derived from a checkpoint's blocks in the transaction that inserts
+# Ranking summaries (mergepipe_db/db/rank_tables.py): derived from a checkpoint's blocks in the transaction that inserts
 # them (`ranking.write`, `sql/rank_*_insert.sql`), never changed after, like the blocks. A block is a *candidate*
 # when its delta_l2 is NULL (unscored) or non-zero.
 rank_tensor = sa.Table(
@@ -194,7 +194,7 @@ staging = sa.Table(
     sa.Column("created_at", sa.Text, nullable=False),
 )
 
-# Packed block store (mergepipe_db/blockstore.py): content-addressed, zstd-compressed block payloads.
+# Packed block store (mergepipe_db/sources/packed.py, written by admin/pack.py): content-addressed, zstd-compressed block payloads.
 blob = sa.Table(
     "mp_blob",
     metadata,

@@ -2,7 +2,7 @@
 
 A register-level bitcast (no one-element array views, which block vectorization and cost a store and a
 load per element). Used by the ingest statistics kernels (`kernels.py`) and the merge kernels
-(`merge_kernels.py`).
+(`kernels/merge.py`).
 """
 
 from __future__ import annotations

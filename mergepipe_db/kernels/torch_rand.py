@@ -6,7 +6,7 @@ algorithm's, also numpy's legacy ``RandomState``), and its float32 uniform is th
 output times 2^-24 (ATen's ``uniform_real_distribution<float>``: exact, no rounding). torch draws it one
 element at a time through the generator's virtual call (~0.45 G/s here); this draws the 624-word state a block
 at a time with loops LLVM vectorizes. docs/SEMANTICS.md defines the masks by torch's formula, and the tests
-compare against it (tests/test_operators.py) over seeds and sizes.
+compare against it (tests/operators/test_operators.py) over seeds and sizes.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The golden merges: small deterministic families and the merges recorded in tests/golden/golden.json.
 
-Shared by the recorder (``python -m tests.golden.record``) and the test (tests/test_golden.py), so both build
+Shared by the recorder (``python -m tests.golden.record``) and the test
+(tests/integration/test_golden.py), so both build
 exactly the same thing. Only stable entry points are used: ``mergepipe_db.Catalog`` (open, ingest, ingest_many,
 pack, export_delta, merge), the ``manifest.json`` a merge writes into its output directory, and the family
 generator ``mergepipe_db.demo.family.make_family``; LoRA adapters are written here with safetensors + torch.
@@ -310,7 +311,7 @@ def record_all(workdir: Path) -> dict[str, Any]:
 
     doc: dict[str, Any] = {
         "format": FORMAT,
-        "about": "golden merges of tests/golden/cases.py; checked by tests/test_golden.py; re-record with "
+        "about": "golden merges of tests/golden/cases.py; checked by tests/integration/test_golden.py; re-record with "
                  f"`{RECORD_COMMAND}` (only when a change of merge output is intended)",
         "tool_version": mergepipe_db.__version__,
         "families": {},

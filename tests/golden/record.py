@@ -5,7 +5,7 @@ From the repository root::
     python -m tests.golden.record                  # (re)write tests/golden/golden.json
     python tests/golden/record.py --out /tmp/g.json  # write elsewhere (e.g. to diff two recordings)
 
-Re-record only when a change of merge output is intended; tests/test_golden.py compares against the file.
+Re-record only when a change of merge output is intended; tests/integration/test_golden.py compares against the file.
 The families are built in a temporary directory (or --workdir, which must not exist, kept afterwards).
 """
 

@@ -1,6 +1,6 @@
 """Operators with a joint sign election (ties, dare_ties) are planned by block rows: for each (tensor, block)
 either every expert's candidate block is read or none, so no expert is dropped from an element's election and
-divisor while the others are kept. Budget soundness holds; full-budget exactness is tests/test_merge.py's."""
+divisor while the others are kept. Budget soundness holds; full-budget exactness is tests/pipeline/test_merge.py's."""
 
 from __future__ import annotations
 

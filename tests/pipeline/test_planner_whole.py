@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
+from builders import make_spec, plan_state
 from conftest import ingest_family
-from test_merge import make_spec
-from test_planner_threshold import _state
 
 from mergepipe_db.db import rank_tables
 from mergepipe_db.errors import IntegrityError
@@ -43,7 +42,7 @@ def test_full_budget_reads_whole_tensors_with_the_same_plan(catalog, tiny_family
         _block_level(m)
         blocks = catalog.plan(spec, budget="1.0")
     assert all(r.block_idx != -1 for reads in blocks.access.values() for r in reads)
-    assert _state(plan) == _state(blocks)  # hash, byte ranges, summary, bounds
+    assert plan_state(plan) == plan_state(blocks)  # hash, byte ranges, summary, bounds
     assert plan.access_mask() == blocks.access_mask()
     for key in blocks.access:
         assert plan.selected_blocks(*key) == tuple(r.block_idx for r in blocks.access[key])
@@ -128,5 +127,5 @@ def test_when_take_all_fails_every_candidate_is_ranked_whole_tensors_included(ca
         m.setattr(ranking, "take_all", lambda *a: None)
         ranked = catalog.plan(spec, budget="1.0")
     assert all(r.block_idx >= 0 for reads in ranked.access.values() for r in reads)
-    assert _state(ranked) == _state(whole)
+    assert plan_state(ranked) == plan_state(whole)
     assert ranked.planned_bytes == whole.planned_bytes == whole.candidate_bytes

@@ -8,8 +8,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+from builders import CASES, make_spec
 from conftest import BLOCK
-from test_merge import CASES, make_spec
 
 from mergepipe_db.errors import ReplayError, UnknownCheckpointError, VerifyError
 

@@ -34,7 +34,7 @@ from mergepipe_db.errors import CatalogLockedError, CommitConflictError
 
 pytestmark = pytest.mark.catalog
 
-CRASHKIT = Path(__file__).with_name("crashkit.py")
+CRASHKIT = Path(__file__).parents[1] / "crashkit.py"
 N_PARENTS = 4  # base + 3 experts: lineage rows of every snapshot
 
 

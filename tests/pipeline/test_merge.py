@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 import torch
+from builders import CASES, make_spec, reference_for
 from conftest import BLOCK, ingest_family
 from reference_merge import assert_bytes_equal, load_output, reference_merge
 
@@ -20,42 +21,6 @@ from mergepipe_db.db import schema
 from mergepipe_db.errors import BudgetError, MergePipeError, OutputExistsError, SpecError, UnknownCheckpointError
 
 pytestmark = pytest.mark.catalog
-
-CASES: dict[str, dict] = {
-    "linear": {"models": [{"weight": 0.5}, {"weight": 0.3}, {"weight": 0.2}], "parameters": {}},
-    "task_arithmetic": {"models": [{"weight": 0.5}, {"weight": 0.7}, {"weight": -0.3}],
-                        "parameters": {"lambda": 0.8}},
-    "ties": {"models": [{"weight": 1.0, "density": 0.5}, {"weight": 0.5, "density": 0.3},
-                        {"weight": 0.7, "density": 0.8}], "parameters": {}},
-    "dare_linear": {"models": [{"weight": 0.6, "density": 0.6}, {"weight": 0.5, "density": 0.5},
-                               {"weight": 0.4, "density": 0.9}], "parameters": {}},
-    "dare_ties": {"models": [{"weight": 1.0, "density": 0.7}, {"weight": 0.8, "density": 0.5},
-                             {"weight": 0.6, "density": 0.4}], "parameters": {"normalize": True}},
-    "breadcrumbs": {"models": [{"weight": 0.5, "density": 0.7, "gamma": 0.05}, {"weight": 0.5, "density": 0.8},
-                               {"weight": 0.4, "density": 0.6, "gamma": 0.1}], "parameters": {}},
-    "slerp": {"models": [{}], "parameters": {"t": 0.3}},
-}
-
-
-def make_spec(method: str, names: list[str], *, seed: int = 7, budget=None) -> dict:
-    case = CASES[method]
-    models = [{"model": n, "parameters": p} for n, p in zip(names, case["models"])]
-    spec = {"merge_method": method, "base_model": "base", "models": models, "parameters": dict(case["parameters"]),
-            "seed": seed}
-    if budget is not None:
-        spec["budget"] = budget
-    return spec
-
-
-def reference_for(catalog: Catalog, family, method: str, names: list[str], *, seed: int = 7) -> dict:
-    case = CASES[method]
-    n = len(case["models"])
-    params = case["parameters"]
-    return reference_merge(
-        method, Path(family.base), [Path(p) for p in family.experts[:n]], [dict(m) for m in case["models"]],
-        normalize=params.get("normalize"), lam=params.get("lambda", 1.0), t=params.get("t"), seed=seed,
-        expert_keys=[catalog.checkpoint_id(nm) for nm in names[:n]], block_bytes=BLOCK,
-    )
 
 
 @pytest.mark.parametrize("method", list(CASES))

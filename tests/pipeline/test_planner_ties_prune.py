@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import sqlalchemy as sa
 import torch
+from builders import lora_factors, materialize_lora, write_adapter, write_delta
 from conftest import BLOCK, ingest_family
 from reference_merge import assert_bytes_equal, load_model, load_output, reference_merge
-from test_sources import _lora_factors, _materialize_lora, _write_adapter, _write_delta
 
 from mergepipe_db.core import sketch
 from mergepipe_db.core.dtypes import ARITHMETIC_DTYPES
@@ -129,10 +129,10 @@ def test_mixed_sources_prune_full_delta_and_packed_not_lora(catalog, tiny_family
     dnames = ["model.layers.0.mlp.down_proj.weight", "model.layers.1.self_attn.q_proj.weight",
               "model.layers.1.mlp.up_proj.weight", "lm_head.weight", "model.norm.weight"]
     deltas = {n: e1[n].float() - base[n].float() for n in dnames}
-    _write_delta(tmp_path / "d", deltas)
+    write_delta(tmp_path / "d", deltas)
     catalog.ingest(tmp_path / "d", name="delta1", base="base", kind="delta")
-    cfg, f = _lora_factors(5, dtype=torch.float32)
-    _write_adapter(tmp_path / "lora", cfg, f)
+    cfg, f = lora_factors(5, dtype=torch.float32)
+    write_adapter(tmp_path / "lora", cfg, f)
     catalog.ingest(tmp_path / "lora", name="lora2", base="base")
     catalog.ingest(fam.experts[2], name="packed3", base="base")
     catalog.pack("packed3", store=tmp_path / "store")
@@ -148,7 +148,7 @@ def test_mixed_sources_prune_full_delta_and_packed_not_lora(catalog, tiny_family
     expected = reference_merge(
         "ties", Path(fam.base), [Path(fam.experts[0]), Path(fam.base), Path(fam.base), Path(fam.experts[2])],
         params, seed=7, expert_keys=[catalog.checkpoint_id(n) for n in names], block_bytes=BLOCK,
-        expert_deltas=[None, deltas, _materialize_lora(cfg, f), None])
+        expert_deltas=[None, deltas, materialize_lora(cfg, f), None])
     assert_bytes_equal(load_output(tmp_path / "out"), expected)
     catalog.replay(tmp_path / "out", out=tmp_path / "again", verify=True)
 

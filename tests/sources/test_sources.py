@@ -3,12 +3,12 @@ and families that mix them — exact at full budget, budget-sound below it, and 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 import torch
+from builders import lora_factors, materialize_lora, write_adapter, write_delta
 from conftest import BLOCK
 from reference_merge import assert_bytes_equal, load_model, load_output, reference_merge
 from safetensors.torch import save_file
@@ -17,7 +17,7 @@ from mergepipe_db import Catalog
 from mergepipe_db.cli import main
 from mergepipe_db.db import schema
 from mergepipe_db.errors import CoordinateMismatchError, LoraAdapterError, MergePipeError, PackError
-from mergepipe_db.sources.adapters import FACTOR_BLOCK, lora_scale
+from mergepipe_db.sources.adapters import FACTOR_BLOCK
 
 pytestmark = pytest.mark.catalog
 
@@ -33,55 +33,6 @@ def _counts(cat: Catalog) -> dict[str, int]:
     with cat.db.connect() as conn:
         return {t.name: conn.execute(sa.select(sa.func.count()).select_from(t)).scalar_one()
                 for t in schema.metadata.sorted_tables}
-
-
-def _write_delta(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
-    path.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
-    return path
-
-
-def _write_adapter(path: Path, cfg: dict, factors: dict[str, torch.Tensor]) -> Path:
-    path.mkdir(parents=True)
-    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", **cfg}))
-    save_file({k: v.contiguous() for k, v in factors.items()}, str(path / "adapter_model.safetensors"))
-    return path
-
-
-def _lora_factors(seed: int, dtype=torch.bfloat16) -> tuple[dict, dict[str, torch.Tensor]]:
-    """A hand-written PEFT adapter for the tiny Llama: q_proj (layer 0, r 4), v_proj (layer 1, r 2 by
-    rank_pattern, alpha by alpha_pattern), embed_tokens (r 4, embedding layout)."""
-    g = torch.Generator().manual_seed(seed)
-
-    def rnd(*shape):
-        return (torch.randn(*shape, generator=g) * 0.2).to(dtype)
-
-    cfg = {"r": 4, "lora_alpha": 8, "rank_pattern": {"layers.1.self_attn.v_proj": 2},
-           "alpha_pattern": {"v_proj": 3}, "target_modules": ["q_proj", "v_proj", "embed_tokens"]}
-    f = {
-        f"{P}model.layers.0.self_attn.q_proj.lora_A.weight": rnd(4, 64),
-        f"{P}model.layers.0.self_attn.q_proj.lora_B.weight": rnd(64, 4),
-        f"{P}model.layers.1.self_attn.v_proj.lora_A.weight": rnd(2, 64),
-        f"{P}model.layers.1.self_attn.v_proj.lora_B.weight": rnd(32, 2),
-        f"{P}model.embed_tokens.lora_embedding_A": rnd(4, 128),
-        f"{P}model.embed_tokens.lora_embedding_B": rnd(64, 4),
-    }
-    return cfg, f
-
-
-def _materialize_lora(cfg: dict, factors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Independent ΔW per module, plain PEFT formula on whole factors."""
-    out = {}
-    for key, a in factors.items():
-        for sa_, sb, emb in ((".lora_A.weight", ".lora_B.weight", False),
-                             (".lora_embedding_A", ".lora_embedding_B", True)):
-            if key.endswith(sa_):
-                module = key[len(P):-len(sa_)]
-                b = factors[key[:-len(sa_)] + sb]
-                _r, s = lora_scale(cfg, module)
-                d = b.float() @ a.float()
-                out[f"{module}.weight"] = (d.T if emb or cfg.get("fan_in_fan_out") else d) * s
-    return out
 
 
 @pytest.fixture
@@ -100,7 +51,7 @@ def test_delta_checkpoint_full_budget_and_zero_blocks(catalog, fam, tmp_path) ->
     names = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.norm.weight"]
     deltas = {n: e1[n].float() - base[n].float() for n in names}
     deltas["model.layers.1.mlp.up_proj.weight"] = torch.zeros(128, 64)  # all zero: never a candidate
-    _write_delta(tmp_path / "d", deltas)
+    write_delta(tmp_path / "d", deltas)
     res = catalog.ingest(tmp_path / "d", name="d1", base="base", kind="delta")
     assert res.kind == "delta" and res.n_tensors == 4
     spec = {"merge_method": "task_arithmetic", "base_model": "base",
@@ -175,7 +126,7 @@ def test_export_delta_that_fails_leaves_nothing(catalog, fam, tmp_path, monkeypa
 
 
 def test_delta_bad_coordinates_are_refused(catalog, fam, tmp_path) -> None:
-    _write_delta(tmp_path / "d", {"model.norm.weight": torch.zeros(63)})
+    write_delta(tmp_path / "d", {"model.norm.weight": torch.zeros(63)})
     before = _counts(catalog)
     with pytest.raises(CoordinateMismatchError, match="shape") as e:
         catalog.ingest(tmp_path / "d", name="bad", base="base", kind="delta")
@@ -230,8 +181,8 @@ def test_lora_full_budget_equals_peft_merge_and_unload(catalog, tmp_path, kwargs
 
 
 def test_lora_partial_budgets_are_sound_and_replayable(catalog, fam, tmp_path) -> None:
-    cfg, f = _lora_factors(3)
-    _write_adapter(tmp_path / "a", cfg, f)
+    cfg, f = lora_factors(3)
+    write_adapter(tmp_path / "a", cfg, f)
     catalog.ingest(tmp_path / "a", name="lo", base="base", kind="lora")
     spec = {"merge_method": "task_arithmetic", "base_model": "base",
             "models": [{"model": "lo", "parameters": {"weight": 1.0}}]}
@@ -251,7 +202,7 @@ def test_lora_partial_budgets_are_sound_and_replayable(catalog, fam, tmp_path) -
 
 
 def _bad_adapter_cases():
-    cfg, f = _lora_factors(1)
+    cfg, f = lora_factors(1)
     wrong_r = dict(f)
     wrong_r[f"{P}model.layers.0.self_attn.q_proj.lora_A.weight"] = torch.zeros(3, 64, dtype=torch.bfloat16)
     wrong_base = dict(f)
@@ -266,7 +217,7 @@ def _bad_adapter_cases():
 @pytest.mark.parametrize("case", _bad_adapter_cases(), ids=lambda c: c[0])
 def test_bad_lora_adapters_are_refused(catalog, fam, tmp_path, case) -> None:
     _id, cfg, f, msg = case
-    _write_adapter(tmp_path / "a", cfg, f)
+    write_adapter(tmp_path / "a", cfg, f)
     before = _counts(catalog)
     with pytest.raises(LoraAdapterError, match=msg) as e:
         catalog.ingest(tmp_path / "a", name="bad", base="base")
@@ -274,7 +225,7 @@ def test_bad_lora_adapters_are_refused(catalog, fam, tmp_path, case) -> None:
 
 
 def test_missing_adapter_config_is_refused(catalog, fam, tmp_path, capsys) -> None:
-    _cfg, f = _lora_factors(1)
+    _cfg, f = lora_factors(1)
     (tmp_path / "a").mkdir()
     save_file(f, str(tmp_path / "a" / "adapter_model.safetensors"))
     before = _counts(catalog)
@@ -353,7 +304,7 @@ def test_pack_leaves_incompressible_blocks_and_full_budget_reads_everything(cata
 
 
 def test_pack_refuses_non_full_experts(catalog, fam, tmp_path) -> None:
-    _write_delta(tmp_path / "d", {"model.norm.weight": torch.ones(64)})
+    write_delta(tmp_path / "d", {"model.norm.weight": torch.ones(64)})
     catalog.ingest(tmp_path / "d", name="d", base="base", kind="delta")
     with pytest.raises(PackError):
         catalog.pack("d", store=tmp_path / "s")
@@ -367,17 +318,17 @@ def test_mixed_family_full_budget_equals_materialized_reference(catalog, request
     catalog.ingest(fam.experts[0], name="full0", base="base")
     dnames = ["model.layers.0.mlp.down_proj.weight", "model.layers.1.self_attn.q_proj.weight", "lm_head.weight"]
     deltas = {n: (e1[n].float() - base[n].float()).to(torch.float32) for n in dnames}
-    _write_delta(tmp_path / "d", deltas)
+    write_delta(tmp_path / "d", deltas)
     catalog.ingest(tmp_path / "d", name="delta1", base="base", kind="delta")
-    cfg, f = _lora_factors(5, base[dnames[0]].dtype)
-    _write_adapter(tmp_path / "lora", cfg, f)
+    cfg, f = lora_factors(5, base[dnames[0]].dtype)
+    write_adapter(tmp_path / "lora", cfg, f)
     catalog.ingest(tmp_path / "lora", name="lora2", base="base")
     catalog.ingest(fam.experts[2], name="packed3", base="base")
     catalog.pack("packed3", store=tmp_path / "store")
     names = ["full0", "delta1", "lora2", "packed3"]
     params = [{"weight": 0.4, "density": 0.6}, {"weight": 0.3, "density": 0.7}, {"weight": 0.5, "density": 0.5},
               {"weight": 0.2, "density": 0.8}]
-    lora_delta = _materialize_lora(cfg, f)
+    lora_delta = materialize_lora(cfg, f)
     for method in ("linear", "task_arithmetic", "ties", "dare_linear"):
         spec = {"merge_method": method, "base_model": "base", "seed": 11, "parameters": {},
                 "models": [{"model": n, "parameters": p} for n, p in zip(names, params)]}
@@ -396,14 +347,14 @@ def test_lora_fan_in_fan_out_full_budget(catalog, fam, tmp_path) -> None:
     m = "model.layers.1.mlp.down_proj"  # base [64, 128] = [in, out] under fan_in_fan_out
     f = {f"{P}{m}.lora_A.weight": torch.randn(3, 64, generator=g), f"{P}{m}.lora_B.weight": torch.randn(128, 3,
                                                                                                       generator=g)}
-    _write_adapter(tmp_path / "a", cfg, f)
+    write_adapter(tmp_path / "a", cfg, f)
     catalog.ingest(tmp_path / "a", name="fif", base="base")
     spec = {"merge_method": "task_arithmetic", "base_model": "base",
             "models": [{"model": "fif", "parameters": {"weight": 0.5}}]}
     res = catalog.merge(spec, out=tmp_path / "o", budget="1.0")
     assert res.realized_bytes == res.planned_bytes == (3 * 64 + 128 * 3) * 4
     expected = reference_merge("task_arithmetic", Path(fam.base), [Path(fam.base)], [{"weight": 0.5}],
-                               expert_deltas=[_materialize_lora(cfg, f)])
+                               expert_deltas=[materialize_lora(cfg, f)])
     assert_bytes_equal(load_output(tmp_path / "o"), expected)
     part = catalog.plan(spec, budget=str(res.planned_bytes // 2))
     assert part.planned_bytes <= res.planned_bytes // 2

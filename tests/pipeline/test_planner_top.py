@@ -13,11 +13,11 @@ import random
 import numpy as np
 import pytest
 import sqlalchemy as sa
+from builders import plan_state
 from conftest import ingest_family
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from planner_scores import SCORES, plan_each, set_scores
-from test_planner_threshold import _state
 
 from mergepipe_db.core import sketch
 from mergepipe_db.core.spec import Budget
@@ -112,7 +112,7 @@ def test_top_of_ranking_and_take_all_keep_every_plan(catalog, tiny_family, monke
     budgets = [Budget(nbytes=b) if isinstance(b, int) else b for b in [*_budgets(scored), "0.01", "0.3", "1.0"]]
     for b, got, ref in zip(budgets, plan_each(catalog, spec, budgets),
                            _ranked_everything(catalog, spec, budgets, monkeypatch)):
-        assert _state(got) == _state(ref), b
+        assert plan_state(got) == plan_state(ref), b
         assert _bounds_agree(got, ref, scale), (b, got.bound_total, ref.bound_total)
     if scores in ("as_ingested", "all_equal"):  # scores the threshold can cut: the top was taken, and held
         assert "top" in paths.taken and "fallback" not in paths.taken, paths.taken
@@ -127,7 +127,8 @@ def test_operators_outside_the_top_still_plan_everything(catalog, tiny_family, m
                                                for n in names]}
     paths = _Paths(monkeypatch)
     for b in ("0.05", "0.4", "1.0"):
-        assert _state(catalog.plan(spec, budget=b)) == _state(_ranked_everything(catalog, spec, [b], monkeypatch)[0])
+        ranked = _ranked_everything(catalog, spec, [b], monkeypatch)[0]
+        assert plan_state(catalog.plan(spec, budget=b)) == plan_state(ranked)
     assert paths.taken == ["all"]
 
 

@@ -8,7 +8,7 @@ import sysconfig
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_wheel_installs_and_migrates_outside_the_source_tree(tmp_path: Path) -> None:

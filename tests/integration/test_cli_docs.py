@@ -10,7 +10,7 @@ import pytest
 
 from mergepipe_db.cli import build_parser, main
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+README = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
 
 
 def _commands() -> list[tuple[str, argparse.ArgumentParser]]:

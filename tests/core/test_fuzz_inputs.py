@@ -3,7 +3,7 @@
 Whatever the input, only MergePipeError subclasses may escape, with one-line messages; what is accepted
 satisfies the parser's invariants.
 
-The default run tries ~100 examples a target. `pytest -m fuzz tests/test_fuzz_inputs.py` runs each target for
+The default run tries ~100 examples a target. `pytest -m fuzz tests/core/test_fuzz_inputs.py` runs each target for
 MERGEPIPE_FUZZ_SECONDS (default 60) in batches of fresh random examples and prints the executions; with
 MERGEPIPE_FUZZ_REPORT=path.json it also records them there (benchmarks/reliability.py reads that file).
 """

@@ -18,7 +18,7 @@ checkpoint, LoRA adapter, snapshot of a merge; `catalogue_experts`). Each case c
 Inputs are finite (values are clamped): NaN payloads and Δ next to infinities are unspecified (docs/SEMANTICS.md).
 
 The default suite runs SEEDS and, with mixed sources, MIXED_SEEDS (two tests check what they cover);
-`pytest -m fuzz tests/test_differential.py` runs MERGEPIPE_FUZZ_CASES (default 200) seeds of each kind from
+`pytest -m fuzz tests/integration/test_differential.py` runs MERGEPIPE_FUZZ_CASES (default 200) seeds of each kind from
 MERGEPIPE_FUZZ_FIRST_SEED (default 1000). A failing seed is reproduced alone with both variables set
 (MERGEPIPE_FUZZ_CASES=1 MERGEPIPE_FUZZ_FIRST_SEED=<seed>).
 """

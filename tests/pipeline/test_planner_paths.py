@@ -9,8 +9,8 @@ import random
 
 import pytest
 import sqlalchemy as sa
+from builders import make_spec
 from conftest import ingest_family
-from test_merge import make_spec
 
 from mergepipe_db import __version__
 from mergepipe_db.core.hashing import sha256_hex

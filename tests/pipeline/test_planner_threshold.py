@@ -1,7 +1,7 @@
 """The ranking's threshold pre-filter (sql/plan_rank.sql: only candidates with score >= T are sorted) changes
 nothing: every plan equals the one ranked over all candidates (the statement with the histogram cut disabled),
 at budgets on the histogram's bucket edges, with NULL, NaN, inf, subnormal and all-equal scores. Block-row
-operators (ties) rank without a pre-filter (sql/plan_rank_grouped.sql; tests/test_planner_grouped.py)."""
+operators (ties) rank without a pre-filter (sql/plan_rank_grouped.sql; tests/pipeline/test_planner_grouped.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import math
 
 import pytest
 import sqlalchemy as sa
+from builders import plan_state
 from conftest import ingest_family
 from planner_scores import SCORES, plan_each, set_scores
 
@@ -33,27 +34,6 @@ def _unfiltered(name: str) -> str:
         assert text.count(_CUT) == 1
         text = text.replace(_CUT, "WHERE 1 = 0")  # no bucket qualifies: T is NULL, every candidate is ranked
     return text
-
-
-def _state(plan) -> str:
-    """Everything the plan says but its bounds (repr: NaN compares equal). Reads as the byte ranges they cover
-    (adjacent ones joined): a tensor every block of which is read may be one whole-tensor read unit."""
-    summary = {k: v for k, v in plan.summary().items() if k != "bound"}
-    return repr((plan.plan_hash, _byte_ranges(plan), plan.full_selection, summary,
-                 sorted(plan.bound_per_tensor or {})))
-
-
-def _byte_ranges(plan) -> dict:
-    out = {}
-    for key, reads in sorted(plan.access.items()):
-        ranges: list[list[int]] = []
-        for r in reads:
-            if ranges and ranges[-1][1] == r.offset:
-                ranges[-1][1] += r.nbytes
-            else:
-                ranges.append([r.offset, r.offset + r.nbytes])
-        out[key] = ranges
-    return out
 
 
 def _same_bound(a: float | None, b: float | None) -> bool:
@@ -96,7 +76,7 @@ def _check_same(catalog, spec, budgets, monkeypatch) -> None:
         m.setattr(planner, "sql_text", _unfiltered)
         full_plans = plan_each(catalog, spec, budgets)
     for b, fast, full in zip(budgets, fast_plans, full_plans):
-        assert _state(fast) == _state(full), b
+        assert plan_state(fast) == plan_state(full), b
         assert _same_bound(fast.bound_total, full.bound_total), b
         for t, v in (full.bound_per_tensor or {}).items():
             assert _same_bound(fast.bound_per_tensor[t], v), (b, t)  # type: ignore[index]
@@ -105,7 +85,7 @@ def _check_same(catalog, spec, budgets, monkeypatch) -> None:
 @pytest.mark.parametrize("method", ["linear", "task_arithmetic"])
 @pytest.mark.parametrize("scores", list(SCORES))
 def test_prefilter_keeps_every_plan(catalog, tiny_family, monkeypatch, method, scores) -> None:
-    # this is about sql/plan_rank.sql: the top-of-ranking and take-all plans (tests/test_planner_top.py) are off
+    # this is about sql/plan_rank.sql: the top-of-ranking and take-all plans (test_planner_top.py) are off
     monkeypatch.setattr(ranking, "top_of_ranking", lambda *a: None)
     monkeypatch.setattr(ranking, "take_all", lambda *a: None)
     names = ingest_family(catalog, tiny_family)

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from builders import make_spec, reference_for
 from conftest import ingest_family
 from reference_merge import assert_bytes_equal, load_output
-from test_merge import make_spec, reference_for
 
 from mergepipe_db.pipeline import execute as executor
 from mergepipe_db.pipeline.execute import _Item, _ReadAhead, _Stopped
