@@ -1,7 +1,7 @@
 """Bit reinterpretation inside numba kernels: float32/float64 <-> unsigned integers, and BF16 widening.
 
 A register-level bitcast (no one-element array views, which block vectorization and cost a store and a
-load per element). Used by the ingest statistics kernels (`kernels.py`) and the merge kernels
+load per element). Used by the ingest statistics kernels (`kernels/block_stats.py`) and the merge kernels
 (`kernels/merge.py`).
 """
 
