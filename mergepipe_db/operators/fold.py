@@ -55,7 +55,7 @@ class Stash:
         return True
 
     def take(self, n_blocks: int) -> tuple[list[tuple[np.ndarray, ExpertInput]], Any, np.ndarray]:
-        """(items, their values as `merge_kernels.pack` gives them, selected[item, block]); the stash is empty
+        """(items, their values as `kernels.merge.pack` gives them, selected[item, block]); the stash is empty
         afterwards."""
         items, self.items, self.nbytes = self.items, [], 0
         selected = np.zeros((len(items), n_blocks), np.bool_)

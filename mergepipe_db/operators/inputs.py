@@ -249,11 +249,12 @@ class ExpertInput:
                 raise ValueError(f"expert {self.index}: {what} shape {tuple(t.shape)} != {tuple(ctx.shape)}")
 
     def theta_flat(self) -> np.ndarray | None:
-        """θ_k flat (float32), or None when it is known only through Δ_k."""
+        """θ_k flat (float32; converted from the stored values when those were given), or None when only Δ_k is
+        at hand."""
         if self._theta is None and self._raw is not None:
             self._theta = self._theta_from_raw()
         return None if self._theta is None else self._theta.reshape(-1)
 
     def delta_flat(self) -> np.ndarray | None:
-        """Δ_k flat (float32) as given, or None when it was not."""
+        """Δ_k flat (float32) when given or already computed, else None."""
         return None if self._delta is None else self._delta.reshape(-1)

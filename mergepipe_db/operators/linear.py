@@ -65,7 +65,7 @@ class Linear(MergeOperator):
         acc, base, ctx = self._acc, self._bflat, self._ctx
         assert acc is not None and base is not None and ctx is not None
         if not x.selected_blocks:
-            return  # θ_k = θ₀ everywhere: folded lazily (`merge_kernels.linear_fold`)
+            return  # θ_k = θ₀ everywhere: folded lazily (`kernels.merge.linear_fold`)
         src = x.fast_source()
         if src is not None and self._stash.offer(src, x, self._fold_stash):
             return
@@ -106,7 +106,7 @@ class Linear(MergeOperator):
 
     def _base_only(self, b: np.ndarray) -> np.ndarray:
         acc = np.zeros_like(b)
-        for j, w in enumerate(np.array(self.weights, np.float32)):  # `merge_kernels._catch_up`, in order
+        for j, w in enumerate(np.array(self.weights, np.float32)):  # `kernels.merge._catch_up`, in order
             acc = (np.float32(0.0) + b * w) if j == 0 else (acc + b * w)
         if self.normalize:
             acc /= self.weight_sum

@@ -51,7 +51,7 @@ class TiesFold(DeltaFold):
             self._WN = self.scratch("WN", n)
         self._bounds = block_bounds(self._ctx)
         self._touched = np.zeros(self._ctx.n_blocks, np.bool_)
-        # experts' inputs kept for one fused pass at finish (`merge_kernels.ties_fused`) while they fit:
+        # experts' inputs kept for one fused pass at finish (`kernels.merge.ties_fused`) while they fit:
         # (values, input, trim, τ, w, zero_check)
         self._stash: list[tuple[np.ndarray, ExpertInput, bool, float, float, int]] | None = []
         self._stash_bytes = 0
@@ -168,7 +168,7 @@ class TiesFold(DeltaFold):
         return self.sparsification == "random" and self.densities[x.index] < 1
 
     def _fold_dare(self, x: ExpertInput) -> None:
-        """dare_ties: keep the input for the fused pass (`merge_kernels.dare_ties_fused`, which draws each
+        """dare_ties: keep the input for the fused pass (`kernels.merge.dare_ties_fused`, which draws each
         block's uniforms a tile at a time) while it fits, else fold it block by block."""
         src = x.fast_source()
         if src is not None and self._P is not None and self._bflat is not None and self._fits_stash(src):
@@ -256,7 +256,7 @@ class TiesFold(DeltaFold):
         return P.reshape(base.shape)
 
     def _base_only(self, b: np.ndarray) -> np.ndarray:
-        return b + np.float32(0.0) * np.float32(self.lam)  # `merge_kernels._untouched_span`
+        return b + np.float32(0.0) * np.float32(self.lam)  # `kernels.merge._untouched_span`
 
     def _finish_fused(self, P: np.ndarray) -> bool:
         """The fused pass over the kept inputs into P; False when the bytes of an input whose τ = 0 came
