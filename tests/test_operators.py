@@ -733,6 +733,43 @@ def test_importing_the_operators_loads_neither_torch_nor_numba() -> None:
     assert out.stdout.strip() == "[]"
 
 
+def test_no_private_name_of_the_operators_is_imported_elsewhere() -> None:
+    """Modules use each other's public names only: nothing imports an underscore name of an operators module,
+    and the operators modules import none of any other module (function-local imports count)."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    bad = []
+    for top in ("mergepipe_db", "tests", "benchmarks"):
+        for path in (root / top).rglob("*.py"):
+            rel = path.relative_to(root)
+            in_ops = rel.parts[:2] == ("mergepipe_db", "operators")
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if not isinstance(node, ast.ImportFrom) or not node.module:
+                    continue
+                ours = node.module.startswith("mergepipe_db.operators")
+                if ours or (in_ops and node.module.startswith("mergepipe_db")):
+                    bad += [f"{rel}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+    assert bad == []
+
+
+def test_family_modules_do_not_import_each_other() -> None:
+    """Each family module (one per kind of method) builds on the shared modules only: a method is added or
+    changed in its own module."""
+    import ast
+    import pathlib
+
+    families = {"linear", "additive", "sign_consensus", "slerp"}
+    ops_dir = pathlib.Path(__file__).resolve().parents[1] / "mergepipe_db" / "operators"
+    for fam in families:
+        tree = ast.parse((ops_dir / f"{fam}.py").read_text(encoding="utf-8"))
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        others = {f"mergepipe_db.operators.{f}" for f in families - {fam}}
+        assert not imported & others, fam
+
+
 def test_flags_defaults_and_coefficients() -> None:
     assert {m for m in METHODS if operator_class(m).additive} == {"linear", "task_arithmetic"}
     assert {m for m in METHODS if operator_class(m).uses_theta} == {"linear", "slerp"}
