@@ -10,7 +10,7 @@ Three threads, data flowing one way:
   which are copied from it. Realized expert bytes are counted where the reads are issued and must equal the
   plan's bytes (budget soundness).
 - compute (the caller's thread): per tensor, the base in float32 and each expert's stored bytes read in place
-  by the operator's fused kernels (`operators.py`, `merge_kernels.py`); the result cast to the output dtype.
+  by the operator's fused kernels (`operators`, `kernels.merge`); the result cast to the output dtype.
 - output (`_OutputWriter`): writes each tensor into its shard (O_DIRECT, sha256 while writing, fsync per
   shard); its helper thread hashes each written tensor and computes its block rows for the catalog.
 Items are one tensor of one checkpoint, so memory is a few tensors whatever the number of experts; their
@@ -236,10 +236,10 @@ def execute(
     on_tensor: Any = None,
 ) -> ExecutionResult:
     """Run `plan`, writing output shards into the (existing, empty) `staging` directory."""
-    from mergepipe_db.operators.fold import OPERATORS
+    from mergepipe_db.operators import operator_class
 
     layout = output_layout(plan, shard_bytes)
-    needs_torch = (OPERATORS[plan.spec.method].uses_torch or any(s.kind == "lora" for s in plan.sources.values())
+    needs_torch = (operator_class(plan.spec.method).uses_torch or any(s.kind == "lora" for s in plan.sources.values())
                    or any(ot.dtype == "F16" for ot in layout[0]))  # `_cast_into`
     torch = sys.modules.get("torch")
     if needs_torch and torch is None:
@@ -340,7 +340,7 @@ class _F32Pool:
         `name`, in `src`'s shape (exact: widening loses nothing); with `ranges`, only those flat element
         ranges [start, stop) are converted, the rest is undefined."""
         from mergepipe_db.kernels import merge as merge_kernels
-        from mergepipe_db.operators.fold import empty_buffer
+        from mergepipe_db.operators import empty_buffer
 
         n = src.size
         buf = self._bufs.get(name)
@@ -520,12 +520,11 @@ def _execute(
 ) -> ExecutionResult:
     from tqdm import tqdm
 
-    from mergepipe_db.core.dtypes import numpy_storage_dtype
-    from mergepipe_db.operators.fold import (
+    from mergepipe_db.core.dtypes import as_float32, numpy_storage_dtype
+    from mergepipe_db.operators import (
         ExpertInput,
         ExpertParams,
         TensorContext,
-        as_float32,
         block_bounds,
         live_ranges,
         make_operator,

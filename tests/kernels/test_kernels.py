@@ -173,7 +173,7 @@ def test_skipped_blocks_copied_with_exceptions_equal_the_table_lookup(method, we
     blocks are copied with those replaced: the same bits, and the same NaN verdict, as looking every element
     up in the table — over every BF16 pattern, in blocks with and without NaN."""
     from mergepipe_db.kernels import merge as merge_kernels
-    from mergepipe_db.operators.fold import ExpertParams, make_operator
+    from mergepipe_db.operators import ExpertParams, make_operator
 
     op = make_operator(method, [ExpertParams(key=f"{i:032x}", weight=w, density=0.5) for i, w in enumerate(weights)],
                        normalize=normalize)

@@ -17,13 +17,13 @@ import torch
 
 from mergepipe_db.core import sketch
 from mergepipe_db.errors import SpecError, UnsupportedDtypeError
-from mergepipe_db.operators.fold import (
-    OPERATORS,
+from mergepipe_db.operators import (
     ExpertInput,
     ExpertParams,
     TensorContext,
     dare_keep_mask,
     make_operator,
+    operator_class,
 )
 
 METHODS = ("linear", "task_arithmetic", "ties", "dare_linear", "dare_ties", "breadcrumbs", "slerp")
@@ -318,7 +318,7 @@ def test_full_selection_matches_literal_formulas(method: str) -> None:
                                  **kw)
             for supply in ("theta", ("delta", "theta-no-base")[case % 2]):
                 got = stream(method, base, thetas, params, ctx, supply=supply, **kw)
-                if supply == "delta" and OPERATORS[method].uses_theta:
+                if supply == "delta" and operator_class(method).uses_theta:
                     # θ is then θ₀ + Δ, which may differ from the stored θ by a rounding
                     thetas2 = [base + (th - base) for th in thetas]
                     want2 = literal_merge(method, base, thetas2, params, seed=ctx.seed,
@@ -570,11 +570,11 @@ def test_partial_ties_with_sketch_in_all_regimes(seed: int) -> None:
 @pytest.mark.parametrize("case", ["all_read", "bin_read", "some_read", "nan_read", "zero", "zero_nan", "zero_inf"])
 def test_partial_ties_sketch_tau_in_one_pass(monkeypatch, case: str) -> None:
     """A partly read tensor whose sketch holds no inf/NaN takes τ from one fused pass over the rows read
-    (`_DeltaFold._sketch_tau_fast`; for τ = 0, the operator's fused pass checks the rows read): the same bits
+    (`TiesFold._sketch_tau_fast`; for τ = 0, the operator's fused pass checks the rows read): the same bits
     as the |Δ|-in-memory path and as SEMANTICS.md, in each branch: every element of τ's bin read (exact),
     only some (interpolated), τ in bin 0, and a NaN or inf read that the sketch did not announce (NaN: τ =
     NaN, T_k = 0; inf: τ stays 0)."""
-    from mergepipe_db.operators import fold as ops
+    from mergepipe_db.operators.sign_consensus import TiesFold
 
     shape, rpb = (160, 30), 10
     base, thetas = make_data(shape, 2, 77)
@@ -603,19 +603,19 @@ def test_partial_ties_sketch_tau_in_one_pass(monkeypatch, case: str) -> None:
         thetas = [th.clone() for th in thetas]
         thetas[0][rows[3][0] + 1, 5] = math.inf if case == "zero_inf" else math.nan  # read, not in the sketch
     taken: list[float | None] = []
-    fused = ops._DeltaFold._sketch_tau_fast
+    fused = TiesFold._sketch_tau_fast
 
     def spy(self, x, k):  # noqa: ANN001, ANN202
         tau, zero_check = fused(self, x, k)
         taken.append(tau)
         return tau, zero_check
 
-    monkeypatch.setattr(ops._DeltaFold, "_sketch_tau_fast", spy)
+    monkeypatch.setattr(TiesFold, "_sketch_tau_fast", spy)
     got = stream("ties", base, thetas, params, ctx, selected=selected, sketches=sketches, full=False)
     taken = taken[:2]  # an input the fused pass sends back asks again (then by the other path)
     assert len(taken) == 2 and all(t is not None for t in taken)
     assert all(t == 0.0 for t in taken) == case.startswith("zero")
-    monkeypatch.setattr(ops._DeltaFold, "_sketch_tau_fast", lambda self, x, k: (None, 0))
+    monkeypatch.setattr(TiesFold, "_sketch_tau_fast", lambda self, x, k: (None, 0))
     assert_bits_equal(got, stream("ties", base, thetas, params, ctx, selected=selected, sketches=sketches,
                                   full=False))
     trimmed = []
@@ -632,7 +632,7 @@ def test_partial_ties_sketch_tau_in_one_pass(monkeypatch, case: str) -> None:
 
 @pytest.mark.parametrize("n", [0, 1, 2, 623, 624, 625, 1248, 1249, 6 * 12, 256 * 2048 + 7])
 def test_mt19937_uniforms_are_torch_rand_bit_for_bit(n) -> None:
-    """DARE's uniforms come from mergepipe_db.mt19937, not torch: the same bits as torch.rand for a generator
+    """DARE's uniforms come from mergepipe_db.kernels.torch_rand, not torch: the same bits as torch.rand for a generator
     given manual_seed(s), for seeds over the whole 63-bit range (torch keeps the low 32 bits) and sizes
     around MT19937's 624-word state."""
     from mergepipe_db.kernels.torch_rand import torch_rand_into
@@ -703,12 +703,78 @@ def test_unknown_method_lists_the_known_ones() -> None:
         make_operator("model_soup", [ExpertParams("a")])
 
 
+def test_registry_methods_are_the_spec_methods() -> None:
+    """The registry's names are exactly what a spec may name (`core.spec.METHODS`, which cannot import the
+    operators) and what this file tests; each name gives its own class, and a name registers once."""
+    from mergepipe_db.core import spec
+    from mergepipe_db.operators import methods, register
+
+    assert sorted(methods()) == sorted(spec.METHODS) == sorted(METHODS)
+    assert len(set(spec.METHODS)) == len(spec.METHODS)
+    for m in METHODS:
+        assert operator_class(m).name == m
+        assert type(make_operator(m, [ExpertParams("a")], t=0.5)) is operator_class(m)
+    with pytest.raises(SpecError, match="unknown merge method"):
+        operator_class("model_soup")
+    with pytest.raises(ValueError, match="already registered"):
+        register("ties")(type("Again", (operator_class("ties"),), {}))
+    assert operator_class("ties").name == "ties"
+
+
+def test_importing_the_operators_loads_neither_torch_nor_numba() -> None:
+    """The family modules register on import, and stay light: `mergepipe --help` must not pay for torch or
+    numba (the kernels load on first use)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, mergepipe_db.operators as o; o.make_operator('ties', [o.ExpertParams('a')]); "
+            "print(sorted(m for m in ('torch', 'numba', 'mergepipe_db.kernels.merge') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_no_private_name_of_the_operators_is_imported_elsewhere() -> None:
+    """Modules use each other's public names only: nothing imports an underscore name of an operators module,
+    and the operators modules import none of any other module (function-local imports count)."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    bad = []
+    for top in ("mergepipe_db", "tests", "benchmarks"):
+        for path in (root / top).rglob("*.py"):
+            rel = path.relative_to(root)
+            in_ops = rel.parts[:2] == ("mergepipe_db", "operators")
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if not isinstance(node, ast.ImportFrom) or not node.module:
+                    continue
+                ours = node.module.startswith("mergepipe_db.operators")
+                if ours or (in_ops and node.module.startswith("mergepipe_db")):
+                    bad += [f"{rel}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+    assert bad == []
+
+
+def test_family_modules_do_not_import_each_other() -> None:
+    """Each family module (one per kind of method) builds on the shared modules only: a method is added or
+    changed in its own module."""
+    import ast
+    import pathlib
+
+    families = {"linear", "additive", "sign_consensus", "slerp"}
+    ops_dir = pathlib.Path(__file__).resolve().parents[1] / "mergepipe_db" / "operators"
+    for fam in families:
+        tree = ast.parse((ops_dir / f"{fam}.py").read_text(encoding="utf-8"))
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        others = {f"mergepipe_db.operators.{f}" for f in families - {fam}}
+        assert not imported & others, fam
+
+
 def test_flags_defaults_and_coefficients() -> None:
-    assert set(OPERATORS) == set(METHODS)
-    assert {m for m in METHODS if OPERATORS[m].additive} == {"linear", "task_arithmetic"}
-    assert {m for m in METHODS if OPERATORS[m].uses_theta} == {"linear", "slerp"}
-    assert {m for m in METHODS if OPERATORS[m].tensor_granular} == {"slerp"}
-    assert {m for m in METHODS if OPERATORS[m].needs_full_tensor_stats} == {"ties", "breadcrumbs"}
+    assert {m for m in METHODS if operator_class(m).additive} == {"linear", "task_arithmetic"}
+    assert {m for m in METHODS if operator_class(m).uses_theta} == {"linear", "slerp"}
+    assert {m for m in METHODS if operator_class(m).tensor_granular} == {"slerp"}
+    assert {m for m in METHODS if operator_class(m).needs_full_tensor_stats} == {"ties", "breadcrumbs"}
     ps = [ExpertParams("a", 2.0), ExpertParams("b", -1.0), ExpertParams("c", 3.0)]
     for m, norm in DEFAULT_NORMALIZE.items():
         assert make_operator(m, ps).normalize is norm
@@ -772,10 +838,10 @@ def test_input_errors() -> None:
 @pytest.mark.parametrize("chunk", [3001, 1 << 20])
 def test_exact_selection_equals_sort(monkeypatch, chunk: int) -> None:
     """The radix select behind TIES/breadcrumbs thresholds: the k-th of torch's descending sort (NaN first)."""
-    import mergepipe_db.operators.fold as ops
+    from mergepipe_db.operators import order_stats
 
-    monkeypatch.setattr(ops, "_RADIX_CHUNK", chunk)
-    monkeypatch.setattr(ops, "_RADIX_SMALL", 16)
+    monkeypatch.setattr(order_stats, "RADIX_CHUNK", chunk)
+    monkeypatch.setattr(order_stats, "RADIX_SMALL", 16)
     op = make_operator("ties", [ExpertParams("a")])
     g = torch.Generator().manual_seed(0)
     for case in range(3):
@@ -786,7 +852,7 @@ def test_exact_selection_equals_sort(monkeypatch, chunk: int) -> None:
             a[[5, 77, 4000]] = torch.tensor([math.inf, math.nan, math.nan])
         desc = torch.sort(a, descending=True).values
         for k in [1, 3, 4, 4500, 9000, 9001]:
-            got = ops._kth_largest_exact(a.numpy(), k, op, {})
+            got = order_stats.kth_largest_exact(a.numpy(), k, op, {})
             want = float(desc[k - 1])
             assert (math.isnan(got) and math.isnan(want)) or got == want
 
@@ -797,9 +863,9 @@ def test_full_selection_tau_from_the_sketch_is_exact(monkeypatch, case: str, fus
     """On a full read, TIES takes τ's bin from the catalog sketch (one pass over that bin, or a count when τ
     is 0, made by the fused pass when the inputs are kept for it) — and a sketch the data contradicts is
     ignored: the result is the literal formula's, bit for bit, fused (1 GiB) or streamed (0)."""
-    from mergepipe_db.operators import fold as operators
+    from mergepipe_db.operators import sign_consensus
 
-    monkeypatch.setattr(operators, "_FUSE_BYTES", fuse_bytes)
+    monkeypatch.setattr(sign_consensus, "FUSE_BYTES", fuse_bytes)
     shape, rpb = (300, 64), 16
     base, thetas = make_data(shape, 3, 77)
     if case != "in_bin" and case != "wrong_sketch":  # most Δ exactly 0, as in BF16 fine-tunes: τ = 0 at
@@ -822,12 +888,12 @@ def test_full_selection_tau_from_the_sketch_is_exact(monkeypatch, case: str, fus
 @pytest.mark.parametrize("method", ["linear", "task_arithmetic"])
 @pytest.mark.parametrize("group_bytes", [0, 40_000, 1 << 30])
 def test_grouped_fused_and_streamed_additive_paths_match(monkeypatch, method: str, group_bytes: int) -> None:
-    """linear and task arithmetic keep experts' values up to `_GROUP_BYTES` and fold each group in one fused
+    """linear and task arithmetic keep experts' values up to `fold.GROUP_BYTES` and fold each group in one fused
     pass (0: each expert streamed; 40 kB: groups of one or two, experts that selected nothing in between;
     1 GiB: one pass): every split gives the literal result, bit for bit."""
-    from mergepipe_db.operators import fold as operators
+    from mergepipe_db.operators import fold
 
-    monkeypatch.setattr(operators, "_GROUP_BYTES", group_bytes)
+    monkeypatch.setattr(fold, "GROUP_BYTES", group_bytes)
     shape, rpb = (120, 64), 16
     base, thetas = make_data(shape, 5, 93)
     params = [ExpertParams(n, w) for n, w in zip("abcde", (0.5, 0.3, -0.2, 0.25, 0.15))]
@@ -840,11 +906,11 @@ def test_grouped_fused_and_streamed_additive_paths_match(monkeypatch, method: st
 
 @pytest.mark.parametrize("fuse_bytes", [0, 40_000])
 def test_ties_streaming_and_partly_fused_paths_match(monkeypatch, fuse_bytes: int) -> None:
-    """TIES folds the experts of a tensor in one fused pass while their bytes fit `_FUSE_BYTES`, else one
+    """TIES folds the experts of a tensor in one fused pass while their bytes fit `sign_consensus.FUSE_BYTES`, else one
     by one (or the first few fused, then streamed): every mix gives the literal result, bit for bit."""
-    from mergepipe_db.operators import fold as operators
+    from mergepipe_db.operators import sign_consensus
 
-    monkeypatch.setattr(operators, "_FUSE_BYTES", fuse_bytes)
+    monkeypatch.setattr(sign_consensus, "FUSE_BYTES", fuse_bytes)
     shape, rpb = (120, 64), 16
     base, thetas = make_data(shape, 3, 91)
     params = [ExpertParams("a", 0.5, 0.4), ExpertParams("b", 0.3, 1.0), ExpertParams("c", -0.2, 0.7)]
@@ -859,13 +925,13 @@ def test_ties_streaming_and_partly_fused_paths_match(monkeypatch, fuse_bytes: in
 @pytest.mark.parametrize("special", [False, True])
 def test_dare_ties_streaming_and_fused_paths_match(monkeypatch, fuse_bytes: int, special: bool) -> None:
     """dare_ties folds its experts in one fused pass that draws each block's uniforms a tile at a time
-    (`merge_kernels.dare_ties_fused`) while their bytes fit `_FUSE_BYTES`, else block by block: streamed
+    (`kernels.merge.dare_ties_fused`) while their bytes fit `sign_consensus.FUSE_BYTES`, else block by block: streamed
     (0), partly fused (40 kB) or fused (1 GiB), with a density-1 expert (no mask) among them, inf and NaN
     deltas, and blocks of 4 × 700 elements (the generator's 624-word state and the 2,048-element tile
     boundaries fall inside blocks): the literal result, bit for bit."""
-    from mergepipe_db.operators import fold as operators
+    from mergepipe_db.operators import sign_consensus
 
-    monkeypatch.setattr(operators, "_FUSE_BYTES", fuse_bytes)
+    monkeypatch.setattr(sign_consensus, "FUSE_BYTES", fuse_bytes)
     shape, rpb = (22, 700), 4
     base, thetas = make_data(shape, 3, 97, special=special)
     params = [ExpertParams("a", 0.5, 0.4), ExpertParams("b", 0.3, 1.0), ExpertParams("c", -0.2, 0.7)]
@@ -881,11 +947,11 @@ def test_dare_ties_streaming_and_fused_paths_match(monkeypatch, fuse_bytes: int,
 def test_held_inputs_are_released_once_folded(monkeypatch, method: str) -> None:
     """An operator reports as held only the inputs still waiting for a fused pass: the executor gives the
     others' buffers back, so memory stays bounded by one group, not by the number of experts."""
-    from mergepipe_db.operators import fold as operators
+    from mergepipe_db.operators import fold, sign_consensus
 
     shape, rpb = (120, 64), 16  # 30,720 bytes of float32 per expert: two fit in 70 kB
-    monkeypatch.setattr(operators, "_GROUP_BYTES", 70_000)
-    monkeypatch.setattr(operators, "_FUSE_BYTES", 70_000)
+    monkeypatch.setattr(fold, "GROUP_BYTES", 70_000)
+    monkeypatch.setattr(sign_consensus, "FUSE_BYTES", 70_000)
     base, thetas = make_data(shape, 5, 95)
     params = [ExpertParams(n, 0.2, 0.5) for n in "abcde"]
     ctx = context(shape, rpb)

@@ -121,7 +121,7 @@ def _load_sketches(conn: sa.Connection, expert: ExpertPlan, base_idx_by_name: di
 
 def load_experts(conn: sa.Connection, spec: MergeSpec, expert_ids: list[str]) -> tuple[list[ExpertPlan], Any]:
     """The experts of `spec` (in spec order) with their tensors, and the operator (for coefficients)."""
-    from mergepipe_db.operators.fold import ExpertParams, make_operator
+    from mergepipe_db.operators import ExpertParams, make_operator
 
     infos = load_checkpoint_infos(conn, expert_ids)
     tensors_of = load_tensors_many(conn, expert_ids)
@@ -149,7 +149,7 @@ def finalize(conn: sa.Connection, plan: Plan, op: Any,
     base_idx_by_name = {t.name: t.idx for t in plan.base_tensors}
     if op.needs_full_tensor_stats:
         # partial reads take their thresholds from the sketch; TIES also uses it on full reads, to find τ's bin
-        # without a histogram pass (operators._exact_tau_fast)
+        # without a histogram pass (`operators.sign_consensus.TiesFold._exact_tau_fast`)
         every = op.sparsification == "magnitude"
         for e in plan.experts:
             partial = [tidx for (pos, tidx), full in plan.full_selection.items()

@@ -1,0 +1,149 @@
+"""The additive family: task arithmetic and the methods that feed it sparsified task vectors, DARE's random drop
+(dare_linear) and the magnitude-outlier trim (breadcrumbs): θ₀ + λ·Σ T_k·w_k (/ W when normalized).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from mergepipe_db.operators.base import block_bounds, kernels
+from mergepipe_db.operators.fold import DeltaFold, Stash
+from mergepipe_db.operators.inputs import ExpertInput
+from mergepipe_db.operators.registry import register
+
+__all__ = ["AdditiveFold", "Breadcrumbs", "DareLinear", "TaskArithmetic"]
+
+
+class AdditiveFold(DeltaFold):
+    """task_arithmetic and the methods that follow it with T_k: mixed = Σ T_k·w_k; θ₀ + mixed·λ.
+
+    A method of this family sets `sparsification` (and ``_fold_trimmed`` for a magnitude trim); the sums,
+    the fused passes and the result are shared."""
+
+    _mixed: np.ndarray | None = None
+
+    def _begin(self) -> None:
+        assert self._base is not None
+        # written on the blocks not skipped (the caller writes the others) by the first fused pass, or zeroed
+        # by `_settle` before a streamed fold
+        self._mixed = self.scratch("out", self._base.size)
+        self._started = False
+        self._stash = Stash()
+
+    def _fold_stash(self, finish: bool = False) -> None:
+        """Fold the kept inputs (in order) in one fused pass, which starts the sum if nothing has yet; with
+        `finish`, it also ends each element as `_finish` does."""
+        if not self._stash:
+            return
+        assert self._mixed is not None and self._ctx is not None and self._bflat is not None
+        items, raws, selected = self._stash.take(self._ctx.n_blocks)
+        w = np.array([self.weights[x.index] for _src, x in items], np.float32)
+        kernels().delta_fused(self._mixed, self._bflat, raws, selected, block_bounds(self._ctx), w, self._skip,
+                              not self._started, finish, self.normalize, np.float32(self.weight_sum),
+                              np.float32(self.lam))
+        self._started = True
+
+    def _settle(self) -> None:
+        """Fold the kept inputs, or start the sum at zero: `_mixed` then holds Σ T_k·w_k so far (experts are
+        folded in order)."""
+        if self._stash:
+            self._fold_stash()
+        elif not self._started:
+            assert self._mixed is not None
+            for s, e in self._live_ranges():
+                self._mixed[s:e] = 0.0
+            self._started = True
+
+    def _combine(self, s: int, e: int, D: np.ndarray, finite: bool | None) -> None:
+        assert self._mixed is not None
+        self._settle()
+        self._mixed[s:e] += D
+
+    def _dare_block_fast(self, src: np.ndarray, b: int, s0: int, e0: int, u: np.ndarray, d: float,
+                         w: float) -> bool:
+        if self._mixed is None or self._bflat is None:
+            return False
+        self._settle()
+        kernels().dare_delta_span(self._mixed[s0:e0], self._bflat[s0:e0], src[s0:e0], u,
+                                  np.float32(d), np.float32(w))
+        return True
+
+    def _fold_fast(self, x: ExpertInput, tau: float | None, zero_check: int = 0) -> bool:
+        src = x.fast_source() if tau is None else None
+        if src is None or self._mixed is None or self._ctx is None or self._bflat is None:
+            return False
+        if self._stash.offer(src, x, self._fold_stash):
+            return True
+        self._settle()
+        w = np.float32(self.weights[x.index])
+        kernels().delta_add(self._mixed, self._bflat, src, x.element_ranges_array(self._ctx), w)
+        return True
+
+    def _finish(self) -> np.ndarray:
+        mixed, base = self._mixed, self._base
+        assert mixed is not None and base is not None
+        if self._stash:  # the last fused pass ends each element
+            self._fold_stash(finish=True)
+            return mixed.reshape(base.shape)
+        self._settle()
+        bflat = base.reshape(-1)
+        for s, e in self._live_ranges():
+            m = mixed[s:e]
+            if self.normalize:
+                m /= self.weight_sum
+            m *= self.lam
+            m += bflat[s:e]
+        return mixed.reshape(base.shape)
+
+    def _base_only(self, b: np.ndarray) -> np.ndarray:
+        m = np.zeros_like(b)  # Σ over no expert
+        if self.normalize:
+            m /= self.weight_sum
+        m *= self.lam
+        m += b
+        return m
+
+    def _end(self) -> None:
+        self._mixed = None
+        self._stash = Stash()
+
+
+@register("task_arithmetic")
+class TaskArithmetic(AdditiveFold):
+    """task_arithmetic: θ₀ + λ·Σ Δ_k·w_k (/ W when normalized)."""
+
+    additive = True
+
+
+@register("dare_linear")
+class DareLinear(AdditiveFold):
+    """dare_linear: task_arithmetic on DARE-dropped, 1/d-rescaled task vectors."""
+
+    sparsification = "random"
+
+
+@register("breadcrumbs")
+class Breadcrumbs(AdditiveFold):
+    """breadcrumbs: task_arithmetic on task vectors without their largest and smallest |Δ|."""
+
+    needs_full_tensor_stats = True
+    sparsification = "magnitude_outliers"
+
+    def _fold_trimmed(self, x: ExpertInput, ranges: list[tuple[int, int]]) -> None:
+        """Breadcrumbs (density < 1): keep lo < |Δ| < hi."""
+        assert self._ctx is not None
+        n = self._ctx.numel
+        target = int(self.densities[x.index] * n)
+        n_top = int(self.gammas[x.index] * n)
+        n_bot = n - target - n_top
+        if n_bot < 0:
+            n_top += n_bot
+            n_bot = 0
+        mags = self._magnitudes(x, ranges)
+        hi = math.inf if n_top == 0 else mags.topk_min(n_top)
+        lo = -math.inf if n_bot == 0 else mags.bottomk_max(n_bot)
+        if math.isnan(hi) or math.isnan(lo):
+            return  # a comparison with NaN is false everywhere: T_k = 0
+        self._fold_masked(x, ranges, mags, None if lo == -math.inf else lo, hi)

@@ -1,0 +1,159 @@
+"""Order statistics of |Δ| for the magnitude trims (TIES, breadcrumbs): the exact k-th largest by radix select,
+and `Magnitudes`, which answers from the rows read or, under a partial read, from the catalog's |Δ| sketch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol
+
+import numpy as np
+
+from mergepipe_db.core import sketch
+from mergepipe_db.operators.base import chunks
+
+__all__ = ["EDGES", "LAST_BIN", "RADIX_CHUNK", "RADIX_SMALL", "Magnitudes", "Scratch", "kth_largest_exact",
+           "locate_from_top"]
+
+#: the sketch's bin edges (the smallest value of each bin), and its last bin (NaN sits there too)
+EDGES = sketch.bin_edges()
+LAST_BIN = sketch.LAST_BIN
+
+
+class Scratch(Protocol):
+    """What order statistics need of an operator: its reused buffers (`MergeOperator.scratch`)."""
+
+    def scratch(self, name: str, n: int, dtype: Any = ...) -> np.ndarray: ...
+
+
+RADIX_SMALL = 4096  # below this many elements a sort is cheaper than two 64 Ki-bin bincounts
+RADIX_CHUNK = 1 << 20  # elements per bincount of the radix select
+
+
+def locate_from_top(counts: np.ndarray, k: int) -> tuple[int, int]:
+    """(index, count above it) of the k-th largest item of a histogram over increasing keys."""
+    from_top = np.cumsum(counts[::-1])
+    i = int(np.searchsorted(from_top, k, side="left"))
+    idx = counts.size - 1 - i
+    return idx, int(from_top[i]) - int(counts[idx])
+
+
+def kth_largest_exact(a: np.ndarray, k: int, op: Scratch, cache: dict[str, np.ndarray] | None = None,
+                       ) -> float:
+    """The k-th largest (1 <= k <= numel) of a 1-D float32 array of magnitudes, NaN counted largest.
+
+    Radix select on the bit patterns (non-negative float32 order = int32 order, NaN above inf): a
+    bincount of the top 16 bits locates the k-th largest's prefix, a second one its low 16 bits. Equal
+    to ``torch.sort(a, descending=True).values[k-1]`` without sorting, topk or selecting elements.
+    ``cache`` keeps the first bincount for further queries on the same ``a``.
+    """
+    n = a.size
+    if n <= RADIX_SMALL:
+        return float(np.sort(a)[n - k])  # ascending, NaN last: the k-th largest with NaN largest
+    bits = a.view(np.int32)
+    step = min(n, RADIX_CHUNK)
+    c = op.scratch("radix", step, np.int32)
+    h1 = None if cache is None else cache.get("h1")
+    if h1 is None:
+        h1 = np.zeros(1 << 15, dtype=np.int64)
+        for s in range(0, n, step):
+            chunk = np.right_shift(bits[s : s + step], 16, out=c[: min(step, n - s)])
+            h1 += np.bincount(chunk, minlength=1 << 15)
+        if cache is not None:
+            cache["h1"] = h1
+    hi, above = locate_from_top(h1, k)
+    first = (hi << 16) - 1  # 0: below the prefix, 1..65536: inside, 65537: above
+    top = min(first + (1 << 16) + 1, 2**31 - 1)  # int32 ends inside the last prefix: nothing lies above it
+    h2 = np.zeros((1 << 16) + 2, dtype=np.int64)
+    for s in range(0, n, step):
+        chunk = np.clip(bits[s : s + step], first, top, out=c[: min(step, n - s)])
+        chunk -= first
+        h2 += np.bincount(chunk, minlength=(1 << 16) + 2)
+    low, _ = locate_from_top(h2[1 : (1 << 16) + 1], k - above)
+    return float(np.array([(hi << 16) | low], dtype=np.int32).view(np.float32)[0])
+
+
+class Magnitudes:
+    """|Δ| of the rows read for one expert and tensor, and order statistics of the whole tensor's |Δ|.
+
+    Positions follow a descending sort with NaN first (torch's order): ``desc(k)`` is the k-th largest.
+    Exact mode (``hist is None``: full selection, or no sketch): the tensor is the rows read plus zeros
+    for the rest; `kth_largest_exact` finds the value. Sketch mode (partial selection): the catalog
+    histogram locates the bin; when every element of that bin was read the value is still exact (its rank
+    among the rows read is known), otherwise it is interpolated inside the bin (`sketch.kth_largest`).
+    """
+
+    def __init__(self, a: np.ndarray, n_total: int, hist: np.ndarray | None, op: Scratch) -> None:
+        self.a = a
+        self.n = n_total
+        self.hist = hist
+        self._op = op
+        self._nan_read: int | None = None
+        self._cache: dict[str, np.ndarray] = {}
+
+    def nan_read(self) -> int:
+        if self._nan_read is None:
+            a = self.a
+            self._nan_read = 0
+            if a.size and bool(np.isnan(a.max())):
+                self._nan_read = int(np.isnan(a).sum())
+        return self._nan_read
+
+    def _count_ge(self, v: float) -> int:
+        """Read elements with |Δ| >= v (NaN not counted)."""
+        total = 0
+        for s, e in chunks([(0, self.a.size)]):
+            total += int(np.count_nonzero(np.greater_equal(self.a[s:e], v, out=self._op.scratch("ge", e - s,
+                                                                                                 np.bool_))))
+        return total
+
+    def _desc_sketch(self, k: int) -> float | None:
+        """Exact k-th largest from the sketch's counts when every element of its bin was read, else None."""
+        hist = self.hist
+        assert hist is not None
+        b, above = sketch.locate_kth_largest(hist, k)
+        if b == sketch.ZERO_BIN:
+            return 0.0
+        r = k - above  # rank inside bin b (NaN first in the last bin)
+        ge_lo = self._count_ge(float(EDGES[b]))
+        if b == LAST_BIN:
+            in_bin, read_above = ge_lo + self.nan_read(), 0
+        else:
+            read_above = self._count_ge(float(EDGES[b + 1]))
+            in_bin = ge_lo - read_above
+            read_above += self.nan_read()
+        if in_bin != int(hist[b]):
+            return None
+        return kth_largest_exact(self.a, read_above + r, self._op, self._cache)
+
+    def desc(self, k: int) -> float:
+        """The k-th largest |Δ| of the whole tensor (1 <= k <= n), NaN counted largest."""
+        if self.hist is None:
+            return kth_largest_exact(self.a, k, self._op, self._cache) if k <= self.a.size else 0.0
+        exact = self._desc_sketch(k) if int(self.hist.sum()) == self.n else None
+        if exact is not None:
+            return exact
+        return float(np.float32(sketch.kth_largest(self.hist, k)))
+
+    def nan_total(self) -> int | None:
+        """NaN count of the whole tensor if known (0 or more), else None."""
+        if self.hist is None or self.nan_read():
+            return self.nan_read()
+        if int(self.hist[LAST_BIN]) == 0 or self._count_ge(float(EDGES[LAST_BIN])) == int(self.hist[LAST_BIN]):
+            return 0
+        return None
+
+    def topk_min(self, k: int) -> float:
+        """``torch.topk(|Δ|.flatten(), k).values.min()`` (+inf for k == 0): NaN if any NaN. When a partial
+        read cannot tell (NaN would sit in the sketch's last bin, not wholly read), NaN is left out."""
+        if k <= 0:
+            return math.inf
+        if self.nan_total():
+            return math.nan
+        return self.desc(k)
+
+    def bottomk_max(self, k: int) -> float:
+        """``torch.topk(|Δ|.flatten(), k, largest=False).values.max()`` (-inf for k == 0)."""
+        if k <= 0:
+            return -math.inf
+        return self.desc(self.n - k + 1)
