@@ -31,7 +31,7 @@ from mergepipe_db.admin.maintenance import pid_alive
 from mergepipe_db.core import sketch
 from mergepipe_db.db import rank_tables, schema
 from mergepipe_db.db.engine import Database
-from mergepipe_db.io.local import sha256_file
+from mergepipe_db.io import open_store
 
 KINDS = ("ok", "leftover", "missing", "corrupt")
 #: Finding kinds that do not need a person (`mergepipe fsck` exits 0 when only these are found).
@@ -60,7 +60,7 @@ def problems(findings: list[Finding]) -> list[Finding]:
 
 def _sha256_or_none(path: Path) -> str | None:
     try:
-        return sha256_file(path)
+        return open_store(path).sha256(path)
     except OSError:
         return None
 
@@ -78,7 +78,7 @@ def _files_state(root: Path, files: list[Any], *, full: bool) -> tuple[str, str]
     if full:
         for f in files:
             try:
-                got = sha256_file(root / f.relpath)
+                got = open_store(root).sha256(root / f.relpath)
             except OSError:
                 return "missing", f"file {f.relpath} is unreadable"
             if got != f.sha256:

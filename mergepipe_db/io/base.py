@@ -75,6 +75,10 @@ class InputFile(Protocol):
 
     def close(self) -> None: ...
 
+    def __enter__(self) -> InputFile: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
 
 class OutputFile(Protocol):
     """One object written front to back; `finish` makes it whole (and durable with fsync), `abort` drops
@@ -138,7 +142,7 @@ class ByteStore(ABC):
 
     @abstractmethod
     def sync(self, location: Location) -> None:
-        """Make an object written by other means (a copied side file) durable."""
+        """Make an object written by other means (a copied side file), or a directory's entries, durable."""
 
     @abstractmethod
     def publish(self, staging: Location, final: Location) -> None:

@@ -565,7 +565,7 @@ def fsync_dir(path: Path) -> None:
 
 
 def fsync_file(path: str | Path) -> None:
-    """Make a file written by other means (a copied side file) durable."""
+    """Make a file written by other means (a copied side file), or a directory's entries, durable."""
     fd = os.open(str(path), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
         os.fsync(fd)
