@@ -241,13 +241,13 @@ def _check_sources(state: _State, *, full: bool) -> list[Finding]:
         bad = []
         for r in files:
             try:
-                stt = os.stat(r.path)
+                stt = open_store(r.path).stat(r.path)  # size and version (the mtime ingest recorded)
             except OSError:
                 bad.append(Finding("missing", f"checkpoint {name!r}: source file {r.path} is missing", r.path))
                 continue
-            if stt.st_size != r.size or stt.st_mtime_ns != r.mtime_ns:
+            if stt.size != r.size or stt.version != r.mtime_ns:
                 bad.append(Finding("corrupt", f"checkpoint {name!r}: source file {r.path} changed since ingest "
-                                              f"(size {r.size} -> {stt.st_size}, or mtime)", r.path))
+                                              f"(size {r.size} -> {stt.size}, or mtime)", r.path))
             elif full and _sha256_or_none(Path(r.path)) != r.sha256:
                 bad.append(Finding("corrupt", f"checkpoint {name!r}: source file {r.path} content changed "
                                               f"(sha256 differs from ingest)", r.path))

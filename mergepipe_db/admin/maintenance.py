@@ -109,11 +109,11 @@ def verify_sources(db: Database, *, full: bool = False, checkpoint: str | None =
     problems = []
     for name, path, size, mtime_ns, sha in rows:
         try:
-            st = os.stat(path)
+            st = open_store(path).stat(path)  # size and version (the mtime ingest recorded)
         except FileNotFoundError:
             problems.append(f"{name}: {path} is missing")
             continue
-        if st.st_size != size or st.st_mtime_ns != mtime_ns:
+        if st.size != size or st.version != mtime_ns:
             problems.append(f"{name}: {path} changed since ingest (size or mtime)")
             continue
         if full:
