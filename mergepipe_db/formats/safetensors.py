@@ -401,10 +401,11 @@ def build_header(
 
 class SafetensorsWriter:
     """Streams one file: header first, then each tensor's bytes in entry order; sha256 of the whole file
-    computed while writing.
+    computed while writing. The bytes go through the file's byte store (`io.open_store(path).writer`: with
+    `direct`, O_DIRECT where the file system allows it); this class does the format.
 
-    Use as a context manager; on an exception the file descriptor is closed and the partial file left
-    in place (the caller's staging directory removes it).
+    Use as a context manager; on an exception the file is let go and the partial file left in place (the
+    caller's staging directory removes it).
     """
 
     def __init__(
