@@ -81,6 +81,10 @@ class StaleSourceError(MergePipeError):
     """A source file changed (size or mtime) since it was ingested."""
 
 
+class UnsupportedStorageError(MergePipeError):
+    """A location names a storage scheme (``s3://``, ...) that no byte store implements (`io.SCHEMES`)."""
+
+
 class IntegrityError(MergePipeError):
     """Bytes read do not match the hashes recorded in the catalog or a manifest."""
 

@@ -31,7 +31,7 @@ from mergepipe_db.admin.maintenance import pid_alive
 from mergepipe_db.core import sketch
 from mergepipe_db.db import rank_tables, schema
 from mergepipe_db.db.engine import Database
-from mergepipe_db.io.local import sha256_file
+from mergepipe_db.io import open_store
 
 KINDS = ("ok", "leftover", "missing", "corrupt")
 #: Finding kinds that do not need a person (`mergepipe fsck` exits 0 when only these are found).
@@ -60,7 +60,7 @@ def problems(findings: list[Finding]) -> list[Finding]:
 
 def _sha256_or_none(path: Path) -> str | None:
     try:
-        return sha256_file(path)
+        return open_store(path).sha256(path)
     except OSError:
         return None
 
@@ -78,7 +78,7 @@ def _files_state(root: Path, files: list[Any], *, full: bool) -> tuple[str, str]
     if full:
         for f in files:
             try:
-                got = sha256_file(root / f.relpath)
+                got = open_store(root).sha256(root / f.relpath)
             except OSError:
                 return "missing", f"file {f.relpath} is unreadable"
             if got != f.sha256:
@@ -241,13 +241,13 @@ def _check_sources(state: _State, *, full: bool) -> list[Finding]:
         bad = []
         for r in files:
             try:
-                stt = os.stat(r.path)
+                stt = open_store(r.path).stat(r.path)  # size and version (the mtime ingest recorded)
             except OSError:
                 bad.append(Finding("missing", f"checkpoint {name!r}: source file {r.path} is missing", r.path))
                 continue
-            if stt.st_size != r.size or stt.st_mtime_ns != r.mtime_ns:
+            if stt.size != r.size or stt.version != r.mtime_ns:
                 bad.append(Finding("corrupt", f"checkpoint {name!r}: source file {r.path} changed since ingest "
-                                              f"(size {r.size} -> {stt.st_size}, or mtime)", r.path))
+                                              f"(size {r.size} -> {stt.size}, or mtime)", r.path))
             elif full and _sha256_or_none(Path(r.path)) != r.sha256:
                 bad.append(Finding("corrupt", f"checkpoint {name!r}: source file {r.path} content changed "
                                               f"(sha256 differs from ingest)", r.path))

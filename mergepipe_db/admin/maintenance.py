@@ -12,7 +12,7 @@ import sqlalchemy as sa
 
 from mergepipe_db.db import schema
 from mergepipe_db.db.engine import Database
-from mergepipe_db.io.local import sha256_file
+from mergepipe_db.io import open_store
 from mergepipe_db.pipeline.commit import STAGING_PREFIX
 
 
@@ -109,15 +109,15 @@ def verify_sources(db: Database, *, full: bool = False, checkpoint: str | None =
     problems = []
     for name, path, size, mtime_ns, sha in rows:
         try:
-            st = os.stat(path)
+            st = open_store(path).stat(path)  # size and version (the mtime ingest recorded)
         except FileNotFoundError:
             problems.append(f"{name}: {path} is missing")
             continue
-        if st.st_size != size or st.st_mtime_ns != mtime_ns:
+        if st.size != size or st.version != mtime_ns:
             problems.append(f"{name}: {path} changed since ingest (size or mtime)")
             continue
         if full:
-            got = sha256_file(path)
+            got = open_store(path).sha256(path)
             if got != sha:
                 problems.append(f"{name}: {path} content changed (sha256 {got[:16]}… != {sha[:16]}…)")
     return problems
@@ -169,7 +169,7 @@ def verify_snapshot(db: Database, snapshot_ref: str) -> list[str]:
             problems.append(f"{label}: file {rel} is missing")
             all_headers_read = False
             continue
-        got = sha256_file(path)
+        got = open_store(path).sha256(path)
         if got != sha:
             problems.append(f"{label}: file {rel} differs (sha256 {got[:16]}… != manifest {sha[:16]}…)")
         try:
@@ -179,7 +179,7 @@ def verify_snapshot(db: Database, snapshot_ref: str) -> list[str]:
                             f"{' '.join(str(e).split())}")
             all_headers_read = False
             continue
-        with open(path, "rb") as fh:
+        with open_store(path).open_input(path) as fh:
             for t in header.tensors:
                 want = expected.get(t.name)
                 if want is None:
@@ -191,12 +191,8 @@ def verify_snapshot(db: Database, snapshot_ref: str) -> list[str]:
                                     f"says {want[0]} {want[1]}")
                     continue
                 x = xxhash.xxh3_128()
-                fh.seek(header.absolute_offset(t))
                 left = t.nbytes
-                while left > 0:
-                    chunk = fh.read(min(left, 16 << 20))
-                    if not chunk:
-                        break
+                for chunk in fh.pieces(header.absolute_offset(t), t.nbytes, 16 << 20):
                     x.update(chunk)
                     left -= len(chunk)
                 if left or x.hexdigest() != want[2]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import csv
 import math
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from mergepipe_db.core.spec import Budget, MergeSpec, load_spec, parse_budget
 from mergepipe_db.core.units import fmt_bytes
-from mergepipe_db.errors import BudgetError, IntegrityError, OutputExistsError
+from mergepipe_db.errors import BudgetError, IntegrityError, OutputExistsError, StaleSourceError
+from mergepipe_db.io import RangeSource, open_store
 
 if TYPE_CHECKING:
     from mergepipe_db.catalog import Catalog
@@ -87,16 +87,12 @@ def _tensor_index(out_dir: Path) -> dict[str, tuple[Path, int, int, str, tuple[i
     return index
 
 
-def _read(fd: int, offset: int, nbytes: int) -> bytearray:
-    buf = bytearray(nbytes)
-    view = memoryview(buf)
-    done = 0
-    while done < nbytes:
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n <= 0:
-            raise IntegrityError(f"short read at offset {offset + done}")
-        done += n
-    return buf
+def _read(reader: RangeSource, path: Path, offset: int, nbytes: int) -> bytearray:
+    """`nbytes` at `offset` of an output file; IntegrityError where the file ends first."""
+    try:
+        return reader.read(str(path), offset, nbytes)
+    except StaleSourceError:
+        raise IntegrityError(f"short read of {nbytes} bytes at offset {offset} of {path}") from None
 
 
 def rel_l2_deviation(out_dir: str | Path, ref_dir: str | Path) -> float:
@@ -111,16 +107,10 @@ def rel_l2_deviation(out_dir: str | Path, ref_dir: str | Path) -> float:
     a_idx, r_idx = _tensor_index(Path(out_dir)), _tensor_index(Path(ref_dir))
     if set(a_idx) != set(r_idx):
         raise IntegrityError(f"outputs {out_dir} and {ref_dir} hold different tensors")
-    fds: dict[Path, int] = {}
-
-    def fd(p: Path) -> int:
-        if p not in fds:
-            fds[p] = os.open(p, os.O_RDONLY)
-        return fds[p]
-
     diff2: list[float] = []
     ref2: list[float] = []
-    try:
+    with (open_store(out_dir).range_reader(random=False) as a_reader,
+          open_store(ref_dir).range_reader(random=False) as r_reader):
         for name in sorted(r_idx):
             rp, ro, rn, rdt, rshape = r_idx[name]
             ap, ao, an, adt, ashape = a_idx[name]
@@ -129,15 +119,12 @@ def rel_l2_deviation(out_dir: str | Path, ref_dir: str | Path) -> float:
             if rshape != ashape:
                 raise IntegrityError(f"tensor {name!r} has shape {list(ashape)} in {out_dir}, {list(rshape)} in "
                                      f"{ref_dir}")
-            r = torch.frombuffer(_read(fd(rp), ro, rn), dtype=torch_dtype(rdt)).to(torch.float64) if rn else None
-            a = torch.frombuffer(_read(fd(ap), ao, an), dtype=torch_dtype(adt)).to(torch.float64) if an else None
+            r = torch.frombuffer(_read(r_reader, rp, ro, rn), dtype=torch_dtype(rdt)).to(torch.float64) if rn else None
+            a = torch.frombuffer(_read(a_reader, ap, ao, an), dtype=torch_dtype(adt)).to(torch.float64) if an else None
             if r is None or a is None:
                 continue
             diff2.append(float(torch.sum((a - r) ** 2)))
             ref2.append(float(torch.sum(r * r)))
-    finally:
-        for f in fds.values():
-            os.close(f)
     num, den = math.sqrt(math.fsum(diff2)), math.sqrt(math.fsum(ref2))
     if den == 0.0:
         return 0.0 if num == 0.0 else math.inf
@@ -208,15 +195,12 @@ def _norm(out_dir: str | Path) -> float:
     from mergepipe_db.core.dtypes import torch_dtype
 
     acc = []
-    for _name, (p, off, n, dt, _shape) in sorted(_tensor_index(Path(out_dir)).items()):
-        if dt not in _FLOAT_DTYPES or not n:
-            continue
-        f = os.open(p, os.O_RDONLY)
-        try:
-            x = torch.frombuffer(_read(f, off, n), dtype=torch_dtype(dt)).to(torch.float64)
-        finally:
-            os.close(f)
-        acc.append(float(torch.sum(x * x)))
+    with open_store(out_dir).range_reader(random=False) as reader:
+        for _name, (p, off, n, dt, _shape) in sorted(_tensor_index(Path(out_dir)).items()):
+            if dt not in _FLOAT_DTYPES or not n:
+                continue
+            x = torch.frombuffer(_read(reader, p, off, n), dtype=torch_dtype(dt)).to(torch.float64)
+            acc.append(float(torch.sum(x * x)))
     return math.sqrt(math.fsum(acc))
 
 

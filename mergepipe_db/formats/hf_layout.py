@@ -24,6 +24,7 @@ from mergepipe_db.errors import (
     SymlinkEscapeError,
 )
 from mergepipe_db.formats.safetensors import SafetensorsHeader, loads_strict, read_header
+from mergepipe_db.io import open_store
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -107,8 +108,7 @@ def _check_inside(path: Path, root_real: Path, *, allow_outside: bool) -> Path:
 def _read_json(path: Path, error: type[BadCheckpointError], what: str) -> Any:
     where = show_path(path)
     try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_JSON_BYTES + 1)
+        raw = open_store(path).read_small(path, MAX_JSON_BYTES + 1)
     except OSError as e:
         raise error(f"{where}: cannot read {what}: {e.strerror}") from None
     if len(raw) > MAX_JSON_BYTES:

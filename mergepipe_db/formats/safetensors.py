@@ -9,19 +9,13 @@ Every rejection is a `SafetensorsFormatError` subclass with a one-line message n
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import hashlib
 import json
-import os
-import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
-
-import numpy as np
 
 from mergepipe_db.core.dtypes import DTYPE_BITS
 from mergepipe_db.core.names import show_name, show_path, show_text, validate_tensor_name
@@ -34,7 +28,6 @@ from mergepipe_db.errors import (
     HeaderLengthError,
     MetadataError,
     OffsetError,
-    OutOfSpaceError,
     SafetensorsWriteError,
     SizeMismatchError,
     TensorEntryError,
@@ -42,6 +35,7 @@ from mergepipe_db.errors import (
     TruncatedDataError,
     UnknownDtypeError,
 )
+from mergepipe_db.io import InputFile, OutputFile, open_store
 
 #: Largest header (JSON) length accepted, in bytes.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -320,46 +314,41 @@ def parse_header(buf: bytes, file_size: int, *, path: Path | None = None) -> Saf
     return _parse_body(bytes(view[8 : 8 + n]), n, file_size, p)
 
 
-def _read_exact(fd: int, n: int, offset: int, where: str) -> bytes:
-    chunks: list[bytes] = []
-    got = 0
-    while got < n:
-        chunk = os.pread(fd, n - got, offset + got)
-        if not chunk:
-            raise TruncatedDataError(f"{where}: file ended at byte {offset + got} while reading its header")
-        chunks.append(chunk)
-        got += len(chunk)
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+def _read_exact(f: InputFile, n: int, offset: int, where: str) -> bytes:
+    data = f.read(offset, n)
+    if len(data) < n:
+        raise TruncatedDataError(f"{where}: file ended at byte {offset + len(data)} while reading its header")
+    return data
 
 
 def read_header(path: str | Path) -> SafetensorsHeader:
     """Read and validate the header of the safetensors file at `path`.
 
-    Reads 8 bytes, then exactly N header bytes; never touches the data section. Raises
-    `BadCheckpointError` if the path is missing or not a regular file, else as `parse_header`.
+    Reads 8 bytes, then exactly N header bytes (through its byte store, `io.open_store`); never touches the
+    data section. Raises `BadCheckpointError` if the path is missing or not a regular file, else as
+    `parse_header`.
     """
     p = Path(path)
     where = show_path(p)
     try:
-        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        f = open_store(p).open_input(p)
     except FileNotFoundError:
         raise BadCheckpointError(f"{where}: no such file or directory") from None
     except OSError as e:
         raise BadCheckpointError(f"{where}: cannot open: {e.strerror}") from None
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
+        if not f.regular:
             raise BadCheckpointError(f"{where}: not a regular file")
-        size = st.st_size
+        size = f.size
         if size < 8:
             raise HeaderLengthError(f"{where}: file is {size} bytes, shorter than the 8-byte length prefix")
-        n = int.from_bytes(_read_exact(fd, 8, 0, where), "little")
+        n = int.from_bytes(_read_exact(f, 8, 0, where), "little")
         _check_length(where, n, size)
-        raw = _read_exact(fd, n, 8, where)
+        raw = _read_exact(f, n, 8, where)
     except OSError as e:
         raise BadCheckpointError(f"{where}: cannot read: {e.strerror}") from None
     finally:
-        os.close(fd)
+        f.close()
     return _parse_body(raw, n, size, p)
 
 
@@ -410,112 +399,13 @@ def build_header(
     return len(body).to_bytes(8, "little") + body, offsets
 
 
-class _DirectSink:
-    """Sequential file writes that bypass the page cache: bytes gather in a page-aligned buffer written
-    with O_DIRECT in whole pages; the last, partial page is written padded and the file then truncated to
-    its exact length. On these machines a buffered write costs more kernel time than the merge's math.
-    Two buffers: one fills while a helper thread writes the other, and a second helper feeds it to the
-    file's hash (`hasher`, in order), so the caller's statistics, the hashing and the disk overlap. A write's
-    error is raised by a later `write` or by `finish`."""
-
-    _BUF = 8 << 20
-
-    def __init__(self, fd: int, hasher: Any = None) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        from mergepipe_db.io.local import aligned_empty
-
-        self._fd: int | None = fd
-        self._bufs = (aligned_empty(self._BUF), aligned_empty(self._BUF))
-        self._buf = self._bufs[0]
-        self._fill = 0
-        self._written = 0  # bytes of the file handed to the helper so far (a multiple of the page size)
-        self._helper = ThreadPoolExecutor(1, thread_name_prefix="mergepipe-direct-write")
-        self._hasher = hasher
-        self._hash_helper = None if hasher is None else ThreadPoolExecutor(1, thread_name_prefix="mergepipe-hash")
-        self._pending: list[Any] = []  # the Futures of the other buffer's write and hash
-
-    @classmethod
-    def open(cls, path: Path, hasher: Any = None) -> _DirectSink | None:
-        """A sink for the (just created, empty) file, or None where O_DIRECT is refused (tmpfs, ...)."""
-        flag = getattr(os, "O_DIRECT", 0)
-        if not flag or os.environ.get("MERGEPIPE_NO_DIRECT_IO") == "1":
-            return None
-        try:
-            fd = os.open(path, os.O_WRONLY | flag | getattr(os, "O_CLOEXEC", 0))
-        except OSError:
-            return None
-        return cls(fd, hasher)
-
-    def write(self, mv: memoryview) -> None:
-        src = np.frombuffer(mv, dtype=np.uint8)
-        pos = 0
-        while pos < src.shape[0]:
-            n = min(self._BUF - self._fill, src.shape[0] - pos)
-            self._buf[self._fill:self._fill + n] = src[pos:pos + n]
-            self._fill += n
-            pos += n
-            if self._fill == self._BUF:
-                self._flush(self._BUF)
-
-    def _flush(self, n: int, n_hashed: int | None = None) -> None:
-        """Hand the current buffer's first n bytes to the helpers (the first `n_hashed` of them, default n,
-        are the file's: the rest pads to a whole page); continue in the other buffer once its own write
-        and hash are done."""
-        assert self._fd is not None
-        done = [self._helper.submit(self._pwrite, self._fd, self._buf, n, self._written)]
-        if self._hash_helper is not None:
-            hashed = memoryview(self._buf[:n if n_hashed is None else n_hashed])
-            done.append(self._hash_helper.submit(self._hasher.update, hashed))
-        self._written += n
-        self._fill = 0
-        self._buf = self._bufs[1] if self._buf is self._bufs[0] else self._bufs[0]
-        previous, self._pending = self._pending, done
-        for f in previous:
-            f.result()
-
-    @staticmethod
-    def _pwrite(fd: int, buf: np.ndarray, n: int, offset: int) -> None:
-        view = memoryview(buf[:n])
-        done = 0
-        while done < n:
-            done += os.pwritev(fd, [view[done:]], offset + done)
-
-    def _drain(self) -> None:
-        pending, self._pending = self._pending, []
-        for f in pending:
-            f.result()
-
-    def finish(self, fd: int) -> None:
-        """Write what is buffered (padded to whole pages), wait for the writes and cut the file to its
-        exact size via `fd`."""
-        from mergepipe_db.io.local import ALIGN
-
-        size = self._written + self._fill
-        if self._fill:
-            padded = -(-self._fill // ALIGN) * ALIGN
-            self._buf[self._fill:padded] = 0
-            self._flush(padded, self._fill)
-        self._drain()
-        os.ftruncate(fd, size)
-
-    def close(self) -> None:
-        if self._fd is not None:
-            fd, self._fd = self._fd, None
-            with contextlib.suppress(OSError):  # closing after a failure: the first error was reported
-                self._drain()
-            self._helper.shutdown(wait=True)
-            if self._hash_helper is not None:
-                self._hash_helper.shutdown(wait=True)
-            os.close(fd)
-
-
 class SafetensorsWriter:
     """Streams one file: header first, then each tensor's bytes in entry order; sha256 of the whole file
-    computed while writing.
+    computed while writing. The bytes go through the file's byte store (`io.open_store(path).writer`: with
+    `direct`, O_DIRECT where the file system allows it); this class does the format.
 
-    Use as a context manager; on an exception the file descriptor is closed and the partial file left
-    in place (the caller's staging directory removes it).
+    Use as a context manager; on an exception the file is let go and the partial file left in place (the
+    caller's staging directory removes it).
     """
 
     def __init__(
@@ -535,15 +425,11 @@ class SafetensorsWriter:
         self._filled = 0  # bytes of entry `_next` written so far by write_part
         self._digest: str | None = None
         self.bytes_written = 0
-        flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
-        flags |= os.O_EXCL if exclusive else os.O_TRUNC
-        try:
-            self._fd: int | None = os.open(self.path, flags, 0o644)
+        try:  # the file's bytes go through its byte store; with `direct` its helper hashes what it writes
+            self._out: OutputFile | None = open_store(self.path).writer(
+                self.path, exclusive=exclusive, direct=direct, hasher=self._hash)
         except FileExistsError:
             raise SafetensorsWriteError(f"{show_path(self.path)}: already exists") from None
-        self._direct: _DirectSink | None = None
-        if direct:  # the sink's helper hashes what it writes
-            self._direct = _DirectSink.open(self.path, self._hash)
         try:
             self._write_all(memoryview(prefix))
         except BaseException:
@@ -551,31 +437,24 @@ class SafetensorsWriter:
             raise
 
     @property
+    def direct(self) -> bool:
+        """Whether the file is being written with O_DIRECT (asked for with `direct` and allowed)."""
+        return self._out is not None and self._out.direct
+
+    @property
     def sha256(self) -> str | None:
         """Hex sha256 of the file once closed successfully, else None."""
         return self._digest
 
     def _write_all(self, mv: memoryview) -> None:
-        assert self._fd is not None
-        if self._direct is None:
-            self._hash.update(mv)
-        off = 0
-        try:
-            if self._direct is not None:
-                self._direct.write(mv)
-            else:
-                while off < len(mv):
-                    off += os.write(self._fd, mv[off:])
-        except OSError as e:
-            if e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
-                raise OutOfSpaceError(f"{show_path(self.path)}: no space left while writing") from e
-            raise
+        assert self._out is not None
+        self._out.write(mv)
         self.bytes_written += len(mv)
 
     def _bytes_for(self, name: str, data: memoryview | bytes) -> memoryview:
         """Check that `name` is the tensor due next; return `data` as a flat byte view."""
         where = show_path(self.path)
-        if self._fd is None:
+        if self._out is None:
             raise SafetensorsWriteError(f"{where}: write after close")
         if self._next >= len(self._entries):
             raise SafetensorsWriteError(f"{where}: write of {show_name(name)} after all tensors were written")
@@ -632,7 +511,7 @@ class SafetensorsWriter:
         if self._digest is not None:
             return self._digest
         where = show_path(self.path)
-        if self._fd is None:
+        if self._out is None:
             raise SafetensorsWriteError(f"{where}: writer was aborted")
         if self._next != len(self._entries):
             missing = self._entries[self._next][0]
@@ -641,33 +520,15 @@ class SafetensorsWriter:
                 f"{where}: closed with {len(self._entries) - self._next} tensors unwritten "
                 f"(next {show_name(missing)})"
             )
-        fd, self._fd = self._fd, None
-        try:
-            if self._direct is not None:
-                try:
-                    self._direct.finish(fd)
-                except OSError as e:
-                    if e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
-                        raise OutOfSpaceError(f"{where}: no space left while writing") from e
-                    raise
-            if fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-            self._close_direct()
+        out, self._out = self._out, None
+        out.finish(fsync=fsync)
         self._digest = self._hash.hexdigest()
         return self._digest
 
-    def _close_direct(self) -> None:
-        if self._direct is not None:
-            self._direct.close()
-            self._direct = None
-
     def _abort(self) -> None:
-        self._close_direct()
-        if self._fd is not None:
-            fd, self._fd = self._fd, None
-            os.close(fd)
+        if self._out is not None:
+            out, self._out = self._out, None
+            out.abort()
 
     def __enter__(self) -> SafetensorsWriter:
         return self

@@ -1,7 +1,9 @@
-"""Local byte-range storage: the one place where checkpoint bytes are read, and counted.
+"""The local byte store (`LocalStore`, for plain paths and ``file://`` URIs): the one place where checkpoint and
+output files are opened, read, written and published, and where reads are counted.
 
 Budget soundness is checked against these counters: `RangeReader.bytes_read` is incremented where each
-`pread` is issued, so realized expert bytes can be compared with the plan (and with /proc/PID/io).
+`pread` is issued, so realized expert bytes can be compared with the plan (and with /proc/PID/io). Every read
+goes through one pread loop (`pread_into`).
 Expert files are opened with POSIX_FADV_RANDOM so the kernel's read-ahead does not pull in omitted blocks.
 Large reads into page-aligned buffers (`read_aligned`) bypass the page cache with O_DIRECT where the file
 system allows it: the device writes straight into the merge's buffer (no kernel copy, no page-cache churn),
@@ -10,7 +12,8 @@ held whole in the page cache (an ingest or another tool read it lately) is copie
 would fetch it from the device again. `page_cached` asks the kernel (cachestat, Linux ≥ 6.5); where it cannot
 tell, every large read is O_DIRECT. Ingest reads the same way: each file front to back on a thread of its own
 (`SequentialReader`) and the base blocks it needs as soon as it knows them (`ReadAhead`), into buffers reused
-once nothing refers to them (`RecyclingPool`).
+once nothing refers to them (`RecyclingPool`). Output files are written with O_DIRECT too (`DirectSink`,
+behind `LocalOutputFile`).
 """
 
 from __future__ import annotations
@@ -20,33 +23,23 @@ import contextlib
 import ctypes
 import errno
 import itertools
+import operator
 import os
 import queue
+import stat as stat_mode
 import sys
 import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from mergepipe_db.core.plan import FileStamp
-from mergepipe_db.errors import StaleSourceError
-
-
-def check_fresh(stamps: Iterable[FileStamp]) -> None:
-    """Raise StaleSourceError for the first file whose size or mtime changed since ingest."""
-    for s in stamps:
-        try:
-            st = os.stat(s.path)
-        except FileNotFoundError as e:
-            raise StaleSourceError(f"source file {s.path} is gone since it was ingested") from e
-        if st.st_size != s.size or st.st_mtime_ns != s.mtime_ns:
-            raise StaleSourceError(
-                f"source file {s.path} changed since it was ingested (size {s.size} -> {st.st_size}, "
-                f"mtime changed: {st.st_mtime_ns != s.mtime_ns}); re-ingest it or restore it"
-            )
-
+from mergepipe_db.core.names import show_path
+from mergepipe_db.errors import OutOfSpaceError, StaleSourceError
+from mergepipe_db.io.base import ByteStore, Location, Stat
+from mergepipe_db.io.base import check_fresh as check_fresh  # importable from here as before
+from mergepipe_db.io.ranges import coalesce
 
 ALIGN = 4096  # O_DIRECT granularity: offsets, lengths and buffer addresses in whole pages
 
@@ -158,6 +151,20 @@ class DropBehind:
             self._fd = -1
 
 
+def pread_into(fd: int, buf: memoryview, offset: int, need: int | None = None) -> int:
+    """The package's one pread loop: read into `buf` from `offset` until at least `need` bytes (all of `buf`
+    by default) arrived or the file ended, in requests of at most `_REQUEST` bytes. Returns the bytes read:
+    fewer than `need` only at the end of the file."""
+    need = len(buf) if need is None else need
+    done = 0
+    while done < need:
+        n = os.preadv(fd, [buf[done:done + _REQUEST]], offset + done)
+        if n == 0:
+            break
+        done += n
+    return done
+
+
 def sha256_file(path: str | Path) -> str:
     """sha256 of a whole file, read front to back in 16 MiB pieces, leaving the page cache as it found it
     (`DropBehind`; where the kernel cannot tell what was cached, nothing is dropped): these bytes are read once,
@@ -168,12 +175,17 @@ def sha256_file(path: str | Path) -> str:
     buf = memoryview(bytearray(16 << 20))
     dropper = DropBehind(path, unknown=False)  # residency taken before anything is read
     try:
-        with open(path, "rb", buffering=0) as fh:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
             if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            while n := fh.readinto(buf):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            pos = 0
+            while n := pread_into(fd, buf, pos):
                 h.update(buf[:n])
-                dropper.advance(fh.tell())
+                pos += n
+                dropper.advance(pos)
+        finally:
+            os.close(fd)
     finally:
         dropper.close()
     return h.hexdigest()
@@ -195,7 +207,7 @@ def aligned_empty(nbytes: int) -> np.ndarray:
 
 
 class RangeReader:
-    """Reads byte ranges from files with `os.preadv`, counting every byte it asks the kernel for.
+    """Reads byte ranges from files (`pread_into`), counting every byte it asks the kernel for.
 
     Thread-safe: one fd per path, shared; counters guarded by a lock. `random=True` advises the kernel
     not to read ahead (expert files); base files are read sequentially and keep read-ahead. `bytes_read`
@@ -250,14 +262,10 @@ class RangeReader:
         self._count(path, offset, len(buf))
 
     def _pread_all(self, fd: int, path: str, offset: int, buf: memoryview, need: int) -> None:
-        """Read into `buf` from `offset` until at least `need` bytes arrived (a short read past EOF ends it),
-        in requests of at most `_REQUEST` bytes."""
-        done = 0
-        while done < need:
-            n = os.preadv(fd, [buf[done:done + _REQUEST]], offset + done)
-            if n == 0:
-                raise StaleSourceError(f"source file {path} is shorter than the catalog says (truncated?)")
-            done += n
+        """Read into `buf` from `offset` until at least `need` bytes arrived (`pread_into`); StaleSourceError
+        where the file ends first."""
+        if pread_into(fd, buf, offset, need) < need:
+            raise StaleSourceError(f"source file {path} is shorter than the catalog says (truncated?)")
 
     def read_aligned(self, path: str, offset: int, arr: np.ndarray, pos: int, n: int) -> None:
         """Fill ``arr[pos:pos + n]`` with the bytes at [offset, offset + n) of `path`.
@@ -474,6 +482,17 @@ class SequentialReader:
         self._buf = memoryview(b"")
 
 
+class _Asked(NamedTuple):
+    """A range asked of a `ReadAhead`."""
+
+    path: str
+    offset: int
+    nbytes: int
+
+
+_ASKED_PATH = operator.attrgetter("path")
+
+
 class ReadAhead:
     """Byte ranges asked for ahead (`ask`) and taken later in the same order (`take`), read in between on a
     thread of its own with `RangeReader.read_aligned` (O_DIRECT where it can, as `SequentialReader`) into the
@@ -483,7 +502,7 @@ class ReadAhead:
 
     def __init__(self, pool: RecyclingPool) -> None:
         self._pool = pool
-        self._asked: collections.deque[tuple[str, int, int]] = collections.deque()
+        self._asked: collections.deque[_Asked] = collections.deque()
         self._cond = threading.Condition()
         self._ready: queue.Queue = queue.Queue()
         self._reader = RangeReader(random=True)
@@ -493,7 +512,7 @@ class ReadAhead:
 
     def ask(self, path: str, offset: int, n: int) -> None:
         with self._cond:
-            self._asked.append((path, offset, n))
+            self._asked.append(_Asked(path, offset, n))
             self._cond.notify()
 
     def take(self) -> memoryview:
@@ -502,33 +521,29 @@ class ReadAhead:
             raise item
         return item
 
-    def _next_run(self) -> list[tuple[str, int, int]] | None:
-        """The oldest ranges asked that follow each other in one file, up to `pool.room` bytes (at least one)."""
+    def _next_run(self) -> tuple[int, int, list[_Asked]] | None:
+        """The oldest ranges asked that follow each other in one file, up to `pool.room` bytes (at least one):
+        (offset, nbytes, ranges)."""
         with self._cond:
             while not self._asked and not self._closed:
                 self._cond.wait()
             if self._closed:
                 return None
-            run = [self._asked.popleft()]
-            while self._asked:
-                path, off, n = self._asked[0]
-                last_path, last_off, last_n = run[-1]
-                if path != last_path or off != last_off + last_n or off + n - run[0][1] > self._pool.room:
-                    break
-                run.append(self._asked.popleft())
+            run = next(coalesce(self._asked, limit=self._pool.room, file=_ASKED_PATH))
+            for _ in run[2]:
+                self._asked.popleft()
             return run
 
     def _run(self) -> None:
         try:
             while (run := self._next_run()) is not None:
-                path, lo = run[0][0], run[0][1]
-                n = run[-1][1] + run[-1][2] - lo
+                lo, n, asked = run
                 arr = self._pool.take(n + 2 * ALIGN)  # room for the whole pages around the range
                 pos = lo % ALIGN
-                self._reader.read_aligned(path, lo, arr, pos, n)
+                self._reader.read_aligned(asked[0].path, lo, arr, pos, n)
                 view = memoryview(arr)  # type: ignore[arg-type]  # numpy arrays are buffers
-                for _path, off, k in run:
-                    self._ready.put(view[pos + off - lo:pos + off - lo + k])
+                for a in asked:
+                    self._ready.put(view[pos + a.offset - lo:pos + a.offset - lo + a.nbytes])
         except BaseException as e:  # noqa: BLE001 - handed to the caller by take()
             self._ready.put(e)
 
@@ -541,8 +556,313 @@ class ReadAhead:
 
 
 def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (files created or renamed in it) durable."""
     fd = os.open(str(path), os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_file(path: str | Path) -> None:
+    """Make a file written by other means (a copied side file), or a directory's entries, durable."""
+    fd = os.open(str(path), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_new(path: str | Path, data: bytes) -> None:
+    """Create `path` (FileExistsError if it exists) holding `data`, fsynced (the directory is not)."""
+    fd = os.open(str(path), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish(staging: str | Path, final: str | Path) -> None:
+    """Rename `staging` to `final` (atomic on one file system) and fsync `final`'s parent directory."""
+    os.rename(staging, final)
+    fsync_dir(Path(final).parent)
+
+
+def read_small(path: str | Path, limit: int) -> bytes:
+    """At most `limit` bytes from the start of a small file (a JSON side file)."""
+    with open(path, "rb") as fh:
+        return fh.read(limit)
+
+
+class LocalInputFile:
+    """A file open for a few reads (a header; a tensor's pieces for a check), with `pread_into`. Opened with
+    O_NONBLOCK so that a FIFO or a device given as a checkpoint does not block; `regular` says whether it is
+    a regular file, `size` its size. Raises OSError as `os.open` does."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = str(path)
+        self._fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        try:
+            st = os.fstat(self._fd)
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self.size = st.st_size
+        self.regular = stat_mode.S_ISREG(st.st_mode)
+
+    def read(self, offset: int, n: int) -> bytes:
+        """The bytes at [offset, offset + n), fewer where the file ends first."""
+        buf = bytearray(n)
+        got = pread_into(self._fd, memoryview(buf), offset)
+        return bytes(buf) if got == n else bytes(buf[:got])
+
+    def pieces(self, offset: int, n: int, piece: int) -> Iterator[memoryview]:
+        """The bytes at [offset, offset + n) in pieces of at most `piece` bytes, ending early where the file
+        does; each piece is valid until the next one is asked for."""
+        buf = memoryview(bytearray(min(piece, n)))
+        while n > 0:
+            got = pread_into(self._fd, buf[:min(piece, n)], offset)
+            if not got:
+                return
+            yield buf[:got]
+            offset += got
+            n -= got
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> LocalInputFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _no_space(e: OSError) -> bool:
+    return e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+
+
+class DirectSink:
+    """Sequential file writes that bypass the page cache: bytes gather in a page-aligned buffer written
+    with O_DIRECT in whole pages; the last, partial page is written padded and the file then truncated to
+    its exact length. On these machines a buffered write costs more kernel time than the merge's math.
+    Two buffers: one fills while a helper thread writes the other, and a second helper feeds it to the
+    file's hash (`hasher`, in order), so the caller's statistics, the hashing and the disk overlap. A write's
+    error is raised by a later `write` or by `finish`."""
+
+    _BUF = 8 << 20
+
+    def __init__(self, fd: int, hasher: Any = None) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._fd: int | None = fd
+        self._bufs = (aligned_empty(self._BUF), aligned_empty(self._BUF))
+        self._buf = self._bufs[0]
+        self._fill = 0
+        self._written = 0  # bytes of the file handed to the helper so far (a multiple of the page size)
+        self._helper = ThreadPoolExecutor(1, thread_name_prefix="mergepipe-direct-write")
+        self._hasher = hasher
+        self._hash_helper = None if hasher is None else ThreadPoolExecutor(1, thread_name_prefix="mergepipe-hash")
+        self._pending: list[Any] = []  # the Futures of the other buffer's write and hash
+
+    @classmethod
+    def open(cls, path: str | Path, hasher: Any = None) -> DirectSink | None:
+        """A sink for the (just created, empty) file, or None where O_DIRECT is refused (tmpfs, ...)."""
+        flag = getattr(os, "O_DIRECT", 0)
+        if not flag or os.environ.get("MERGEPIPE_NO_DIRECT_IO") == "1":
+            return None
+        try:
+            fd = os.open(path, os.O_WRONLY | flag | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            return None
+        return cls(fd, hasher)
+
+    def write(self, mv: memoryview) -> None:
+        src = np.frombuffer(mv, dtype=np.uint8)
+        pos = 0
+        while pos < src.shape[0]:
+            n = min(self._BUF - self._fill, src.shape[0] - pos)
+            self._buf[self._fill:self._fill + n] = src[pos:pos + n]
+            self._fill += n
+            pos += n
+            if self._fill == self._BUF:
+                self._flush(self._BUF)
+
+    def _flush(self, n: int, n_hashed: int | None = None) -> None:
+        """Hand the current buffer's first n bytes to the helpers (the first `n_hashed` of them, default n,
+        are the file's: the rest pads to a whole page); continue in the other buffer once its own write
+        and hash are done."""
+        assert self._fd is not None
+        done = [self._helper.submit(self._pwrite, self._fd, self._buf, n, self._written)]
+        if self._hash_helper is not None:
+            hashed = memoryview(self._buf[:n if n_hashed is None else n_hashed])
+            done.append(self._hash_helper.submit(self._hasher.update, hashed))
+        self._written += n
+        self._fill = 0
+        self._buf = self._bufs[1] if self._buf is self._bufs[0] else self._bufs[0]
+        previous, self._pending = self._pending, done
+        for f in previous:
+            f.result()
+
+    @staticmethod
+    def _pwrite(fd: int, buf: np.ndarray, n: int, offset: int) -> None:
+        view = memoryview(buf[:n])
+        done = 0
+        while done < n:
+            done += os.pwritev(fd, [view[done:]], offset + done)
+
+    def _drain(self) -> None:
+        pending, self._pending = self._pending, []
+        for f in pending:
+            f.result()
+
+    def finish(self, fd: int) -> None:
+        """Write what is buffered (padded to whole pages), wait for the writes and cut the file to its
+        exact size via `fd`."""
+        size = self._written + self._fill
+        if self._fill:
+            padded = -(-self._fill // ALIGN) * ALIGN
+            self._buf[self._fill:padded] = 0
+            self._flush(padded, self._fill)
+        self._drain()
+        os.ftruncate(fd, size)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            with contextlib.suppress(OSError):  # closing after a failure: the first error was reported
+                self._drain()
+            self._helper.shutdown(wait=True)
+            if self._hash_helper is not None:
+                self._hash_helper.shutdown(wait=True)
+            os.close(fd)
+
+
+class LocalOutputFile:
+    """An output file written front to back: created (exclusively unless `exclusive` is False, then
+    truncated), written with plain writes or, with `direct`, through a `DirectSink` (O_DIRECT, where the file
+    system allows it); `hasher` (hashlib-like), where given, is fed every byte of the file in order. A full
+    disk is OutOfSpaceError (from `write` or `finish`); FileExistsError where an exclusive file exists."""
+
+    def __init__(self, path: str | Path, *, exclusive: bool = True, direct: bool = False, hasher: Any = None
+                 ) -> None:
+        self.path = Path(path)
+        self._hasher = hasher
+        flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+        flags |= os.O_EXCL if exclusive else os.O_TRUNC
+        self._fd: int | None = os.open(self.path, flags, 0o644)
+        self._sink: DirectSink | None = None
+        if direct:  # the sink's helper hashes what it writes
+            self._sink = DirectSink.open(self.path, hasher)
+
+    @property
+    def direct(self) -> bool:
+        """Whether the file is written with O_DIRECT."""
+        return self._sink is not None
+
+    def write(self, mv: memoryview) -> None:
+        """Append `mv` (a flat byte view)."""
+        assert self._fd is not None
+        if self._sink is None and self._hasher is not None:
+            self._hasher.update(mv)
+        off = 0
+        try:
+            if self._sink is not None:
+                self._sink.write(mv)
+            else:
+                while off < len(mv):
+                    off += os.write(self._fd, mv[off:])
+        except OSError as e:
+            if _no_space(e):
+                raise OutOfSpaceError(f"{show_path(self.path)}: no space left while writing") from e
+            raise
+
+    def finish(self, *, fsync: bool = True) -> None:
+        """Write what is buffered, fsync unless told not to, and close."""
+        assert self._fd is not None
+        fd, self._fd = self._fd, None
+        try:
+            if self._sink is not None:
+                try:
+                    self._sink.finish(fd)
+                except OSError as e:
+                    if _no_space(e):
+                        raise OutOfSpaceError(f"{show_path(self.path)}: no space left while writing") from e
+                    raise
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+            self._close_sink()
+
+    def _close_sink(self) -> None:
+        if self._sink is not None:
+            self._sink.close()
+            self._sink = None
+
+    def abort(self) -> None:
+        """Let the file go after a failure (left in place, partial)."""
+        self._close_sink()
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+
+
+def _local(location: Location) -> str:
+    """The path of a plain path or a ``file://`` URI."""
+    text = str(location)
+    if text[:7].lower() == "file://":
+        from urllib.parse import unquote, urlsplit
+
+        return unquote(urlsplit(text).path)
+    return text
+
+
+class LocalStore(ByteStore):
+    """Files on a local (POSIX) file system: plain paths and ``file://`` URIs. Readers and writers take
+    plain paths (what the catalog records); the other methods take either."""
+
+    scheme = "file"
+
+    def stat(self, location: Location) -> Stat:
+        """Size and modification time in ns (the version that ingest records as ``mtime_ns``)."""
+        st = os.stat(_local(location))
+        return Stat(st.st_size, st.st_mtime_ns)
+
+    def range_reader(self, *, random: bool) -> RangeReader:
+        return RangeReader(random=random)
+
+    def sequential_reader(self, location: Location, pool: RecyclingPool, *, cuts: Iterable[int] = (),
+                          depth: int = 2) -> SequentialReader:
+        return SequentialReader(_local(location), pool, cuts=cuts, depth=depth)
+
+    def read_ahead(self, pool: RecyclingPool) -> ReadAhead:
+        return ReadAhead(pool)
+
+    def open_input(self, location: Location) -> LocalInputFile:
+        return LocalInputFile(_local(location))
+
+    def read_small(self, location: Location, limit: int) -> bytes:
+        return read_small(_local(location), limit)
+
+    def sha256(self, location: Location) -> str:
+        return sha256_file(_local(location))
+
+    def writer(self, location: Location, *, exclusive: bool = True, direct: bool = False, hasher: Any = None
+               ) -> LocalOutputFile:
+        return LocalOutputFile(_local(location), exclusive=exclusive, direct=direct, hasher=hasher)
+
+    def write_new(self, location: Location, data: bytes) -> None:
+        write_new(_local(location), data)
+
+    def sync(self, location: Location) -> None:
+        fsync_file(_local(location))
+
+    def publish(self, staging: Location, final: Location) -> None:
+        publish(_local(staging), _local(final))

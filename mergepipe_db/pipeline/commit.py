@@ -39,7 +39,7 @@ from mergepipe_db.db.bulk import bulk_insert
 from mergepipe_db.db.checkpoints import now_iso
 from mergepipe_db.db.engine import Database
 from mergepipe_db.errors import CommitConflictError, IntegrityError, OutOfSpaceError, OutputExistsError
-from mergepipe_db.io.local import fsync_dir
+from mergepipe_db.io import open_store
 
 STAGING_PREFIX = ".mergepipe-staging-"
 
@@ -99,15 +99,7 @@ def abandon_staging(db: Database, intent: str, staging: Path) -> None:
 
 def _write_json(path: Path, obj: Any) -> None:
     data = json.dumps(obj, indent=2, sort_keys=False, allow_nan=True).encode("utf-8") + b"\n"
-    fd = os.open(str(path), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    open_store(path).write_new(path, data)
 
 
 def finish_staging(plan: Plan, result: ExecutionResult, staging: Path, manifest: dict[str, Any],
@@ -140,11 +132,10 @@ def _finish_staging(plan: Plan, result: ExecutionResult, staging: Path, manifest
         if dest.exists():
             continue
         shutil.copyfile(side, dest)
-        with open(dest, "rb") as fh:
-            os.fsync(fh.fileno())
+        open_store(dest).sync(dest)
     mhash = manifest_hash(manifest)
     _write_json(staging / "manifest.json", {"manifest_hash": mhash, "manifest": manifest, "timings": timings})
-    fsync_dir(staging)
+    open_store(staging).sync(staging)
     return mhash
 
 
@@ -349,10 +340,9 @@ def publish(staging: Path, out: Path) -> None:
     if out.is_dir() and not any(out.iterdir()):
         out.rmdir()
     try:
-        os.rename(staging, out)
+        open_store(out).publish(staging, out)  # rename, then fsync the parent
     except FileNotFoundError:
         if not (out / "manifest.json").is_file():
             raise
         return  # gc published it between our look and the rename
-    fsync_dir(out.parent)
     faults.point("published")

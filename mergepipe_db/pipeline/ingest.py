@@ -43,6 +43,7 @@ from mergepipe_db.errors import (
     UnknownCheckpointError,
 )
 from mergepipe_db.formats.hf_layout import CheckpointLayout, resolve_checkpoint
+from mergepipe_db.io import open_store
 from mergepipe_db.io.local import ALIGN, DropBehind, ReadAhead, RecyclingPool, SequentialReader, memory_for_cache
 from mergepipe_db.kernels.block_stats import delta_block_stats, zero_block_stats
 
@@ -281,7 +282,8 @@ class _FileStream:
         header = self.layout.files[self._opened]
         self._opened += 1
         self._dropper = DropBehind(header.path, unknown=self._drop_unknown)  # before anything is read
-        self._file = SequentialReader(header.path, self._pool, cuts=self._cuts[self._opened - 1])
+        self._file = open_store(header.path).sequential_reader(header.path, self._pool,
+                                                               cuts=self._cuts[self._opened - 1])
         self._pos = 0
         self._hasher = hashlib.sha256()
         self._hashing.update(self._hasher, self._read(header.data_start))

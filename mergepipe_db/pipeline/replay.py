@@ -54,13 +54,13 @@ def verify_outputs(manifest: dict[str, Any], out: Path) -> None:
     """Compare the output tensors at `out` with the manifest's recorded xxh3; VerifyError names each that differs."""
     from mergepipe_db.core.hashing import xxh3_hex
     from mergepipe_db.formats.hf_layout import resolve_checkpoint
-    from mergepipe_db.io.local import RangeReader
+    from mergepipe_db.io import open_store
 
     layout = resolve_checkpoint(out)
     recorded = {name: h for name, _dtype, _shape, h in manifest["outputs"]["tensors"]}
     differ: list[str] = []
     seen = set()
-    with RangeReader(random=False) as reader:
+    with open_store(out).range_reader(random=False) as reader:
         for header in layout.files:
             for entry in header.tensors:
                 seen.add(entry.name)

@@ -334,12 +334,14 @@ def scan_lora(layout: Any, *, block_bytes: int, base: dict[str, Any], progress: 
     import xxhash
 
     from mergepipe_db.core.hashing import xxh3_hex
+    from mergepipe_db.io import open_store
     from mergepipe_db.io.local import RangeReader
     from mergepipe_db.kernels.block_stats import delta_block_stats, zero_block_stats
 
     del block_bytes, progress, delta
     header = layout.files[0]
-    data = Path(header.path).read_bytes()
+    with open_store(header.path).open_input(header.path) as f:
+        data = f.read(0, f.size)
     sha = hashlib.sha256(data).hexdigest()
     lora: dict[str, dict[str, Any]] = layout.config["lora"]
     full = set(layout.config.get("full", []))

@@ -11,21 +11,14 @@ from mergepipe_db.core.geometry import block_ranges
 from mergepipe_db.core.hashing import xxh3_hex
 from mergepipe_db.core.plan import Read, TensorInfo
 from mergepipe_db.errors import IntegrityError
+from mergepipe_db.io import coalesce as coalesce_ranges
 from mergepipe_db.io.buffers import BufferPool
 from mergepipe_db.io.local import RangeReader
 
 
 def coalesce(reads: tuple[Read, ...]) -> list[tuple[int, int, list[Read]]]:
-    """Group byte-adjacent reads into single ranges: [(offset, nbytes, reads)]."""
-    groups: list[tuple[int, int, list[Read]]] = []
-    for r in reads:
-        if groups and groups[-1][0] + groups[-1][1] == r.offset:
-            off, n, members = groups[-1]
-            members.append(r)
-            groups[-1] = (off, n + r.nbytes, members)
-        else:
-            groups.append((r.offset, r.nbytes, [r]))
-    return groups
+    """Group byte-adjacent reads into single ranges: [(offset, nbytes, reads)] (`io.coalesce`)."""
+    return list(coalesce_ranges(reads))
 
 
 def read_selected(reader: RangeReader, et: TensorInfo, reads: tuple[Read, ...], expert: str, verify: bool

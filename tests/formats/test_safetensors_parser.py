@@ -16,7 +16,6 @@ from safetensors.torch import save_file
 from mergepipe_db import errors as E
 from mergepipe_db.core import dtypes, names
 from mergepipe_db.core.names import validate_tensor_name
-from mergepipe_db.formats import safetensors as stf
 from mergepipe_db.formats.safetensors import (
     MAX_HEADER_BYTES,
     SafetensorsWriter,
@@ -328,14 +327,16 @@ def test_name_rejected_non_string() -> None:
 def test_read_header_reads_only_the_header(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     f = tmp_path / "big.safetensors"
     save_file({"w": torch.zeros(256, 1024)}, str(f))
+    from mergepipe_db.io import local
+
     calls: list[tuple[int, int]] = []
-    real = os.pread
+    real = local.pread_into
 
-    def spy(fd: int, n: int, off: int) -> bytes:
-        calls.append((n, off))
-        return real(fd, n, off)
+    def spy(fd: int, buf: memoryview, off: int, need: int | None = None) -> int:
+        calls.append((len(buf), off))
+        return real(fd, buf, off, need)
 
-    monkeypatch.setattr(stf.os, "pread", spy)
+    monkeypatch.setattr(local, "pread_into", spy)
     h = read_header(f)
     assert len(calls) == 2
     assert calls[0] == (8, 0) and calls[1] == (h.header_len, 8)
@@ -494,7 +495,9 @@ def test_writer_exception_closes_fd_and_keeps_file(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError), SafetensorsWriter(f, ENTRIES) as w:
         w.write("a", b"\x00" * 8)
         raise RuntimeError("boom")
-    assert f.exists() and w._fd is None and w.sha256 is None
+    assert f.exists() and w.sha256 is None
+    with pytest.raises(E.SafetensorsWriteError, match="aborted"):  # its file was let go
+        w.close()
 
 
 def test_build_header_layout() -> None:
@@ -625,7 +628,7 @@ def test_direct_writer_reports_a_full_disk(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.setattr(os, "pwritev", pwritev)
     n = 4 * (8 << 20) + 3
     w = SafetensorsWriter(tmp_path / "x.safetensors", [("t", "U8", (n,))], {"format": "pt"}, direct=True)
-    if w._direct is None:
+    if not w.direct:
         pytest.skip("O_DIRECT is refused on this file system")
     with pytest.raises(OutOfSpaceError):
         w.write("t", bytes(n))

@@ -1,0 +1,192 @@
+"""The byte-store interface and `open_store`, which picks an implementation by the location's URI scheme.
+
+A location is a URI (``file:///data/m.safetensors``) or a plain path (local). Implementations are named in
+`SCHEMES` by module and class and imported only when first used (as pyiceberg's `load_file_io` picks a
+FileIO), so choosing a store costs no import of numpy or a cloud client.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+from mergepipe_db.errors import StaleSourceError, UnsupportedStorageError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from mergepipe_db.core.plan import FileStamp
+
+Location = str | Path
+
+#: URI scheme -> "module:class" of its `ByteStore`; a location without a scheme is a local path
+SCHEMES: dict[str, str] = {
+    "file": "mergepipe_db.io.local:LocalStore",
+}
+
+_URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+_stores: dict[str, ByteStore] = {}
+_stores_lock = threading.Lock()
+
+
+class Stat(NamedTuple):
+    """A stored object's size in bytes and its version: what changes when its content may have (the
+    modification time in ns for a local file; an ETag for an object store)."""
+
+    size: int
+    version: int | str
+
+
+class RangeSource(Protocol):
+    """A counting reader of byte ranges (`io.local.RangeReader` is the local one). `bytes_read` counts every
+    byte asked for (what a plan charges), `bytes_cached` those of them served from a cache."""
+
+    bytes_read: int
+    bytes_cached: int
+
+    def read_aligned(self, path: str, offset: int, arr: np.ndarray, pos: int, n: int) -> None: ...
+
+    def read_into(self, path: str, offset: int, buf: memoryview) -> None: ...
+
+    def read(self, path: str, offset: int, length: int) -> bytearray: ...
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> RangeSource: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+class InputFile(Protocol):
+    """One object open for a few reads (a header, a tensor's pieces for a check): its `size`, and whether it
+    is a `regular` file (an object store's objects always are)."""
+
+    size: int
+    regular: bool
+
+    def read(self, offset: int, n: int) -> bytes: ...
+
+    def pieces(self, offset: int, n: int, piece: int) -> Iterator[memoryview]: ...
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> InputFile: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+class OutputFile(Protocol):
+    """One object written front to back; `finish` makes it whole (and durable with fsync), `abort` drops
+    the handle after a failure."""
+
+    @property
+    def direct(self) -> bool: ...
+
+    def write(self, mv: memoryview) -> None: ...
+
+    def finish(self, *, fsync: bool = True) -> None: ...
+
+    def abort(self) -> None: ...
+
+
+class ByteStore(ABC):
+    """Where checkpoint and output bytes live. Every read and write of a checkpoint's or an output's files
+    goes through one of these; the methods take locations of this store."""
+
+    scheme: str
+
+    @abstractmethod
+    def stat(self, location: Location) -> Stat:
+        """Size and version; FileNotFoundError where nothing is stored at `location`."""
+
+    @abstractmethod
+    def range_reader(self, *, random: bool) -> RangeSource:
+        """A reader of byte ranges of this store's objects that counts what it reads; `random`: no
+        read-ahead (ranges chosen by a plan), else sequential use is expected."""
+
+    @abstractmethod
+    def sequential_reader(self, location: Location, pool: Any, *, cuts: Iterable[int] = (), depth: int = 2
+                          ) -> Any:
+        """One object read front to back in pieces ahead of the caller (ingest), into `pool`'s buffers."""
+
+    @abstractmethod
+    def read_ahead(self, pool: Any) -> Any:
+        """Ranges asked for ahead and taken in order later, read in between (ingest's base blocks)."""
+
+    @abstractmethod
+    def open_input(self, location: Location) -> InputFile:
+        """`location` open for a few reads (raises OSError as opening a file does)."""
+
+    @abstractmethod
+    def read_small(self, location: Location, limit: int) -> bytes:
+        """At most `limit` bytes from the start of a small side object (a JSON file)."""
+
+    @abstractmethod
+    def sha256(self, location: Location) -> str:
+        """Hex sha256 of a whole object."""
+
+    @abstractmethod
+    def writer(self, location: Location, *, exclusive: bool = True, direct: bool = False, hasher: Any = None
+               ) -> OutputFile:
+        """A new object written front to back (`exclusive`: FileExistsError if it exists); `hasher`
+        (hashlib-like) is fed every byte in order; `direct` asks to bypass caches where the store can."""
+
+    @abstractmethod
+    def write_new(self, location: Location, data: bytes) -> None:
+        """Create `location` (FileExistsError if it exists) holding `data`, durably."""
+
+    @abstractmethod
+    def sync(self, location: Location) -> None:
+        """Make an object written by other means (a copied side file), or a directory's entries, durable."""
+
+    @abstractmethod
+    def publish(self, staging: Location, final: Location) -> None:
+        """Make the finished `staging` visible at `final`, atomically and durably (FileNotFoundError where
+        `staging` is gone)."""
+
+
+def scheme_of(location: Location) -> str:
+    """The URI scheme of `location`, lower-case; ``file`` for a plain path."""
+    if isinstance(location, Path):
+        return "file"
+    m = _URI.match(location)
+    return m.group(1).lower() if m else "file"
+
+
+def open_store(location: Location) -> ByteStore:
+    """The byte store holding `location`, by its URI scheme (`SCHEMES`; a plain path is local).
+
+    Raises UnsupportedStorageError for a scheme not in `SCHEMES`."""
+    scheme = scheme_of(location)
+    store = _stores.get(scheme)
+    if store is not None:
+        return store
+    target = SCHEMES.get(scheme)
+    if target is None:
+        known = ", ".join(f"{s}://" for s in sorted(SCHEMES))
+        raise UnsupportedStorageError(f"unsupported storage scheme {scheme}:// in {str(location)!r}; "
+                                      f"supported: {known} and plain paths")
+    module, _, cls = target.partition(":")
+    with _stores_lock:
+        if scheme not in _stores:
+            _stores[scheme] = getattr(importlib.import_module(module), cls)()
+        return _stores[scheme]
+
+
+def check_fresh(stamps: Iterable[FileStamp]) -> None:
+    """Raise StaleSourceError for the first file whose size or version (mtime) changed since ingest."""
+    for s in stamps:
+        try:
+            st = open_store(s.path).stat(s.path)
+        except FileNotFoundError as e:
+            raise StaleSourceError(f"source file {s.path} is gone since it was ingested") from e
+        if st.size != s.size or st.version != s.mtime_ns:
+            raise StaleSourceError(
+                f"source file {s.path} changed since it was ingested (size {s.size} -> {st.size}, "
+                f"mtime changed: {st.version != s.mtime_ns}); re-ingest it or restore it"
+            )
