@@ -12,7 +12,8 @@ Three threads, data flowing one way:
 - compute (the caller's thread): per tensor, the base in float32 and each expert's stored bytes read in place
   by the operator's fused kernels (`operators.py`, `merge_kernels.py`); the result cast to the output dtype.
 - output (`_OutputWriter`): writes each tensor into its shard (O_DIRECT, sha256 while writing, fsync per
-  shard); its helper thread hashes each written tensor and computes its block rows for the catalog.
+  shard); its helper thread hashes each written tensor and computes its block rows for the catalog (delta
+  statistics against the base: `kernels.block_stats`, as at ingest).
 Items are one tensor of one checkpoint, so memory is a few tensors whatever the number of experts; their
 buffers come from a `BufferPool` and go back once used, so no fresh, zero-filled pages are faulted in per
 tensor (DESIGN §6). Arrays are numpy (BF16 as uint16 bits); torch is imported only for what needs it (DARE's

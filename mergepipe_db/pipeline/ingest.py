@@ -666,8 +666,8 @@ def ingest_many(
 
 
 def _write(conn: sa.Connection, p: _Pending, *, base_id: str | None, block_bytes: int) -> IngestResult:
-    """The rows of one scanned checkpoint, in the caller's transaction (or, for the same content under the
-    same name, its files' refreshed stamps)."""
+    """The rows of one scanned checkpoint (`write_checkpoint`), in the caller's transaction (or, for the same
+    content under the same name, its files' refreshed stamps)."""
     assert p.scanned is not None
     file_rows, tensor_rows, block_rows, _sha, bytes_read = p.scanned
     cid = checkpoint_id(p.kind, base_id, block_bytes, tensor_rows)
