@@ -3,8 +3,8 @@ time (default first) execution reaches `point`. Unset in normal use: a no-op.
 
 Points of a merge, in commit order: planned, tensor_written, shards_written, manifest_written,
 catalog_committed, published. Points of an ingest (`INGEST_POINTS`): ingest_scanned (every file read and
-hashed, the catalog not yet touched), ingest_rows_written (one checkpoint's rows inserted, the transaction
-still open; reached once per new checkpoint of the call), ingest_committed (the transaction committed).
+hashed, the catalog not yet touched), ingest_rows_written (one checkpoint's rows written, the transaction
+still open; reached once per checkpoint the call writes), ingest_committed (the transaction committed).
 """
 
 from __future__ import annotations
