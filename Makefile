@@ -23,9 +23,15 @@ test: install test-duckdb test-postgres
 test-duckdb:
 	$(BIN)/python -m pytest -q -n 2 -m "not fuzz and not slow"
 
+# Fails when the server does not start or no URL comes back (no silent fall-back to DuckDB: tests/test_backend.py).
 test-postgres:
-	MERGEPIPE_TEST_CATALOG="$$(bash .ci/start-postgres.sh | tail -n 1)" \
-	  $(BIN)/python -m pytest -q -n 2 -m "catalog and not fuzz and not slow"
+	@out=$$(bash .ci/start-postgres.sh) || { echo "test-postgres: .ci/start-postgres.sh failed" >&2; exit 1; }; \
+	url=$$(printf '%s\n' "$$out" | tail -n 1); \
+	case "$$url" in postgresql*://*) ;; \
+	  *) echo "test-postgres: .ci/start-postgres.sh printed no PostgreSQL URL (last line: '$$url')" >&2; exit 1;; \
+	esac; \
+	echo "MERGEPIPE_TEST_CATALOG=$$url"; \
+	MERGEPIPE_TEST_CATALOG="$$url" $(BIN)/python -m pytest -q -n 2 -m "catalog and not fuzz and not slow"
 
 # ruff, and the layer rules of docs/ARCHITECTURE.md (import-linter; function-local imports count)
 lint: install

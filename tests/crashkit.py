@@ -4,6 +4,8 @@
 - `merge_kill_trials` / `ingest_kill_trials`: kill -9 a merge or an ingest at random moments and check,
   after each kill, that the catalog reopens, nothing partial is visible (`mergepipe sql`, `--out`), fsck finds
   only collectable leftovers, gc collects them, and a rerun gives the same output hashes;
+- `ingest_fault_trials`: kill an ingest at each of its fault points (`faults.INGEST_POINTS`), asserting each
+  kill happened, and check the same;
 - `whole_snapshots`: the reader's check that every snapshot the catalog shows is complete;
 - run as a script, a worker for the concurrency tests (`merge-retry`, `reader`).
 """
@@ -181,7 +183,7 @@ def merge_kill_trials(catalog_url: str, spec_path: Path, work: Path, *, n: int, 
         if mode == "fault":
             env["MERGEPIPE_FAULT"] = f"tensor_written:{rng.randint(1, n_tensors)}"
         elif mode == "point":
-            env["MERGEPIPE_FAULT"] = rng.choice([p for p in faults.POINTS if p != "tensor_written"])
+            env["MERGEPIPE_FAULT"] = rng.choice([p for p in faults.MERGE_POINTS if p != "tensor_written"])
         proc = popen_cli(["merge", str(spec_path), "--out", str(out), "--ref", ref, "--catalog", catalog_url,
                           "--quiet"], env)
         if mode == "outside":
@@ -315,6 +317,60 @@ def ingest_kill_trials(catalog_url: str, experts: list[Path], *, rng: random.Ran
         stats.reruns_identical += 1
         if log is not None:
             log(f"{what}: exit {proc.returncode}, {'committed' if rows else 'unchanged'}")
+    return stats
+
+
+def ingest_fault_trials(new_catalog: Any, base: Path, experts: list[Path], *, block_bytes: int,
+                        reference_ids: dict[str, str], log: Any = None) -> KillStats:
+    """Kill one CLI ingest of all `experts` (one call: one transaction; names = their directory names) at each
+    fault point inside ingest (`faults.INGEST_POINTS`; ingest_rows_written once after each checkpoint's rows),
+    each in a fresh catalog (`new_catalog(stem)`: a context manager giving its URL) holding only the base.
+    After each kill: the process died of SIGKILL at the point (else AssertionError: the point was not reached);
+    the catalog holds no trace of the experts when killed before the commit, all of them, complete and with
+    their reference ids, after it; no orphan rows; fsck finds nothing; a rerun ingests the reference ids."""
+    from mergepipe_db import Catalog
+    from mergepipe_db.core import faults
+
+    stats = KillStats()
+    names = [Path(p).name for p in experts]
+    specs = []
+    for point in faults.INGEST_POINTS:
+        nths = range(1, len(experts) + 1) if point == "ingest_rows_written" else [1]
+        specs += [f"{point}:{n}" for n in nths]
+    for i, spec in enumerate(specs):
+        what = f"ingest fault {spec}"
+        with new_catalog(f"fault{i}") as url:
+            Catalog.open(url).ingest(base, name="base", block_bytes=block_bytes)
+            before = _counts(Catalog.open(url))
+            args = ["ingest", *map(str, experts), *[a for n in names for a in ("--name", n)], "--base", "base",
+                    "--catalog", url, "-q"]
+            r = cli(args, {"MERGEPIPE_FAULT": spec})
+            assert r.returncode == -signal.SIGKILL, f"{what}: not killed (exit {r.returncode}): {r.stderr}"
+            stats.trials += 1
+            stats.killed += 1
+            stats.modes[spec.partition(":")[0]] += 1
+            reopened = Catalog.open(url)
+            _c, rows = reopened.sql(ORPHANS_SQL)
+            assert not any(rows[0]), f"{what}: orphan rows {rows[0]}"
+            _c, rows = reopened.sql("SELECT name, id FROM checkpoints WHERE name <> 'base' ORDER BY name")
+            if spec.startswith("ingest_committed"):
+                assert dict(rows) == {n: reference_ids[n] for n in names}, f"{what}: {rows}"
+                for n in names:
+                    _c, nt = reopened.sql(f"SELECT COUNT(*), SUM(n_blocks) FROM tensors WHERE checkpoint = '{n}'")
+                    _c, nb = reopened.sql(f"SELECT COUNT(*) FROM blocks WHERE checkpoint = '{n}'")
+                    _c, want = reopened.sql(f"SELECT n_tensors FROM checkpoints WHERE name = '{n}'")
+                    assert nt[0][0] == want[0][0] and nb[0][0] == nt[0][1], f"{what}: partial {n}: {nt} {nb}"
+                stats.rolled_forward += 1
+            else:
+                assert rows == [] and _counts(reopened) == before, f"{what}: catalog changed: {rows}"
+                stats.rolled_back += 1
+            found = reopened.fsck()
+            assert all(f.kind == "ok" for f in found), f"{what}: fsck: {[str(f) for f in found if f.kind != 'ok']}"
+            results = reopened.ingest_many(experts, names=names, base="base")
+            assert {res.name: res.checkpoint_id for res in results} == {n: reference_ids[n] for n in names}, what
+            stats.reruns_identical += 1
+            if log is not None:
+                log(f"{what}: killed, {'committed' if rows else 'unchanged'}")
     return stats
 
 

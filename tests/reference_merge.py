@@ -98,9 +98,21 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8).reshape(flat.numel(), t.element_size())
 
 
-def assert_bytes_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+def row_mask(shape: tuple[int, ...], rows: list[tuple[int, int]]) -> torch.Tensor:
+    """A bool tensor broadcastable to `shape`: True on the rows (dim 0) in `rows` (a 0-d tensor has row 0)."""
+    if len(shape) == 0:
+        return torch.tensor(any(r0 <= 0 < r1 for r0, r1 in rows))
+    keep = torch.zeros(shape[0], dtype=torch.bool)
+    for r0, r1 in rows:
+        keep[r0:r1] = True
+    return keep.reshape(shape[0], *[1] * (len(shape) - 1))
+
+
+def assert_bytes_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
+                       ignore_rows: dict[str, list[tuple[int, int]]] | None = None) -> None:
     """Same tensor names, dtypes, shapes and identical bytes; otherwise AssertionError naming the first
-    differing tensor (in sorted name order) and how many of its elements differ."""
+    differing tensor (in sorted name order) and how many of its elements differ. `ignore_rows[name]`: rows
+    (dim 0) of that tensor left out of the comparison."""
     missing = sorted(set(a) - set(b))
     extra = sorted(set(b) - set(a))
     if missing or extra:
@@ -114,6 +126,9 @@ def assert_bytes_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
         if tuple(x.shape) != tuple(y.shape):
             raise AssertionError(f"tensor {name!r}: shape {tuple(x.shape)} != {tuple(y.shape)}")
         differs = (_as_bytes(x) != _as_bytes(y)).any(dim=1)
+        if ignore_rows and ignore_rows.get(name):
+            compared = ~row_mask(tuple(x.shape), ignore_rows[name]).expand(x.shape).reshape(-1)
+            differs &= compared
         n_diff = int(differs.sum())
         if n_diff:
             first = int(differs.nonzero()[0, 0])
@@ -319,6 +334,7 @@ def reference_merge(
     block_bytes: int = 1 << 20,
     out_dtype: torch.dtype | None = None,
     expert_deltas: list[dict[str, torch.Tensor] | None] | None = None,
+    selected_rows: list[dict[str, list[tuple[int, int]]] | None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Full-read merge of ``experts`` onto ``base`` per SEMANTICS.md.
 
@@ -329,6 +345,10 @@ def reference_merge(
     for every tensor of the base. ``expert_deltas[k]``, when given, is expert k's Δ directly (name -> tensor,
     upcast to float32; a missing name has Δ = 0; θ_k = θ₀ + Δ_k; DARE blocks follow the base's itemsize) and
     ``experts[k]`` is then not read.
+
+    ``selected_rows[k]``, when given (not None), names the rows (dim 0) of expert k's tensors a partial-budget
+    merge read (tensor name -> row ranges; a name not in it: nothing read); everywhere else expert k is
+    taken as omitted, SEMANTICS.md's Δ_k = 0, θ_k = θ₀ bit for bit (Δ-storing sources: Δ_k zeroed there).
     """
     if method not in METHODS:
         raise ValueError(f"unknown merge method {method!r}; expected one of {METHODS}")
@@ -389,6 +409,14 @@ def reference_merge(
             expert_stored.append(stored)
         thetas = [s.to(torch.float32) for s in expert_stored]
         dgiven = [None if g is None else g.get(name, torch.zeros_like(theta0)).to(torch.float32) for g in given]
+        for k, sel in enumerate(selected_rows or []):
+            if sel is None:
+                continue
+            keep = row_mask(tuple(theta0.shape), sel.get(name, []))
+            if dgiven[k] is None:
+                thetas[k] = torch.where(keep, thetas[k], theta0)
+            else:
+                dgiven[k] = torch.where(keep, dgiven[k], 0.0)
         thetas = [th if d is None else theta_from_delta(theta0, d) for th, d in zip(thetas, dgiven)]
 
         if method == "slerp":

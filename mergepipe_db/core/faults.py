@@ -1,6 +1,10 @@
 """Fault injection for crash tests: `MERGEPIPE_FAULT=<point>[:<n>]` kills the process (SIGKILL) the n-th
-time (default first) execution reaches `point`. Points, in commit order: planned, tensor_written,
-shards_written, manifest_written, catalog_committed, published. Unset in normal use: a no-op.
+time (default first) execution reaches `point`. Unset in normal use: a no-op.
+
+Points of a merge, in commit order: planned, tensor_written, shards_written, manifest_written,
+catalog_committed, published. Points of an ingest (`INGEST_POINTS`): ingest_scanned (every file read and
+hashed, the catalog not yet touched), ingest_rows_written (one checkpoint's rows written, the transaction
+still open; reached once per checkpoint the call writes), ingest_committed (the transaction committed).
 """
 
 from __future__ import annotations
@@ -9,7 +13,9 @@ import os
 import signal
 
 ENV = "MERGEPIPE_FAULT"
-POINTS = ("planned", "tensor_written", "shards_written", "manifest_written", "catalog_committed", "published")
+MERGE_POINTS = ("planned", "tensor_written", "shards_written", "manifest_written", "catalog_committed", "published")
+INGEST_POINTS = ("ingest_scanned", "ingest_rows_written", "ingest_committed")
+POINTS = MERGE_POINTS + INGEST_POINTS
 _hits: dict[str, int] = {}
 
 

@@ -1,10 +1,12 @@
-"""Catalog reads of checkpoints: their rows as core objects (`CheckpointInfo`, `TensorInfo`) and names resolved to
-checkpoints and snapshots (``<ref>@<version>``)."""
+"""A checkpoint's rows in the catalog: written once (`write_checkpoint`, by ingest and by a merge's commit), read
+back as core objects (`CheckpointInfo`, `TensorInfo`), and names resolved to checkpoints and snapshots
+(``<ref>@<version>``)."""
 
 from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -12,8 +14,21 @@ from typing import Any
 import sqlalchemy as sa
 
 from mergepipe_db.core.plan import CheckpointInfo, FileStamp, TensorInfo
-from mergepipe_db.db import schema
+from mergepipe_db.db import rank_tables, schema
+from mergepipe_db.db.bulk import bulk_insert
 from mergepipe_db.errors import UnknownCheckpointError
+
+
+def write_checkpoint(conn: sa.Connection, checkpoint: dict[str, Any], files: Sequence[dict[str, Any]],
+                     tensors: Sequence[dict[str, Any]], blocks: Sequence[dict[str, Any]]) -> None:
+    """Insert one checkpoint in the caller's transaction: its mp_checkpoint row, source files, tensors and
+    blocks (rows keyed by column name, each carrying the checkpoint's id), the blocks in rank order
+    (`rank_tables.in_rank_order`), then its ranking summaries and tensor sketches (`rank_tables.write`)."""
+    conn.execute(schema.checkpoint.insert().values(**checkpoint))
+    bulk_insert(conn, schema.source_file, files)
+    bulk_insert(conn, schema.tensor, tensors)
+    bulk_insert(conn, schema.block, rank_tables.in_rank_order(blocks))
+    rank_tables.write(conn, checkpoint["id"])
 
 
 def load_checkpoint_info(conn: sa.Connection, checkpoint_id: str) -> CheckpointInfo:

@@ -1,4 +1,9 @@
-"""Fused kernels (numba) for delta statistics, at ingest and for the merge output's blocks.
+"""Block statistics of Δ against the base — the catalog's delta_l2, delta_l1, delta_max, pos_frac and sketch of
+a block — one implementation for every producer: ingest of a full or delta checkpoint (`delta_block_stats`,
+`zero_block_stats`), the blocks of a merge's output (the same two) and the ΔW row blocks of a LoRA adapter
+(`float32_delta_block_stats`, see there why it stays a torch computation).
+
+Fused kernels (numba) compute the first two.
 
 `delta_stats` reads an expert block and the base block once and produces the L2² (float64 accumulation),
 L1, max |Δ|, the count of positive deltas and the magnitude histogram of docs/SEMANTICS.md ("Sketch") —
@@ -16,6 +21,7 @@ blocks at once. Compiled once and cached on disk by numba (first use in a fresh 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numba
@@ -201,7 +207,37 @@ def delta_block_stats(data: memoryview | bytearray, base: memoryview | None, dty
 
 def zero_block_stats(nbytes: int, dtype: str) -> dict[str, Any]:
     """The statistics of a block of `nbytes` whose Δ is zero throughout (equal to the base's bytes)."""
-    count = nbytes * 8 // DTYPE_BITS[dtype]
+    return {"delta_l2": 0.0, "delta_l1": 0.0, "delta_max": 0.0, "pos_frac": 0.0,
+            "sketch": _zero_sketch(nbytes * 8 // DTYPE_BITS[dtype])}
+
+
+@functools.lru_cache(maxsize=64)
+def _zero_sketch(numel: int) -> bytes:
+    """The encoded sketch of `numel` zeros (every element in bin 0); a merge output has many such blocks."""
     hist = np.zeros(sketch.NBINS, dtype=np.int64)
-    hist[0] = count
-    return {"delta_l2": 0.0, "delta_l1": 0.0, "delta_max": 0.0, "pos_frac": 0.0, "sketch": sketch.encode(hist)}
+    hist[0] = numel
+    return sketch.encode(hist)
+
+
+def float32_delta_block_stats(delta: Any) -> dict[str, Any]:
+    """The statistics of a block given as Δ itself in float32 (a numpy array or a torch tensor, any shape): a
+    LoRA adapter's ΔW rows, formed in float32 by the factors' product.
+
+    L2 and L1 are torch's float64 reductions (`vector_norm`, `sum`), not the fused kernel's (which
+    reassociates its sums: results differ in the last bits), so the catalog statistics of a LoRA adapter, and
+    with them every plan that ranks its blocks, stay what they were. The sketch is `sketch.histogram`'s,
+    which bins exactly as the kernel does."""
+    import torch
+
+    d = torch.as_tensor(delta).reshape(-1)
+    if d.numel() == 0:
+        return {"delta_l2": 0.0, "delta_l1": 0.0, "delta_max": 0.0, "pos_frac": 0.0,
+                "sketch": sketch.encode(sketch.histogram(torch.zeros(0)))}
+    a = d.abs()
+    return {
+        "delta_l2": float(torch.linalg.vector_norm(d, dtype=torch.float64)),
+        "delta_l1": float(a.sum(dtype=torch.float64)),
+        "delta_max": float(a.max()),
+        "pos_frac": float((d > 0).sum()) / d.numel(),
+        "sketch": sketch.encode(sketch.histogram(a)),
+    }

@@ -34,9 +34,9 @@ from mergepipe_db.core.manifest import manifest_hash
 from mergepipe_db.core.plan import Plan
 from mergepipe_db.core.results import ExecutionResult
 from mergepipe_db.core.version import __version__
-from mergepipe_db.db import rank_tables, schema
+from mergepipe_db.db import schema
 from mergepipe_db.db.bulk import bulk_insert
-from mergepipe_db.db.checkpoints import now_iso
+from mergepipe_db.db.checkpoints import now_iso, write_checkpoint
 from mergepipe_db.db.engine import Database
 from mergepipe_db.errors import CommitConflictError, IntegrityError, OutOfSpaceError, OutputExistsError
 from mergepipe_db.io import open_store
@@ -282,7 +282,7 @@ def _read_rows(plan: Plan, result: ExecutionResult, snapshot_id: str) -> list[di
 def _insert_output_checkpoint(conn: sa.Connection, plan: Plan, result: ExecutionResult, cid: str, name: str,
                               out: Path, staging: Path) -> None:
     """Catalogue the output as a checkpoint (kind 'snapshot', with delta statistics against the base when it
-    has the base's dtypes) so it can be merged again, ranked block by block.
+    has the base's dtypes) so it can be merged again, ranked block by block (`write_checkpoint`, as ingest).
 
     Paths are the published ones (`out`); size and mtime come from the staged files, which the rename keeps.
     """
@@ -320,17 +320,13 @@ def _insert_output_checkpoint(conn: sa.Connection, plan: Plan, result: Execution
                 "delta_l2": b["delta_l2"], "delta_l1": b["delta_l1"], "delta_max": b["delta_max"],
                 "pos_frac": b["pos_frac"], "sketch": b["sketch"],
             })
-    conn.execute(schema.checkpoint.insert().values(
-        id=cid, name=name, kind="snapshot", base_id=plan.base.id, root=str(out),
-        config=json.dumps(plan.base.config) if plan.base.config is not None else None,
-        block_bytes=plan.base.block_bytes, n_tensors=len(tensors),
-        total_bytes=sum(t.nbytes for t in result.out_tensors),
-        has_stats=has_stats, created_at=now_iso(), tool_version=__version__,
-    ))
-    bulk_insert(conn, schema.source_file, files)
-    bulk_insert(conn, schema.tensor, tensors)
-    bulk_insert(conn, schema.block, rank_tables.in_rank_order(blocks))
-    rank_tables.write(conn, cid)
+    write_checkpoint(conn, {
+        "id": cid, "name": name, "kind": "snapshot", "base_id": plan.base.id, "root": str(out),
+        "config": json.dumps(plan.base.config) if plan.base.config is not None else None,
+        "block_bytes": plan.base.block_bytes, "n_tensors": len(tensors),
+        "total_bytes": sum(t.nbytes for t in result.out_tensors),
+        "has_stats": has_stats, "created_at": now_iso(), "tool_version": __version__,
+    }, files, tensors, blocks)
 
 
 def publish(staging: Path, out: Path) -> None:

@@ -12,7 +12,8 @@ Three threads, data flowing one way:
 - compute (the caller's thread): per tensor, the base in float32 and each expert's stored bytes read in place
   by the operator's fused kernels (`operators`, `kernels.merge`); the result cast to the output dtype.
 - output (`_OutputWriter`): writes each tensor into its shard (O_DIRECT, sha256 while writing, fsync per
-  shard); its helper thread hashes each written tensor and computes its block rows for the catalog.
+  shard); its helper thread hashes each written tensor and computes its block rows for the catalog (delta
+  statistics against the base: `kernels.block_stats`, as at ingest).
 Items are one tensor of one checkpoint, so memory is a few tensors whatever the number of experts; their
 buffers come from a `BufferPool` and go back once used, so no fresh, zero-filled pages are faulted in per
 tensor (DESIGN §6). Arrays are numpy (BF16 as uint16 bits); torch is imported only for what needs it (DARE's
@@ -24,7 +25,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
-import functools
 import os
 import queue
 import sys
@@ -720,7 +720,7 @@ def _out_blocks(ot: OutTensor, data: memoryview, block_bytes: int, base: memoryv
     those `unchanged` marks (θ₀'s bytes, not in `data`: `_OutputJob`) not even a comparison. `tensor_hash`
     (an xxh3_128 stream) is fed the whole tensor, block by block while each is in cache.
     """
-    from mergepipe_db.kernels import block_stats as kernels
+    from mergepipe_db.kernels import block_stats
 
     bits = DTYPE_BITS[ot.dtype]
     rpb = rows_per_block(ot.shape, bits, block_bytes)
@@ -744,29 +744,12 @@ def _out_blocks(ot: OutTensor, data: memoryview, block_bytes: int, base: memoryv
                "nbytes": hi - lo, "xxh3": h, "rows_per_block": rpb, "delta_l2": None, "delta_l1": None,
                "delta_max": None, "pos_frac": None, "sketch": None}
         if base is not None:
-            if same or kernels.same_bytes(block, base[lo:hi]):
-                stats = 0.0, 0.0, 0.0, 0.0, _zero_sketch((hi - lo) * 8 // bits)
+            if same or block_stats.same_bytes(block, base[lo:hi]):
+                row.update(block_stats.zero_block_stats(hi - lo, ot.dtype))
             else:
-                l2, l1, mx, pos, hist = kernels.delta_stats(block, base[lo:hi], ot.dtype)
-                stats = l2, l1, mx, pos, _encode_sketch(hist)
-            row.update(zip(("delta_l2", "delta_l1", "delta_max", "pos_frac", "sketch"), stats))
+                row.update(block_stats.delta_block_stats(block, base[lo:hi], ot.dtype))
         yield row
     if tensor_hash is not None and hashed != len(data):  # the blocks did not tile the tensor (none, for one)
         tensor_hash.reset()
         tensor_hash.update(data)
 
-
-def _encode_sketch(hist: np.ndarray) -> bytes:
-    from mergepipe_db.core import sketch
-
-    return sketch.encode(hist)
-
-
-@functools.lru_cache(maxsize=64)
-def _zero_sketch(numel: int) -> bytes:
-    """The sketch of a block whose Δ is zero throughout: every element in bin 0."""
-    from mergepipe_db.core import sketch
-
-    hist = np.zeros(sketch.NBINS, dtype=np.int64)
-    hist[0] = numel
-    return sketch.encode(hist)

@@ -26,14 +26,14 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from mergepipe_db.core import faults
 from mergepipe_db.core.dtypes import ARITHMETIC_DTYPES, DTYPE_BITS
 from mergepipe_db.core.geometry import DEFAULT_BLOCK_BYTES, block_byte_range, block_ranges, row_count, rows_per_block
 from mergepipe_db.core.hashing import xxh3_hex
 from mergepipe_db.core.names import validate_checkpoint_name
 from mergepipe_db.core.version import __version__
-from mergepipe_db.db import rank_tables, schema
-from mergepipe_db.db.bulk import bulk_insert
-from mergepipe_db.db.checkpoints import now_iso
+from mergepipe_db.db import schema
+from mergepipe_db.db.checkpoints import now_iso, write_checkpoint
 from mergepipe_db.db.engine import Database
 from mergepipe_db.errors import (
     BadCheckpointError,
@@ -658,15 +658,18 @@ def ingest_many(
             p.scanned = result
 
     if todo:
+        faults.point("ingest_scanned")
         with db.connect() as conn:
             for p in todo:
                 results[p.name] = _write(conn, p, base_id=base_row["id"] if base_row else None, block_bytes=bb)
+                faults.point("ingest_rows_written")
+        faults.point("ingest_committed")
     return [results[name] for _path, name in items]
 
 
 def _write(conn: sa.Connection, p: _Pending, *, base_id: str | None, block_bytes: int) -> IngestResult:
-    """The rows of one scanned checkpoint, in the caller's transaction (or, for the same content under the
-    same name, its files' refreshed stamps)."""
+    """The rows of one scanned checkpoint (`write_checkpoint`), in the caller's transaction (or, for the same
+    content under the same name, its files' refreshed stamps)."""
     assert p.scanned is not None
     file_rows, tensor_rows, block_rows, _sha, bytes_read = p.scanned
     cid = checkpoint_id(p.kind, base_id, block_bytes, tensor_rows)
@@ -694,14 +697,10 @@ def _write(conn: sa.Connection, p: _Pending, *, base_id: str | None, block_bytes
             f"name {p.name!r} is already used by a checkpoint with other content; choose another --name")
     if by_id is not None:
         raise DuplicateNameError(f"this content is already catalogued as {by_id!r}")
-    conn.execute(c.insert().values(
-        id=cid, name=p.name, kind=p.kind, base_id=base_id, root=str(Path(p.layout.root).resolve()),
-        config=json.dumps(p.layout.config) if p.layout.config is not None else None,
-        block_bytes=block_bytes, n_tensors=len(tensor_rows), total_bytes=total_bytes,
-        has_stats=base_id is not None, created_at=now_iso(), tool_version=__version__,
-    ))
-    bulk_insert(conn, schema.source_file, file_rows)
-    bulk_insert(conn, schema.tensor, tensor_rows)
-    bulk_insert(conn, schema.block, rank_tables.in_rank_order(block_rows))
-    rank_tables.write(conn, cid)
+    write_checkpoint(conn, {
+        "id": cid, "name": p.name, "kind": p.kind, "base_id": base_id, "root": str(Path(p.layout.root).resolve()),
+        "config": json.dumps(p.layout.config) if p.layout.config is not None else None,
+        "block_bytes": block_bytes, "n_tensors": len(tensor_rows), "total_bytes": total_bytes,
+        "has_stats": base_id is not None, "created_at": now_iso(), "tool_version": __version__,
+    }, file_rows, tensor_rows, block_rows)
     return IngestResult(cid, p.name, p.kind, len(tensor_rows), len(block_rows), total_bytes, bytes_read, True)

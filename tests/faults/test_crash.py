@@ -14,6 +14,7 @@ import pytest
 from conftest import BLOCK, ingest_family
 from crashkit import (
     cli,
+    ingest_fault_trials,
     ingest_kill_trials,
     merge_kill_trials,
     output_hashes,
@@ -63,6 +64,29 @@ def test_random_kills_during_ingest_leave_the_catalog_unchanged_or_complete(cata
     assert stats.trials == 3 and stats.reruns_identical == 3
     _c, rows = catalog.sql("SELECT name FROM checkpoints ORDER BY name")
     assert [r[0] for r in rows] == sorted(["base", *reference_ids])
+
+
+def test_ingest_killed_at_each_fault_point_leaves_no_trace_or_the_complete_checkpoints(tiny_family,
+                                                                                       tmp_path) -> None:
+    """Deterministic kills inside ingest, at every point of `faults.INGEST_POINTS` (the random kills above may
+    all land before or after the catalog transaction): each must kill the process (a point no longer reached
+    fails here), before the commit nothing is left, after it everything is, fsck is clean."""
+    from conftest import fresh_catalog_url
+
+    from mergepipe_db import Catalog
+    from mergepipe_db.core import faults
+
+    scratch = Catalog.open(str(tmp_path / "scratch.duckdb"))
+    ingest_family(scratch, tiny_family)
+    reference_ids = {p.name: scratch.checkpoint_id(f"e{i}") for i, p in enumerate(tiny_family.experts)}
+    stats = ingest_fault_trials(lambda stem: fresh_catalog_url(tmp_path, stem), tiny_family.base,
+                                list(tiny_family.experts), block_bytes=BLOCK, reference_ids=reference_ids,
+                                log=print)
+    print(stats.to_dict())
+    n = len(tiny_family.experts)
+    assert stats.killed == stats.trials == len(faults.INGEST_POINTS) - 1 + n  # rows_written: once per expert
+    assert stats.rolled_back == n + 1 and stats.rolled_forward == 1 and stats.reruns_identical == stats.trials
+    assert dict(stats.modes) == {"ingest_scanned": 1, "ingest_rows_written": n, "ingest_committed": 1}
 
 
 def test_rerun_into_an_out_awaiting_roll_forward_is_refused_until_gc(catalog, catalog_url, tiny_family,

@@ -203,7 +203,7 @@ def test_failed_ingest_leaves_catalog_unchanged(catalog: Catalog, tiny_family, t
             raise RuntimeError("injected failure while inserting blocks")
         return real(conn, table, rows)
 
-    monkeypatch.setattr("mergepipe_db.pipeline.ingest.bulk_insert", failing)
+    monkeypatch.setattr("mergepipe_db.db.checkpoints.bulk_insert", failing)
     with pytest.raises(RuntimeError, match="injected"):
         catalog.ingest(tiny_family.experts[0], name="e0", base="base")
     assert calls["n"] >= 2  # files and tensors were inserted before the failure ...

@@ -10,10 +10,24 @@ With `mixed_sources` the same seed also draws how each expert reaches the catalo
 checkpoint, LoRA adapter, snapshot of a merge; `catalogue_experts`). Each case checks
 
 1. at budget 1.0, the output equals the reference merge byte for byte;
-2. at each partial budget: planned bytes <= budget, realized == planned, the same plan hash when planned twice,
-   and planned bytes non-decreasing with the budget;
-3. linear and task_arithmetic with float32 output: ||out_B - out_full||_2 <= the reported omitted-update bound
+2. at every budget, reads counted at the byte store, independently of the executor (`byte_reads`: the byte
+   reader's public read methods wrapped at class level, each read attributed to the expert whose catalogued
+   file it reads, the base's reads left out): per expert, == the plan's bytes for that expert == the
+   manifest's realized bytes; in total == planned bytes <= budget; the same plan hash when planned twice, and
+   planned bytes non-decreasing with the budget;
+3. at each partial budget, the output against the reference merge of the same inputs with Δ zeroed on every
+   block outside the manifest's access set (SEMANTICS.md: an omitted block is Δ = 0), byte for byte where that
+   is the partial result's exact value (`zeroed_delta_oracle`):
+   - linear, task_arithmetic, dare_linear, dare_ties, slerp: every element (no statistic reaches past the
+     blocks read: DARE's mask is drawn per block, TIES' election is per element, slerp reads whole tensors);
+   - ties, breadcrumbs: every element, except the rows an expert with density < 1 read of a tensor it did not
+     read whole: there its trim threshold (the k-th largest |Δ|, breadcrumbs' two) comes from the catalog
+     sketch of the whole tensor, which the zeroed reference cannot know. Those rows are covered by budget
+     soundness and determinism (2) and, at full budget, by (1);
+4. linear and task_arithmetic with float32 output: ||out_B - out_full||_2 <= the reported omitted-update bound
    (plus what float32 rounding of the two outputs allows, `rounding_slack`).
+
+`test_an_over_read_fails_the_merge_and_publishes_nothing` forces a read of more than the plan selected.
 
 Inputs are finite (values are clamped): NaN payloads and Δ next to infinities are unspecified (docs/SEMANTICS.md).
 
@@ -25,10 +39,13 @@ MERGEPIPE_FUZZ_FIRST_SEED (default 1000). A failing seed is reproduced alone wit
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import math
 import os
 import random
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -386,7 +403,152 @@ def rounding_slack(draw: Draw, base: Path, experts: list[Path], given: list[dict
     return 2 * (2 * len(weights) + 3) * 2.0 ** -24 * norm
 
 
-def check_case(catalog, tmp_path: Path, seed: int, *, mixed_sources: bool = False) -> None:
+class ReadLog:
+    """Every read issued through the byte reader's public methods (`io.local.RangeReader.read_aligned`,
+    `read_into`, `read`, wrapped at class level: every instance, every thread), as (path, offset, bytes asked
+    for). A read made inside another (`read` calls `read_into`) counts once: the outer one."""
+
+    METHODS = {"read_aligned": "n", "read_into": "buf", "read": "length"}
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._depth = threading.local()
+        self.calls: list[tuple[str, int, int]] = []
+
+    def clear(self) -> None:
+        with self._lock:
+            self.calls = []
+
+    def take(self) -> list[tuple[str, int, int]]:
+        with self._lock:
+            calls, self.calls = self.calls, []
+        return calls
+
+    def wrap(self, original, size_arg: str):
+        sig = inspect.signature(original)
+
+        @functools.wraps(original)
+        def counted(*args, **kwargs):
+            depth = getattr(self._depth, "n", 0)
+            if depth == 0:
+                a = sig.bind(*args, **kwargs).arguments
+                size = a[size_arg]
+                n = size if isinstance(size, int) else memoryview(size).nbytes
+                with self._lock:
+                    self.calls.append((os.path.realpath(a["path"]), int(a["offset"]), int(n)))
+            self._depth.n = depth + 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._depth.n = depth
+
+        return counted
+
+
+@pytest.fixture
+def byte_reads(monkeypatch) -> ReadLog:
+    """Counts reads at the byte store, independently of the executor's own count (`ReadLog`)."""
+    from mergepipe_db.io import local
+
+    log = ReadLog()
+    for name, size_arg in ReadLog.METHODS.items():
+        monkeypatch.setattr(local.RangeReader, name, log.wrap(getattr(local.RangeReader, name), size_arg))
+    return log
+
+
+def reads_per_expert(catalog, calls: list[tuple[str, int, int]], experts: list[str]) -> dict[frozenset, int]:
+    """Expert bytes of `calls`, by the files each expert is catalogued with (and its packed blocks in a block
+    store), keyed by groups of experts: one expert each, unless packed experts share a block (one blob in the
+    store, content-addressed), whose reads cannot tell them apart. Reads of the base's files are left out; a
+    read of any other file fails the test."""
+    _c, rows = catalog.sql("SELECT c.name, f.path FROM mp_file f JOIN mp_checkpoint c ON c.id = f.checkpoint_id")
+    owner: dict[str, set[str]] = {}
+    for name, path in rows:
+        owner.setdefault(os.path.realpath(path), set()).add(name)
+    _c, rows = catalog.sql('SELECT c.name, b.store_path, b."offset" FROM mp_packed_block p '
+                           "JOIN mp_blob b ON b.hash = p.blob_hash JOIN mp_checkpoint c ON c.id = p.checkpoint_id")
+    blobs: dict[tuple[str, int], set[str]] = {}
+    for name, path, offset in rows:
+        blobs.setdefault((os.path.realpath(path), int(offset)), set()).add(name)
+    merged = set(experts)
+    group = {n: frozenset([n]) for n in experts}
+    attributed: list[tuple[frozenset, int]] = []
+    for path, offset, n in calls:
+        names = owner.get(path) or blobs.get((path, offset), set())
+        if names == {"base"}:
+            continue
+        mine = names & merged
+        assert mine, f"read of {n} bytes at {offset} of {path}, a file no merged expert is catalogued with ({names})"
+        if len(mine) > 1:
+            joined = frozenset().union(*(group[m] for m in mine))
+            for m in joined:
+                group[m] = joined
+        attributed.append((frozenset(mine), n))
+    out: dict[frozenset, int] = {g: 0 for g in group.values()}
+    for names, n in attributed:
+        out[group[next(iter(names))]] += n
+    return out
+
+
+def merge_counted(catalog, byte_reads: ReadLog, spec: dict, out: Path, budget, **kw):
+    """Plan, then merge, counting the expert bytes read at the byte store (`byte_reads`): per expert they must
+    equal the plan's bytes for that expert and the manifest's realized bytes; the base's reads are not
+    counted. Returns (merge result, plan, manifest)."""
+    plan = catalog.plan(spec, budget=budget)
+    byte_reads.clear()
+    res = catalog.merge(spec, out=out, budget=budget, **kw)
+    calls = byte_reads.take()
+    manifest = json.loads((out / "manifest.json").read_text())["manifest"]
+    assert res.plan_hash == plan.plan_hash, f"budget {budget}: planned twice, two plans"
+    names = {e.position: e.checkpoint.name for e in plan.experts}
+    counted = reads_per_expert(catalog, calls, list(names.values()))
+    planned = dict.fromkeys(counted, 0)
+    realized = dict.fromkeys(counted, 0)
+    for e in plan.experts:
+        g = next(g for g in counted if e.checkpoint.name in g)
+        planned[g] += e.planned_bytes
+        realized[g] += manifest["realized"]["per_expert"][e.position]
+    assert counted == planned == realized, (
+        f"budget {budget}: expert bytes read at the byte store {counted}, planned {planned}, "
+        f"realized (manifest) {realized}")
+    assert sum(counted.values()) == plan.planned_bytes == manifest["planned_bytes"] <= plan.budget_bytes
+    return res, plan, manifest
+
+
+# methods whose output at a partial budget is the reference merge with every unselected block's Δ zeroed, byte for
+# byte, everywhere (no statistic of a tensor reaches past the blocks read: the DARE mask is drawn per block)
+ZEROED_DELTA_EXACT = ("linear", "task_arithmetic", "dare_linear", "dare_ties", "slerp")
+
+
+def zeroed_delta_oracle(draw: Draw, plan, manifest: dict) -> tuple[list[dict[str, list[tuple[int, int]]]],
+                                                                   dict[str, list[tuple[int, int]]]]:
+    """From a partial merge's manifest: per merged expert (spec order), the rows it read of each tensor (the
+    access set's blocks in the base's row blocks), for `reference_merge(selected_rows=...)`; and the rows not
+    to compare — for ties and breadcrumbs with density < 1, those an expert read of a tensor it did not read
+    whole (all its candidate blocks): its trim threshold then comes from the catalog's sketch of the whole
+    tensor (docs/SEMANTICS.md), which the zeroed reference cannot know. Elsewhere in such a tensor that expert
+    contributes T_k = 0 whatever the threshold, so those rows are compared."""
+    itemsize = DTYPES[draw.dtype].itemsize
+    selected: list[dict[str, list[tuple[int, int]]]] = [{} for _ in draw.merged]  # by position: spec order
+    for pos, tname, ranges in manifest["access"]:
+        blocks = row_blocks(draw.shapes[tname], itemsize, draw.block_bytes)
+        rows = selected[pos].setdefault(tname, [])
+        for first, stop in ranges:
+            rows += [blocks[b] for b in range(max(first, 0), stop)]  # -2: a LoRA factor, no rows of its own
+    ignore: dict[str, list[tuple[int, int]]] = {}
+    if draw.method in ("ties", "breadcrumbs"):
+        params = [m.get("parameters") or {} for m in draw.spec["models"] if m["model"] != "base"]
+        tidx = {t.name: t.idx for t in plan.base_tensors}
+        for pos, p in enumerate(params):
+            if float(p.get("density", 1.0)) >= 1:
+                continue
+            for tname, rows in selected[pos].items():
+                if not plan.full_selection.get((pos, tidx[tname]), True):
+                    ignore.setdefault(tname, []).extend(rows)
+    return selected, ignore
+
+
+def check_case(catalog, tmp_path: Path, seed: int, byte_reads: ReadLog, *, mixed_sources: bool = False) -> None:
     draw = draw_case(seed, mixed_sources=mixed_sources)
     base, experts = write_family(draw, tmp_path)
     catalog.ingest(base, name="base", block_bytes=draw.block_bytes)
@@ -396,31 +558,35 @@ def check_case(catalog, tmp_path: Path, seed: int, *, mixed_sources: bool = Fals
     merged_given = [given[index[n]] for n in draw.merged]
     spec = draw.spec
 
-    full = catalog.merge(spec, out=tmp_path / "full", budget="1.0", shard_bytes=draw.out_shard_bytes)
+    full, _plan, _m = merge_counted(catalog, byte_reads, spec, tmp_path / "full", "1.0",
+                                    shard_bytes=draw.out_shard_bytes)
     assert full.realized_bytes == full.planned_bytes <= full.budget_bytes
     gp = spec["parameters"]
     out_dtype = DTYPES[SPEC_DTYPES[spec["dtype"]]] if "dtype" in spec else None
-    expected = reference_merge(
-        draw.method, base, merged_paths,
-        [dict(m.get("parameters") or {}) for m in spec["models"] if m["model"] != "base"],
-        normalize=gp.get("normalize"), lam=gp.get("lambda", 1.0), t=gp.get("t"), seed=spec["seed"],
-        expert_keys=[catalog.checkpoint_id(n) for n in draw.merged], block_bytes=draw.block_bytes,
-        out_dtype=out_dtype, expert_deltas=merged_given)
+
+    def reference(selected_rows=None):
+        return reference_merge(
+            draw.method, base, merged_paths,
+            [dict(m.get("parameters") or {}) for m in spec["models"] if m["model"] != "base"],
+            normalize=gp.get("normalize"), lam=gp.get("lambda", 1.0), t=gp.get("t"), seed=spec["seed"],
+            expert_keys=[catalog.checkpoint_id(n) for n in draw.merged], block_bytes=draw.block_bytes,
+            out_dtype=out_dtype, expert_deltas=merged_given, selected_rows=selected_rows)
+
     out_full = load_output(tmp_path / "full")
-    assert_bytes_equal(out_full, expected)
+    assert_bytes_equal(out_full, reference())
 
     checks_bound = draw.method in ("linear", "task_arithmetic") and (out_dtype or DTYPES[draw.dtype]) == torch.float32
     slack = rounding_slack(draw, base, merged_paths, merged_given) if checks_bound else 0.0
     planned = []
     for i, budget in enumerate(draw.budgets):
-        plan = catalog.plan(spec, budget=budget)
-        assert plan.planned_bytes <= plan.budget_bytes, f"budget {budget}"
-        res = catalog.merge(spec, out=tmp_path / f"b{i}", budget=budget)  # planned again: the same plan
-        assert (res.plan_hash, res.realized_bytes, res.planned_bytes) == (
-            plan.plan_hash, plan.planned_bytes, plan.planned_bytes), f"budget {budget}"
+        res, plan, manifest = merge_counted(catalog, byte_reads, spec, tmp_path / f"b{i}", budget)
+        assert (res.realized_bytes, res.planned_bytes) == (plan.planned_bytes, plan.planned_bytes), f"budget {budget}"
         planned.append(plan.planned_bytes)
+        out = load_output(tmp_path / f"b{i}")
+        selected, ignore = zeroed_delta_oracle(draw, plan, manifest)
+        assert draw.method in ZEROED_DELTA_EXACT or draw.method in ("ties", "breadcrumbs")
+        assert_bytes_equal(out, reference(selected), ignore_rows=ignore)
         if checks_bound:
-            out = load_output(tmp_path / f"b{i}")
             dev = math.sqrt(sum(float(((out[n].double() - t.double()) ** 2).sum()) for n, t in out_full.items()))
             assert res.bound is not None and dev <= res.bound * (1 + 1e-5) + slack, f"budget {budget}: {dev=}"
     assert planned == sorted(planned) and planned[-1] <= full.planned_bytes, f"budgets {draw.budgets}: {planned}"
@@ -432,8 +598,8 @@ SEEDS = [*range(24), 29, 349]
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_random_families_match_the_reference(catalog, tmp_path, seed) -> None:
-    check_case(catalog, tmp_path, seed)
+def test_random_families_match_the_reference(catalog, tmp_path, seed, byte_reads) -> None:
+    check_case(catalog, tmp_path, seed, byte_reads)
 
 
 # 0-15 cover every source; 1084 is a dare_ties (normalize) whose LoRA expert follows a DARE'd full one, 2254 a
@@ -442,8 +608,57 @@ MIXED_SEEDS = [*range(16), 1084, 2254, 2340]
 
 
 @pytest.mark.parametrize("seed", MIXED_SEEDS)
-def test_random_mixed_sources_match_the_reference(catalog, tmp_path, seed) -> None:
-    check_case(catalog, tmp_path, seed, mixed_sources=True)
+def test_random_mixed_sources_match_the_reference(catalog, tmp_path, seed, byte_reads) -> None:
+    check_case(catalog, tmp_path, seed, byte_reads, mixed_sources=True)
+
+
+def test_an_over_read_fails_the_merge_and_publishes_nothing(catalog, tiny_family, tmp_path, monkeypatch,
+                                                            byte_reads) -> None:
+    """A reader that reads a whole tensor while the plan selected some of its blocks, and reports only the
+    selected bytes (the bug the executor's byte count exists for): the merge fails with
+    PlanExecutionMismatchError, the byte store saw the extra bytes, and nothing is published — no output
+    directory, no staging left, the catalog's snapshots, checkpoints and refs as they were."""
+    import sys
+
+    from conftest import ingest_family
+    from crashkit import staging_dirs
+
+    from mergepipe_db.core.plan import Read
+    from mergepipe_db.errors import PlanExecutionMismatchError
+    from mergepipe_db.sources import selection
+
+    names = ingest_family(catalog, tiny_family)
+    spec = {"merge_method": "linear", "base_model": "base",
+            "models": [{"model": n, "parameters": {"weight": 1.0}} for n in names]}
+    catalog.merge(spec, out=tmp_path / "first", ref="r", budget=0.3)  # a committed state that must stay as it is
+    plan = catalog.plan(spec, budget=0.3)
+    partial = [key for key, reads in plan.access.items() if not plan.full_selection.get(key, True) and reads]
+    assert partial, "the plan reads every selected tensor whole: nothing to over-read"
+
+    original = selection.read_selected_into
+
+    def whole_tensor(reader, et, reads, *rest):
+        buf, _n, arr = original(reader, et, (Read(-1, et.offset, et.nbytes, et.xxh3),), *rest)
+        return buf, sum(r.nbytes for r in reads), arr  # read all of it, report the selected bytes
+
+    patched = [m for m in list(sys.modules.values())
+               if getattr(m, "__name__", "").startswith("mergepipe_db")
+               and getattr(m, "read_selected_into", None) is original]
+    assert patched
+    for module in patched:
+        monkeypatch.setattr(module, "read_selected_into", whole_tensor)
+
+    state_sql = ("SELECT (SELECT COUNT(*) FROM mp_snapshot), (SELECT COUNT(*) FROM mp_checkpoint), "
+                 "(SELECT COUNT(*) FROM mp_block), (SELECT COUNT(*) FROM mp_read)")
+    before = catalog.sql(state_sql)[1], catalog.sql("SELECT name, version, snapshot_id FROM refs ORDER BY name")[1]
+    byte_reads.clear()
+    with pytest.raises(PlanExecutionMismatchError):
+        catalog.merge(spec, out=tmp_path / "out", ref="r", budget=0.3)
+    counted = reads_per_expert(catalog, byte_reads.take(), names)
+    assert sum(counted.values()) > plan.planned_bytes
+    assert not (tmp_path / "out").exists() and staging_dirs(tmp_path) == []
+    after = catalog.sql(state_sql)[1], catalog.sql("SELECT name, version, snapshot_id FROM refs ORDER BY name")[1]
+    assert after == before
 
 
 def _zero_signs_only(draw: Draw) -> bool:
@@ -494,11 +709,11 @@ FUZZ_FIRST = int(os.environ.get("MERGEPIPE_FUZZ_FIRST_SEED", "1000"))
 
 @pytest.mark.fuzz
 @pytest.mark.parametrize("seed", range(FUZZ_FIRST, FUZZ_FIRST + int(os.environ.get("MERGEPIPE_FUZZ_CASES", "200"))))
-def test_many_random_families_match_the_reference(catalog, tmp_path, seed) -> None:
-    check_case(catalog, tmp_path, seed)
+def test_many_random_families_match_the_reference(catalog, tmp_path, seed, byte_reads) -> None:
+    check_case(catalog, tmp_path, seed, byte_reads)
 
 
 @pytest.mark.fuzz
 @pytest.mark.parametrize("seed", range(FUZZ_FIRST, FUZZ_FIRST + int(os.environ.get("MERGEPIPE_FUZZ_CASES", "200"))))
-def test_many_random_mixed_sources_match_the_reference(catalog, tmp_path, seed) -> None:
-    check_case(catalog, tmp_path, seed, mixed_sources=True)
+def test_many_random_mixed_sources_match_the_reference(catalog, tmp_path, seed, byte_reads) -> None:
+    check_case(catalog, tmp_path, seed, byte_reads, mixed_sources=True)

@@ -403,3 +403,43 @@ def test_dare_ties_by_hand(tmp_path: Path) -> None:
     # Kept: S = 3 -> only a agrees -> 4. Dropped: S = -1 -> only b agrees -> -1.
     assert torch.equal(out, torch.where(keep_a, 4.0, -1.0))
     assert 0 < int(keep_a.sum()) < 32
+
+
+# --------------------------------------------------------------------------------------------------
+# The partial-budget oracle: omitted rows, compared rows
+# --------------------------------------------------------------------------------------------------
+
+
+def test_selected_rows_zero_the_omitted_deltas(three_models) -> None:
+    """`selected_rows`: every row read is the plain merge; nothing read is θ₀ (task arithmetic: θ₀ + 0);
+    some rows read give the plain merge on those rows and θ₀ elsewhere, for θ-sources and Δ-sources alike."""
+    base, a, b = three_models
+    params = [{"weight": 0.7}, {"weight": -0.4}]
+    plain = reference_merge("task_arithmetic", base, [a, b], params)
+    everything = {name: [(0, max(1, t.shape[0] if t.dim() else 1))] for name, t in load_model(base).items()}
+    assert_bytes_equal(reference_merge("task_arithmetic", base, [a, b], params,
+                                       selected_rows=[everything, everything]), plain)
+    theta0 = load_model(base)
+    assert_bytes_equal(reference_merge("task_arithmetic", base, [a, b], params, selected_rows=[{}, {}]),
+                       {n: (t.float() + 0.0).to(t.dtype) for n, t in theta0.items()})
+    some = {"embed.weight": [(2, 5), (9, 10)]}
+    got = reference_merge("task_arithmetic", base, [a, b], params, selected_rows=[some, some])
+    rows = torch.zeros(16, dtype=torch.bool)
+    rows[2:5] = rows[9:10] = True
+    assert torch.equal(got["embed.weight"][rows], plain["embed.weight"][rows])
+    assert torch.equal(got["embed.weight"][~rows], theta0["embed.weight"][~rows])
+    deltas = [{n: t.float() - theta0[n].float() for n, t in load_model(p).items()} for p in (a, b)]
+    by_delta = reference_merge("task_arithmetic", base, [base, base], params, expert_deltas=deltas,
+                               selected_rows=[some, some])
+    assert_bytes_equal(by_delta, got)
+
+
+def test_ignore_rows_leave_out_only_those_rows() -> None:
+    x = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    y = x.clone()
+    y[1, 2] = -1.0
+    assert_bytes_equal({"t": x}, {"t": y}, ignore_rows={"t": [(1, 2)]})
+    with pytest.raises(AssertionError, match="1 of 12 elements differ"):
+        assert_bytes_equal({"t": x}, {"t": y}, ignore_rows={"t": [(2, 4)]})
+    s = torch.tensor(1.0)
+    assert_bytes_equal({"s": s}, {"s": torch.tensor(2.0)}, ignore_rows={"s": [(0, 1)]})

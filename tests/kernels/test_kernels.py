@@ -287,3 +287,72 @@ def test_numba_loads_without_scipys_blas_and_scipy_stays_importable(first: str) 
         assert (imported, blas_before, have_blas) == ("False", "True", "True")
     assert bf16 == "[16256, 49184, 16448]"  # 1.0, -2.5, 3.0 as BF16 bits
     assert norm == "5.0"
+
+
+def _legacy_lora_stats(d: torch.Tensor) -> dict:
+    """The LoRA block statistics as `sources/adapters.py` (`_stats_f32`) computed them before they moved to
+    `block_stats.float32_delta_block_stats`: the catalogue of an adapter must not change (plans rank by it)."""
+    d = d.reshape(-1)
+    if d.numel() == 0:
+        return {"delta_l2": 0.0, "delta_l1": 0.0, "delta_max": 0.0, "pos_frac": 0.0,
+                "sketch": sketch.encode(sketch.histogram(torch.zeros(0)))}
+    a = d.abs()
+    return {"delta_l2": float(torch.linalg.vector_norm(d, dtype=torch.float64)),
+            "delta_l1": float(a.sum(dtype=torch.float64)), "delta_max": float(a.max()),
+            "pos_frac": float((d > 0).sum()) / d.numel(), "sketch": sketch.encode(sketch.histogram(a))}
+
+
+def _special_float32_blocks() -> list[np.ndarray]:
+    rng = np.random.default_rng(33)
+    blocks = [np.zeros(0, np.float32), np.zeros(7, np.float32), np.array([-0.0] * 5, np.float32),
+              np.array([np.inf, -np.inf, 1.0, -0.0], np.float32)]
+    tiny = np.finfo(np.float32).tiny
+    for n in (1, 3, 2048, 2049, 5000, 70_000):  # 70 000: past sketch.histogram's chunk
+        x = (rng.standard_normal(n) * 10.0 ** rng.integers(-8, 4)).astype(np.float32)
+        kinds = rng.integers(0, 6, n)
+        x[kinds == 0] = 0.0
+        x[kinds == 1] = -0.0
+        x[kinds == 2] = (rng.random(int((kinds == 2).sum())) * tiny).astype(np.float32)  # denormals
+        x[kinds == 3] *= np.float32(2.0 ** -40)
+        if n > 3:
+            x[rng.integers(0, n, 2)] = [np.inf, -np.inf]
+        blocks.append(x)
+        blocks.append(np.abs(x[: n // 2]) * np.float32(-1))  # no positive Δ
+    return blocks
+
+
+def _same(a: dict, b: dict) -> bool:
+    """Equal statistics, NaN (max/L2 of ±inf) equal to NaN."""
+    return a.keys() == b.keys() and all(a[k] == b[k] or (a[k] != a[k] and b[k] != b[k]) for k in a)
+
+
+def test_float32_delta_block_stats_is_the_lora_scan_s_computation_bit_for_bit() -> None:
+    """`float32_delta_block_stats` (the LoRA entry point of the one statistics implementation) gives exactly
+    what the LoRA scan stored before: on numpy arrays and torch tensors, with zeros of both signs, denormals
+    and infinities. The fused kernel (`delta_block_stats`) sums in another order, so it is not used here."""
+    adapters = _import_or_none("mergepipe_db.sources.adapters")
+    old = getattr(adapters, "_stats_f32", None)  # until sources/lora.py calls the entry point itself
+    for x in _special_float32_blocks():
+        t = torch.from_numpy(x.copy())
+        want = _legacy_lora_stats(t)
+        for arg in (x, t, t.reshape(1, -1), x.reshape(-1, 1)):
+            got = kernels.float32_delta_block_stats(arg)
+            assert _same(got, want), (x.shape, got, want)
+        if old is not None:
+            assert _same(old(t), want)
+
+
+def test_zero_block_stats_are_the_statistics_of_equal_bytes() -> None:
+    for dtype, np_dtype in (("F32", np.float32), ("BF16", np.uint16), ("F16", np.float16)):
+        base = np.arange(300, dtype=np.float32).astype(np_dtype).tobytes()
+        assert kernels.zero_block_stats(len(base), dtype) == kernels.delta_block_stats(
+            bytearray(base), memoryview(base), dtype)
+
+
+def _import_or_none(name: str):
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None

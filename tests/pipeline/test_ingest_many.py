@@ -176,7 +176,7 @@ def test_a_failure_catalogues_none_of_them(catalog, tiny_family, tmp_path, monke
                 raise RuntimeError("injected failure while inserting blocks")
         return real(conn, table, rows)
 
-    monkeypatch.setattr("mergepipe_db.pipeline.ingest.bulk_insert", failing)
+    monkeypatch.setattr("mergepipe_db.db.checkpoints.bulk_insert", failing)
     with pytest.raises(RuntimeError, match="injected"):
         catalog.ingest_many(tiny_family.experts, names=["e0", "e1", "e2"], base="base")
     assert calls["blocks"] == 2 and _counts(catalog) == before
