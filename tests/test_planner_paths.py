@@ -5,7 +5,6 @@ independent ranking (same tie-breaks), and Catalog.plan uses one catalog connect
 from __future__ import annotations
 
 import dataclasses
-
 import math
 import random
 
