@@ -41,7 +41,6 @@ _SUFFIXES = {  # key suffix -> (factor letter, is embedding)
 }
 
 
-
 class LoraSource(ExpertSource):
     """A PEFT LoRA adapter of a base (a directory with adapter_config.json and adapter_model.safetensors); read
     as Δ (float32) for its LoRA modules, as θ bytes for its modules_to_save weights."""
