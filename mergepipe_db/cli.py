@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+from mergepipe_db import sources
 from mergepipe_db.core.version import __version__
 from mergepipe_db.errors import MergePipeError
 
@@ -345,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--base", help="catalogued base model this checkpoint is an expert of (enables delta statistics)")
     s.add_argument("--block-bytes", metavar="N", help="target block size, e.g. 1MiB (default 1MiB; experts use "
                    "their base's)")
-    s.add_argument("--kind", choices=["full", "delta", "lora"], default="full",
+    s.add_argument("--kind", choices=sources.kinds(), default=sources.DEFAULT_KIND,
                    help="full checkpoint (default; a directory with adapter_config.json is a LoRA adapter), delta "
                    "(tensors hold expert - base) or lora (PEFT adapter); delta and lora need --base")
     s.add_argument("--json", action="store_true", help="print the result as JSON (with several paths, a list of "

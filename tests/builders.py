@@ -12,7 +12,7 @@ from reference_merge import reference_merge
 from safetensors.torch import save_file
 
 from mergepipe_db import Catalog
-from mergepipe_db.sources.adapters import lora_scale
+from mergepipe_db.sources.lora import lora_scale
 
 P = "base_model.model."  # the key prefix of a PEFT adapter's tensors
 

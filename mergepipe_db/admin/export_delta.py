@@ -9,7 +9,7 @@ from typing import Any
 
 from mergepipe_db.core.dtypes import ARITHMETIC_DTYPES
 from mergepipe_db.errors import BadCheckpointError
-from mergepipe_db.sources.adapters import KINDS, delta_rows, tensor_from_bytes
+from mergepipe_db.sources import kinds, source_for
 
 
 def export_delta(db: Any, name: str, out: str | Path, *, dtype: str = "float32") -> dict[str, Any]:
@@ -37,7 +37,7 @@ def export_delta(db: Any, name: str, out: str | Path, *, dtype: str = "float32")
         row = conn.execute(sa.select(c).where(c.c.name == name)).mappings().first()
         if row is None:
             raise UnknownCheckpointError(f"unknown checkpoint {name!r}")
-        if row["base_id"] is None or row["kind"] not in KINDS:
+        if row["base_id"] is None or row["kind"] not in kinds():  # a snapshot is no ingested expert
             raise BadCheckpointError(f"{name!r} is not an expert of a base (ingest it with --base)")
         info = load_checkpoint_info(conn, row["id"])
         binfo = load_checkpoint_info(conn, row["base_id"])
@@ -47,7 +47,7 @@ def export_delta(db: Any, name: str, out: str | Path, *, dtype: str = "float32")
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise OutputExistsError(f"{out} exists and is not an empty directory")
-    lora = (info.config or {}).get("lora", {}) if info.kind == "lora" else {}
+    source = source_for(info)  # Δ per tensor: θ − θ₀ (full), as stored (delta), B@A·s (LoRA)
     todo = [t for t in base if t.name in mine and t.dtype in ARITHMETIC_DTYPES]
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -57,20 +57,7 @@ def export_delta(db: Any, name: str, out: str | Path, *, dtype: str = "float32")
         with RangeReader(random=False) as reader, SafetensorsWriter(tmp / "model.safetensors", entries,
                                                                     {"format": "pt"}) as w:
             for t in todo:
-                et = mine[t.name]
-                if t.name in lora:
-                    e = lora[t.name]
-                    a = tensor_from_bytes(reader.read(et.path, e["a"][0], e["a"][1]), e["dtype"], e["a"][2])
-                    b = tensor_from_bytes(reader.read(et.path, e["b"][0], e["b"][1]), e["dtype"], e["b"][2])
-                    d = delta_rows(a, b, e["scale"], e["transposed"])
-                else:
-                    x = tensor_from_bytes(reader.read(et.path, et.offset, et.nbytes), et.dtype, list(et.shape))
-                    x = x.to(torch.float32)
-                    if info.kind == "delta":
-                        d = x
-                    else:
-                        th0 = tensor_from_bytes(reader.read(t.path, t.offset, t.nbytes), t.dtype, list(t.shape))
-                        d = x - th0.to(torch.float32)
+                d = source.delta_tensor(t, mine[t.name], reader)
                 stored = d.to(torch_dtype(st_dtype)).contiguous().reshape(-1)  # flat: a 0-d tensor too
                 w.write(t.name, memoryview(stored.view(torch.uint8).numpy()))
             w.close(fsync=True)

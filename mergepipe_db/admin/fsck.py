@@ -32,6 +32,7 @@ from mergepipe_db.core import sketch
 from mergepipe_db.db import rank_tables, schema
 from mergepipe_db.db.engine import Database
 from mergepipe_db.io import open_store
+from mergepipe_db.sources import kinds
 
 KINDS = ("ok", "leftover", "missing", "corrupt")
 #: Finding kinds that do not need a person (`mergepipe fsck` exits 0 when only these are found).
@@ -128,7 +129,8 @@ def _read_state(conn: sa.Connection) -> _State:
     intents = conn.execute(sa.select(st)).mappings().all()
     snaps = conn.execute(sa.select(s.c.id, s.c.ref, s.c.checkpoint_id, s.c.out_path, s.c.staging_path)
                          .order_by(s.c.created_at, s.c.id)).all()
-    names = dict(conn.execute(sa.select(c.c.id, c.c.name).where(c.c.kind == "snapshot")).all())
+    ingested = c.c.kind.in_(kinds())  # source checkpoints; the others are merges' snapshots
+    names = dict(conn.execute(sa.select(c.c.id, c.c.name).where(~ingested)).all())
     manifests = {sid: hashlib.sha256(text.encode("utf-8")).hexdigest()
                  for sid, text in conn.execute(sa.select(m.c.snapshot_id, m.c.manifest))}
     outputs: dict[str, list[Any]] = {}
@@ -138,11 +140,11 @@ def _read_state(conn: sa.Connection) -> _State:
     refs = conn.execute(sa.select(r.c.name, r.c.snapshot_id, r.c.version).order_by(r.c.name)).all()
     sources: dict[str, list[Any]] = {}
     for src in conn.execute(sa.select(c.c.name, f.c.path, f.c.size, f.c.mtime_ns, f.c.sha256)
-                            .join(c, c.c.id == f.c.checkpoint_id).where(c.c.kind != "snapshot")
+                            .join(c, c.c.id == f.c.checkpoint_id).where(ingested)
                             .order_by(c.c.name, f.c.file_idx)):
         sources.setdefault(src.name, []).append(src)
     no_files = list(conn.execute(sa.select(c.c.name).where(
-        c.c.kind != "snapshot", ~sa.exists().where(f.c.checkpoint_id == c.c.id)).order_by(c.c.name)).scalars())
+        ingested, ~sa.exists().where(f.c.checkpoint_id == c.c.id)).order_by(c.c.name)).scalars())
     b = schema.blob
     stores = {path: (int(n), int(end or 0)) for path, n, end in conn.execute(
         sa.select(b.c.store_path, sa.func.count(), sa.func.max(b.c.offset + b.c.clen)).group_by(b.c.store_path))}

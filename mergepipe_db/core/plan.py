@@ -1,5 +1,8 @@
 """The plan: immutable facts about checkpoints and tensors, the selected reads, and the plan that carries them
-from the planner to the executor, with its canonical form and hash."""
+from the planner to the executor, with its canonical form and hash.
+
+`ExpertPlan` and `Plan` are frozen: the planner (`pipeline.plan`) computes every field — read costs, sketches,
+the plan hash (`compute_plan_hash`) — before it constructs them."""
 
 from __future__ import annotations
 
@@ -55,7 +58,7 @@ class Read:
     xxh3: str
 
 
-@dataclass
+@dataclass(frozen=True)
 class ExpertPlan:
     position: int
     checkpoint: CheckpointInfo
@@ -70,7 +73,7 @@ class ExpertPlan:
     blocks_pruned: int = 0
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
     spec: MergeSpec
     base: CheckpointInfo
@@ -87,7 +90,7 @@ class Plan:
     bound_total: float | None
     plan_hash: str = ""
     sketches: dict[tuple[int, int], Any] = field(default_factory=dict)
-    sources: dict[int, Any] = field(default_factory=dict)  # position -> sources.ExpertSource (delta/LoRA/packed)
+    sources: tuple[Any, ...] = ()  # a `sources.base.ExpertSource` per expert, by position
     pruned_bytes: int = 0  # TIES: read cost of nonzero-delta blocks that trim to zero (never candidates)
     pruned_blocks: int = 0
 
@@ -122,18 +125,7 @@ class Plan:
         return {**self._canonical_head(), "access": self.access_mask()}
 
     def _canonical_head(self) -> dict[str, Any]:
-        s = self.spec
-        return {
-            "method": s.method,
-            "normalize": s.normalize,
-            "lambda": s.lam,
-            "t": s.t,
-            "seed": s.seed,
-            "dtype": self.out_dtype,
-            "base": self.base.id,
-            "experts": [[e.checkpoint.id, e.weight, e.density, e.gamma] for e in self.experts],
-            "budget_bytes": self.budget_bytes,
-        }
+        return canonical_head(self.spec, self.out_dtype, self.base.id, self.experts, self.budget_bytes)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -156,17 +148,33 @@ class Plan:
         }
 
 
-def _access_mask_json(plan: Plan) -> str:
+def canonical_head(spec: MergeSpec, out_dtype: str | None, base_id: str, experts: list[ExpertPlan],
+                   budget_bytes: int) -> dict[str, Any]:
+    """The canonical content of a plan other than its access set (`Plan.canonical`)."""
+    return {
+        "method": spec.method,
+        "normalize": spec.normalize,
+        "lambda": spec.lam,
+        "t": spec.t,
+        "seed": spec.seed,
+        "dtype": out_dtype,
+        "base": base_id,
+        "experts": [[e.checkpoint.id, e.weight, e.density, e.gamma] for e in experts],
+        "budget_bytes": budget_bytes,
+    }
+
+
+def _access_mask_json(access: dict[tuple[int, int], tuple[Read, ...]], base_tensors: list[TensorInfo]) -> str:
     """``json.dumps(plan.access_mask())`` in canonical form (compact separators, ASCII), built directly as
     text: the same bytes, without a list per range (10^5 selected blocks in a few tens of ms).
 
     The ranges come out of numpy: read i covers [lo_i, hi_i) ([0, n_blocks) for a whole tensor, block_idx
     -1) and extends the open range, as in `Plan.access_mask`, where it is a block (not -1) of the same key
     starting at the previous read's hi."""
-    tensors = {t.idx: t for t in plan.base_tensors}
-    keys = sorted(plan.access)
-    counts = np.fromiter((len(plan.access[k]) for k in keys), dtype=np.int64, count=len(keys))
-    b = np.fromiter(map(_BLOCK_IDX, chain.from_iterable(plan.access[k] for k in keys)), dtype=np.int64,
+    tensors = {t.idx: t for t in base_tensors}
+    keys = sorted(access)
+    counts = np.fromiter((len(access[k]) for k in keys), dtype=np.int64, count=len(keys))
+    b = np.fromiter(map(_BLOCK_IDX, chain.from_iterable(access[k] for k in keys)), dtype=np.int64,
                     count=int(counts.sum()))
     whole = b == -1
     lo = np.where(whole, 0, b)
@@ -188,16 +196,25 @@ _BLOCK_IDX = attrgetter("block_idx")
 
 
 def plan_hash(plan: Plan) -> str:
-    """sha256 of the canonical JSON of ``{"tool": major version, **plan.canonical()}`` (sorted keys, compact).
+    """sha256 of the canonical JSON of ``{"tool": major version, **plan.canonical()}`` (sorted keys, compact)."""
+    return compute_plan_hash(plan.spec, plan.out_dtype, plan.base.id, plan.experts, plan.budget_bytes, plan.access,
+                             plan.base_tensors)
+
+
+def compute_plan_hash(spec: MergeSpec, out_dtype: str | None, base_id: str, experts: list[ExpertPlan],
+                      budget_bytes: int, access: dict[tuple[int, int], tuple[Read, ...]],
+                      base_tensors: list[TensorInfo]) -> str:
+    """`plan_hash` of the plan these fields make, computed before it is constructed.
 
     "access" is the first key in sorted order, so the text is ``{"access":<mask>,`` followed by the canonical
     JSON of the other keys; the mask's text comes from `_access_mask_json`. Equal, byte for byte, to
-    ``sha256_hex({"tool": ..., **plan.canonical()})`` (tests/test_planner_speed.py checks both).
+    ``sha256_hex({"tool": ..., **plan.canonical()})`` (tests/test_planner_paths.py checks both).
     """
-    head = canonical_json({"tool": __version__.split(".")[0], **plan._canonical_head()})
+    head = canonical_json({"tool": __version__.split(".")[0],
+                           **canonical_head(spec, out_dtype, base_id, experts, budget_bytes)})
     assert head[:1] == b"{"  # every other key sorts after "access"
     h = hashlib.sha256(b'{"access":')
-    h.update(_access_mask_json(plan).encode("ascii"))
+    h.update(_access_mask_json(access, base_tensors).encode("ascii"))
     h.update(b"," if len(head) > 2 else b"")
     h.update(head[1:])
     return h.hexdigest()

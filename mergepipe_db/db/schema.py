@@ -194,7 +194,8 @@ staging = sa.Table(
     sa.Column("created_at", sa.Text, nullable=False),
 )
 
-# Packed block store (mergepipe_db/sources/packed.py, written by admin/pack.py): content-addressed, zstd-compressed block payloads.
+# Packed block store (mergepipe_db/sources/packed.py, written by admin/pack.py): content-addressed,
+# zstd-compressed block payloads.
 blob = sa.Table(
     "mp_blob",
     metadata,

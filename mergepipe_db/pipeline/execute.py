@@ -45,7 +45,6 @@ from mergepipe_db.core.results import ExecutionResult, OutTensor
 from mergepipe_db.errors import OutOfSpaceError, PlanExecutionMismatchError
 from mergepipe_db.io.buffers import BufferPool
 from mergepipe_db.io.local import RangeReader
-from mergepipe_db.sources.selection import read_selected_into, selected_rows
 
 DEFAULT_SHARD_BYTES = 4 << 30
 #: how far the reader may run ahead of the compute thread: bytes of items read and not yet taken (an item
@@ -87,6 +86,7 @@ class _Item:
     blocks: tuple[int, ...]
     nbytes_read: int
     arr: Any = None  # the BufferPool buffer behind `data`, given back once the item is used
+    delta: bool = False  # `data` is Δ (float32), as the expert's source stated (`SourceRead.form`)
 
 
 class _Stopped(Exception):
@@ -204,13 +204,9 @@ def _reader_thread(plan: Plan, q: _ReadAhead, stop: threading.Event, counters: d
                 reads = plan.access.get((e.position, t.idx))
                 if not reads:
                     continue
-                if e.position in plan.sources:  # delta / LoRA / packed experts (mergepipe_db/sources.py)
-                    q.put(plan.sources[e.position].read(_Item, t, reads, base, expert_reader, verify))
-                    continue
-                et = e.tensors[t.name]
-                buf, n_read, earr = read_selected_into(expert_reader, et, reads, e.checkpoint.name, verify, pool)
-                blocks, rows = selected_rows(et, reads)
-                q.put(_Item("expert", t.idx, e.position, buf, rows, blocks, n_read, earr))
+                got = plan.sources[e.position].read(t, e.tensors[t.name], reads, base, expert_reader, verify, pool)
+                q.put(_Item("expert", t.idx, e.position, got.data, got.rows, got.blocks, got.nbytes_read, got.arr,
+                            got.is_delta))
         base_ahead.join()
         counters["base"] = base_ahead.reader.bytes_read
         counters["expert"] = expert_reader.bytes_read
@@ -239,7 +235,7 @@ def execute(
     from mergepipe_db.operators import operator_class
 
     layout = output_layout(plan, shard_bytes)
-    needs_torch = (operator_class(plan.spec.method).uses_torch or any(s.kind == "lora" for s in plan.sources.values())
+    needs_torch = (operator_class(plan.spec.method).uses_torch or any(s.needs_torch for s in plan.sources)
                    or any(ot.dtype == "F16" for ot in layout[0]))  # `_cast_into`
     torch = sys.modules.get("torch")
     if needs_torch and torch is None:
@@ -291,7 +287,8 @@ class _BaseOnly:
 
     def skippable(self, plan: Plan, t: TensorInfo) -> np.ndarray | None:
         """The blocks of base tensor `t` that no expert reads (None: none, or an expert whose reads are not
-        plain blocks of the base's layout: a delta or LoRA source, a whole-tensor read)."""
+        plain blocks of the base's layout: a delta or LoRA source (`ExpertSource.plain_blocks`), a whole-tensor
+        read)."""
         if self.table is None:
             return None
         read = np.zeros(t.n_blocks, np.bool_)
@@ -299,8 +296,7 @@ class _BaseOnly:
             reads = plan.access.get((e.position, t.idx))
             if not reads:
                 continue
-            src = plan.sources.get(e.position)
-            if (src is not None and src.kind != "packed") or e.tensors[t.name].rows_per_block != t.rows_per_block:
+            if not plan.sources[e.position].plain_blocks or e.tensors[t.name].rows_per_block != t.rows_per_block:
                 return None
             for r in reads:
                 if r.block_idx < 0:
@@ -600,7 +596,7 @@ def _execute(
                     realized[e.position] += item.nbytes_read
                     et = e.tensors[t.name]
                     pooled_theta = False  # θ_k converted into pool32's shared "theta" buffer
-                    if item.data.dtype == np.float32:  # Δ given directly (sources.py: delta, LoRA)
+                    if item.delta:  # Δ given directly (sources: delta, LoRA)
                         x = ExpertInput(index=e.position, params=params[e.position], selected_blocks=item.blocks,
                                         full=full, sketch=sketch, base=base32, delta=item.data)
                     elif reuse_theta and et.dtype in ("BF16", "F32"):  # read in place by the fused kernels

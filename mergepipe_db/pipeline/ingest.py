@@ -26,6 +26,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from mergepipe_db import sources
 from mergepipe_db.core import faults
 from mergepipe_db.core.dtypes import ARITHMETIC_DTYPES, DTYPE_BITS
 from mergepipe_db.core.geometry import DEFAULT_BLOCK_BYTES, block_byte_range, block_ranges, row_count, rows_per_block
@@ -37,17 +38,15 @@ from mergepipe_db.db.checkpoints import now_iso, write_checkpoint
 from mergepipe_db.db.engine import Database
 from mergepipe_db.errors import (
     BadCheckpointError,
-    CoordinateMismatchError,
     DuplicateNameError,
     StaleSourceError,
     UnknownCheckpointError,
 )
-from mergepipe_db.formats.hf_layout import CheckpointLayout, resolve_checkpoint
+from mergepipe_db.formats.hf_layout import CheckpointLayout
 from mergepipe_db.io import open_store
 from mergepipe_db.io.local import ALIGN, DropBehind, ReadAhead, RecyclingPool, SequentialReader, memory_for_cache
 from mergepipe_db.kernels.block_stats import delta_block_stats, zero_block_stats
 
-KINDS = ("full", "delta", "lora", "snapshot")
 _READ_AHEAD = 8  # blocks queued between the reader thread and the hashing/statistics thread
 _STATS_WORKERS = 2  # blocks whose statistics are computed at once (this machine class has 2 cores)
 _BASE_LEAD = 16 << 20  # member bytes read past a base block asked for before it is taken (`_reader`)
@@ -92,7 +91,7 @@ def load_base(conn: sa.Connection, name: str) -> tuple[dict[str, Any], dict[str,
     row = conn.execute(sa.select(c).where(c.c.name == name)).mappings().first()
     if row is None:
         raise UnknownCheckpointError(f"unknown base checkpoint {name!r}; ingest it first (mergepipe ingest)")
-    if row["kind"] not in ("full", "snapshot"):
+    if not sources.source_class(row["kind"]).can_be_base:
         raise BadCheckpointError(f"base {name!r} is a {row['kind']} checkpoint; a base must be a full model")
     t, f, b = schema.tensor, schema.source_file, schema.block
     trows = conn.execute(
@@ -122,25 +121,6 @@ def load_base(conn: sa.Connection, name: str) -> tuple[dict[str, Any], dict[str,
         for r in trows
     }
     return dict(row), tensors
-
-
-def check_coordinates(layout: CheckpointLayout, base: dict[str, BaseTensor], *, what: str) -> None:
-    """Raise CoordinateMismatchError listing the first differences between an expert and its base."""
-    mine = {t.name: t for h in layout.files for t in h.tensors}
-    problems: list[str] = []
-    for name in sorted(set(base) - set(mine)):
-        problems.append(f"missing tensor {name!r}")
-    for name in sorted(set(mine) - set(base)):
-        problems.append(f"extra tensor {name!r}")
-    for name in sorted(set(mine) & set(base)):
-        a, b = mine[name], base[name]
-        if tuple(a.shape) != b.shape:
-            problems.append(f"{name!r} shape {list(a.shape)} != base {list(b.shape)}")
-        elif a.dtype != b.dtype:
-            problems.append(f"{name!r} dtype {a.dtype} != base {b.dtype}")
-    if problems:
-        more = f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""
-        raise CoordinateMismatchError(f"{what} does not share the base's coordinates: {'; '.join(problems[:5])}{more}")
 
 
 # --- reading ---------------------------------------------------------------------------------------
@@ -603,8 +583,6 @@ def ingest_many(
     transaction: if any of them fails (a name taken, coordinates that differ, an unreadable file), none is.
     Checkpoints already catalogued from the same files are reported unchanged and not read.
     """
-    from mergepipe_db.sources import adapters as sources
-
     if block_bytes is not None and block_bytes < 1:
         raise BadCheckpointError(f"--block-bytes must be a positive number of bytes, got {block_bytes}")
     seen: set[str] = set()
@@ -614,8 +592,8 @@ def ingest_many(
         if name in seen:
             raise DuplicateNameError(f"name {name!r} is given to more than one checkpoint")
         seen.add(name)
-        k = sources.detect_kind(path, kind, base)  # full | delta | lora (a dir with adapter_config.json)
-        todo.append(_Pending(path, name, k, sources.lora_layout(path) if k == "lora" else resolve_checkpoint(path)))
+        k = sources.detect_kind(path, kind, base)  # e.g. a directory with adapter_config.json: lora
+        todo.append(_Pending(path, name, k, sources.source_class(k).open_layout(path)))
 
     results: dict[str, IngestResult] = {}
     base_row: dict[str, Any] | None = None
@@ -635,23 +613,22 @@ def ingest_many(
             base_row, base_tensors = load_base(conn, base)
     if base_row is not None and base_tensors is not None:
         for p in todo:
-            if p.kind == "full":
-                check_coordinates(p.layout, base_tensors, what=f"checkpoint {p.name!r} at {p.path}")
-            else:
-                sources.check_coordinates(p.kind, p.layout, base_tensors,
-                                          what=f"{p.kind} checkpoint {p.name!r} at {p.path}")
+            src = sources.source_class(p.kind)
+            src.check_coordinates(p.layout, base_tensors, what=f"{src.noun} {p.name!r} at {p.path}")
         bb = int(base_row["block_bytes"])  # experts inherit the base's blocking
     else:
         bb = int(block_bytes or DEFAULT_BLOCK_BYTES)
 
-    groups: dict[tuple[str, ...], list[_Pending]] = {}  # full experts by read order: one scan each group
+    groups: dict[tuple[str, ...], list[_Pending]] = {}  # θ experts by read order: one scan each group
     for p in todo:
-        if p.kind == "full" and base_tensors is not None:
-            groups.setdefault(read_order(p.layout), []).append(p)
-        elif p.kind == "lora":
-            p.scanned = sources.scan_lora(p.layout, block_bytes=bb, base=base_tensors, progress=progress)
+        src = sources.source_class(p.kind)
+        if src.scans_itself:  # LoRA: ΔW formed from its factors
+            assert base_tensors is not None
+            p.scanned = src.scan(p.layout, block_bytes=bb, base=base_tensors, progress=progress)
+        elif src.stored_delta or base_tensors is None:
+            p.scanned = scan(p.layout, block_bytes=bb, base=base_tensors, progress=progress, delta=src.stored_delta)
         else:
-            p.scanned = scan(p.layout, block_bytes=bb, base=base_tensors, progress=progress, delta=p.kind == "delta")
+            groups.setdefault(read_order(p.layout), []).append(p)
     for members in groups.values():
         scanned = scan_group([p.layout for p in members], block_bytes=bb, base=base_tensors, progress=progress)
         for p, result in zip(members, scanned):

@@ -7,6 +7,7 @@ Store files (``<store>/blocks.mpstore``) are only ever appended to, under a file
 the catalog transaction that references them; a crash in between leaves unreferenced tail bytes, nothing
 else. The planner's cost of a packed block is its compressed length and the executor reads exactly that
 many bytes from the store (`PackedIndex.read`), then XORs with the base block it already holds.
+`PackedSource` is the expert source of a full expert with packed blocks (`sources.source_for` picks it).
 Only blocks that can be candidates (Δ ≠ 0) are packed, and only where the payload is smaller than the block
 (a dense float32 change can leave the low mantissa bytes incompressible): a packed block never costs more to
 read than the raw one, so a budget of 1.0 (the raw full read) still reads every candidate. Payloads a pack of an
@@ -16,13 +17,16 @@ without statistics) still read the expert's own file.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
 
 import sqlalchemy as sa
 
+from mergepipe_db.core.plan import CheckpointInfo, Read, TensorInfo
 from mergepipe_db.db import schema
 from mergepipe_db.errors import IntegrityError
+from mergepipe_db.sources.base import THETA, SourceRead
+from mergepipe_db.sources.full import FullSource
 
 CODEC = "zstd-xor"
 STORE_FILE = "blocks.mpstore"
@@ -97,6 +101,32 @@ class PackedIndex:
             if verify:
                 verify_members(view, et, members, expert)
         return buf, n_read
+
+
+class PackedSource(FullSource):
+    """A full expert with blocks in the packed store: a packed block costs, and is read as, its compressed
+    payload (rebuilt against the base's bytes); the other units are read from the expert's file."""
+
+    adjusts_reads: ClassVar[bool] = True
+
+    def __init__(self, info: CheckpointInfo, index: PackedIndex) -> None:
+        super().__init__(info)
+        self.index = index
+
+    def planned(self, et: TensorInfo, reads: tuple[Read, ...]) -> tuple[Read, ...]:
+        """The reads with each packed block's cost (`nbytes`) its compressed length."""
+        cost = self.index.cost
+        new = tuple(replace(r, nbytes=cost(et.idx, r)) for r in reads)
+        return reads if new == reads else new
+
+    def read(self, t: TensorInfo, et: TensorInfo, reads: tuple[Read, ...], base: Any, reader: Any,
+             verify: bool, pool: Any) -> SourceRead:
+        """θ bytes (uint8, planned blocks filled); the bytes read count packed blocks compressed."""
+        from mergepipe_db.sources.selection import selected_rows
+
+        buf, n = self.index.read(et, t, reads, base, reader, verify, self.info.name)
+        blocks, rows = selected_rows(et, reads)
+        return SourceRead(THETA, buf, rows, blocks, n)
 
 
 def packed_checkpoints(conn: sa.Connection, checkpoint_ids: list[str]) -> set[str]:

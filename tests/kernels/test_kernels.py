@@ -330,16 +330,12 @@ def test_float32_delta_block_stats_is_the_lora_scan_s_computation_bit_for_bit() 
     """`float32_delta_block_stats` (the LoRA entry point of the one statistics implementation) gives exactly
     what the LoRA scan stored before: on numpy arrays and torch tensors, with zeros of both signs, denormals
     and infinities. The fused kernel (`delta_block_stats`) sums in another order, so it is not used here."""
-    adapters = _import_or_none("mergepipe_db.sources.adapters")
-    old = getattr(adapters, "_stats_f32", None)  # until sources/lora.py calls the entry point itself
     for x in _special_float32_blocks():
         t = torch.from_numpy(x.copy())
         want = _legacy_lora_stats(t)
         for arg in (x, t, t.reshape(1, -1), x.reshape(-1, 1)):
             got = kernels.float32_delta_block_stats(arg)
             assert _same(got, want), (x.shape, got, want)
-        if old is not None:
-            assert _same(old(t), want)
 
 
 def test_zero_block_stats_are_the_statistics_of_equal_bytes() -> None:

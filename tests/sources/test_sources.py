@@ -17,7 +17,7 @@ from mergepipe_db import Catalog
 from mergepipe_db.cli import main
 from mergepipe_db.db import schema
 from mergepipe_db.errors import CoordinateMismatchError, LoraAdapterError, MergePipeError, PackError
-from mergepipe_db.sources.adapters import FACTOR_BLOCK
+from mergepipe_db.sources.lora import FACTOR_BLOCK
 
 pytestmark = pytest.mark.catalog
 
@@ -105,22 +105,22 @@ def test_export_delta_of_scalar_and_empty_tensors(catalog, tmp_path, dtype) -> N
 def test_export_delta_that_fails_leaves_nothing(catalog, fam, tmp_path, monkeypatch) -> None:
     """A failure while writing (here: a read error on the third tensor) leaves neither the output nor its
     partial directory behind; the same call then succeeds."""
-    from mergepipe_db.admin import export_delta as sources
+    from mergepipe_db.io.local import RangeReader
 
     catalog.ingest(fam.experts[0], name="e0", base="base")
-    real, calls = sources.tensor_from_bytes, []
+    real, calls = RangeReader.read, []
 
     def failing(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         calls.append(1)
-        if len(calls) == 5:
+        if len(calls) == 5:  # a full expert's Δ reads the expert's tensor, then the base's
             raise OSError("read error")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(sources, "tensor_from_bytes", failing)
+    monkeypatch.setattr(RangeReader, "read", failing)
     with pytest.raises(OSError, match="read error"):
         catalog.export_delta("e0", tmp_path / "d")
     assert not (tmp_path / "d").exists() and not (tmp_path / "d.partial").exists()
-    monkeypatch.setattr(sources, "tensor_from_bytes", real)
+    monkeypatch.setattr(RangeReader, "read", real)
     catalog.export_delta("e0", tmp_path / "d")
     assert (tmp_path / "d" / "model.safetensors").is_file() and not (tmp_path / "d.partial").exists()
 

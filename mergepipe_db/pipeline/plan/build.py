@@ -26,6 +26,7 @@ import gc
 import math
 from collections import defaultdict, deque
 from collections.abc import Iterator
+from dataclasses import replace
 from itertools import repeat
 from typing import Any
 
@@ -34,15 +35,16 @@ import sqlalchemy as sa
 
 from mergepipe_db.core import sketch
 from mergepipe_db.core.dtypes import ARITHMETIC_DTYPES
-from mergepipe_db.core.plan import ExpertPlan, Plan, Read, TensorInfo, plan_hash
+from mergepipe_db.core.plan import ExpertPlan, Plan, Read, TensorInfo
 from mergepipe_db.core.spec import MergeSpec
 from mergepipe_db.db.checkpoints import load_checkpoint_info, load_checkpoint_infos, load_tensors, load_tensors_many
 from mergepipe_db.db.fetch import fetch_columns, pylist
 from mergepipe_db.db.rank_tables import tensor_sketches
 from mergepipe_db.db.sql_files import sql_text
-from mergepipe_db.errors import UnsupportedDtypeError
 from mergepipe_db.pipeline.plan import ranking
+from mergepipe_db.pipeline.plan.complete import complete_plan
 from mergepipe_db.sources import packed as blockstore
+from mergepipe_db.sources import source_class
 
 _EDGES = sketch.bin_edges()  # the smallest float32 of each sketch bin
 
@@ -71,10 +73,9 @@ def _trim_bound(hist: np.ndarray, complete: bool, density: float, numel: int) ->
 
 def _prunable(e: ExpertPlan, op: Any, base_id: str) -> bool:
     """TIES trim (magnitude sparsification) at density < 1, for an expert whose block statistics are of the
-    same Δ the executor forms: a full (or packed) checkpoint, a delta checkpoint or a snapshot, catalogued
-    against this base. LoRA adapters are skipped (their factor unit and ΔW rounding make no such promise)."""
+    same Δ the executor forms (`ExpertSource.ties_prunable`: not a LoRA adapter), catalogued against this base."""
     return (getattr(op, "sparsification", None) == "magnitude" and not op.tensor_granular and e.density < 1
-            and e.checkpoint.has_stats and e.checkpoint.kind in ("full", "delta", "snapshot")
+            and e.checkpoint.has_stats and source_class(e.checkpoint.kind).ties_prunable
             and e.checkpoint.base_id == base_id)
 
 
@@ -83,7 +84,7 @@ def ties_prune_bounds(conn: sa.Connection, experts: list[ExpertPlan], op: Any, b
                                                                 dict[int, dict[int, np.ndarray]]]:
     """TIES pruning bounds ``{(position, expert tensor_idx): bound}`` (a block with delta_max < bound is never
     a candidate, see `_trim_bound`), and the tensor sketches loaded for them, ``{position: {base tensor_idx:
-    histogram}}`` (finalize reuses them for partially selected tensors)."""
+    histogram}}`` (`complete_plan` reuses them for partially selected tensors)."""
     bounds: dict[tuple[int, int], float] = {}
     loaded: dict[int, dict[int, np.ndarray]] = {}
     by_name = {t.name: t for t in base_tensors}
@@ -103,17 +104,6 @@ def ties_prune_bounds(conn: sa.Connection, experts: list[ExpertPlan], op: Any, b
                 bounds[(e.position, et.idx)] = bound
         loaded[e.position] = mine
     return bounds, loaded
-
-
-def _load_sketches(conn: sa.Connection, expert: ExpertPlan, base_idx_by_name: dict[str, int]) -> dict[int, Any]:
-    """Tensor-level |Δ| histograms of one expert (sum of its block sketches), by base tensor_idx."""
-    by_idx = {t.idx: t.name for t in expert.tensors.values()}
-    out: dict[int, Any] = {}
-    for tidx, (h, _complete) in tensor_sketches(conn, expert.checkpoint.id).items():
-        name = by_idx.get(tidx)
-        if name in base_idx_by_name:
-            out[base_idx_by_name[name]] = h
-    return out
 
 
 # --- planning --------------------------------------------------------------------------------------
@@ -136,35 +126,6 @@ def load_experts(conn: sa.Connection, spec: MergeSpec, expert_ids: list[str]) ->
         tensors = {t.name: t for t in tensors_of[info.id]}
         experts.append(ExpertPlan(pos, info, m.weight, m.density, m.gamma, float(op.coefficient(pos)), tensors))
     return experts, op
-
-
-def finalize(conn: sa.Connection, plan: Plan, op: Any,
-             sketch_cache: dict[int, dict[int, np.ndarray]] | None = None) -> None:
-    """Attach the sketches partial reads need, check dtypes, and compute the plan hash.
-
-    `sketch_cache`: tensor sketches already loaded (`ties_prune_bounds`), by position and base tensor_idx."""
-    from mergepipe_db.sources.adapters import attach_sources
-
-    attach_sources(conn, plan)  # delta / LoRA / packed experts: read hooks and packed read costs
-    base_idx_by_name = {t.name: t.idx for t in plan.base_tensors}
-    if op.needs_full_tensor_stats:
-        # partial reads take their thresholds from the sketch; TIES also uses it on full reads, to find τ's bin
-        # without a histogram pass (`operators.sign_consensus.TiesFold._exact_tau_fast`)
-        every = op.sparsification == "magnitude"
-        for e in plan.experts:
-            partial = [tidx for (pos, tidx), full in plan.full_selection.items()
-                       if pos == e.position and (every or not full)]
-            if partial and e.checkpoint.has_stats:
-                sk = (sketch_cache or {}).get(e.position)
-                if sk is None:
-                    sk = _load_sketches(conn, e, base_idx_by_name)
-                for tidx in partial:
-                    if tidx in sk:
-                        plan.sketches[(e.position, tidx)] = sk[tidx]
-    for t in plan.base_tensors:
-        if t.dtype not in ARITHMETIC_DTYPES and any((e.position, t.idx) in plan.access for e in plan.experts):
-            raise UnsupportedDtypeError(f"tensor {t.name!r} has dtype {t.dtype}, which cannot be merged")
-    plan.plan_hash = plan_hash(plan)
 
 
 #: PostgreSQL settings for the rest of the planning transaction (`set_config(..., is_local => true)`, i.e. SET
@@ -284,6 +245,7 @@ def _build_plan(conn: sa.Connection, spec: MergeSpec, *, base_id: str, expert_id
     # Per (tensor, expert), in tensor then expert order (the bound sums in that order).
     candidate_bytes = 0
     planned_bytes = 0
+    e_planned, e_selected, e_pruned, e_blocks_pruned = ([0] * len(experts) for _ in range(4))
     full_selection: dict[tuple[int, int], bool] = {}
     bound_per_tensor: dict[int, float] = defaultdict(float)
     summary = zip(*(pylist(selection.summary[c]) for c in ranking.SUMMARY_COLUMNS))
@@ -291,30 +253,28 @@ def _build_plan(conn: sa.Connection, spec: MergeSpec, *, base_id: str, expert_id
         tidx, pos = int(tidx), int(pos)
         candidate_bytes += int(cbytes)
         planned_bytes += int(pbytes)
-        experts[pos].planned_bytes += int(pbytes)
-        experts[pos].blocks_selected += int(selected)
+        e_planned[pos] += int(pbytes)
+        e_selected[pos] += int(selected)
         full_selection[(pos, tidx)] = int(selected) == int(candidates)
         if int(omitted_unscored):
             bound_per_tensor[tidx] = math.inf
         else:
             bound_per_tensor[tidx] += float(omitted_score or 0.0)
     for _tidx, pos, n_blocks, nbytes in pruned:
-        experts[int(pos)].blocks_pruned += int(n_blocks)
-        experts[int(pos)].pruned_bytes += int(nbytes)
+        e_blocks_pruned[int(pos)] += int(n_blocks)
+        e_pruned[int(pos)] += int(nbytes)
+    experts = [replace(e, planned_bytes=e_planned[k], blocks_selected=e_selected[k], pruned_bytes=e_pruned[k],
+                       blocks_pruned=e_blocks_pruned[k]) for k, e in enumerate(experts)]
     bound_total: float | None = math.fsum(bound_per_tensor.values()) if bound_per_tensor else 0.0
     per_tensor: dict[int, float] | None = dict(bound_per_tensor)
     if not op.additive:
         bound_total, per_tensor = None, None
 
-    plan = Plan(
-        spec=spec, base=base, base_tensors=base_tensors, experts=experts, out_dtype=out_dtype,
+    return complete_plan(
+        conn, op, spec=spec, base=base, base_tensors=base_tensors, experts=experts, out_dtype=out_dtype,
         budget_bytes=budget_bytes, full_bytes=full_bytes, candidate_bytes=candidate_bytes,
-        planned_bytes=planned_bytes, access=access,
-        full_selection=full_selection, bound_per_tensor=per_tensor, bound_total=bound_total,
-        pruned_bytes=sum(e.pruned_bytes for e in experts), pruned_blocks=sum(e.blocks_pruned for e in experts),
-    )
-    finalize(conn, plan, op, sketch_cache)
-    return plan
+        planned_bytes=planned_bytes, access=access, full_selection=full_selection, bound_per_tensor=per_tensor,
+        bound_total=bound_total, sketch_cache=sketch_cache)
 
 
 def _insert_plan_tensors(conn: sa.Connection, pairs: tuple[list[Any], ...], keep: list[bool] | None) -> None:

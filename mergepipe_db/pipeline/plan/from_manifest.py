@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from dataclasses import replace
 from typing import Any
 
 import sqlalchemy as sa
 
 from mergepipe_db.core.manifest import MANIFEST_FORMAT
-from mergepipe_db.core.plan import Plan, Read
+from mergepipe_db.core.plan import ExpertPlan, Plan, Read
 from mergepipe_db.core.spec import MergeSpec, ModelEntry
 from mergepipe_db.db import schema
 from mergepipe_db.db.checkpoints import load_checkpoint_info, load_tensors
 from mergepipe_db.errors import ReplayError
-from mergepipe_db.pipeline.plan.build import ARITHMETIC_DTYPES, finalize, load_experts, ties_prune_bounds
+from mergepipe_db.pipeline.plan.build import ARITHMETIC_DTYPES, load_experts, ties_prune_bounds
+from mergepipe_db.pipeline.plan.complete import complete_plan
 
 
 def _check_input(conn: sa.Connection, rec: dict[str, Any], role: str) -> None:
@@ -62,7 +64,9 @@ def plan_from_manifest(conn: sa.Connection, manifest: dict[str, Any]) -> Plan:
     full_selection: dict[tuple[int, int], bool] = {}
     bound_per_tensor: dict[int, float] = defaultdict(float)
     candidate_bytes = 0
+    counted: list[ExpertPlan] = []
     for e in experts:
+        planned_bytes = blocks_selected = pruned_bytes = blocks_pruned = 0
         rows = conn.execute(
             sa.select(t.c.name, t.c.dtype, b.c.block_idx, b.c.offset, b.c.nbytes, b.c.xxh3, b.c.delta_l2,
                       b.c.delta_max)
@@ -82,8 +86,8 @@ def plan_from_manifest(conn: sa.Connection, manifest: dict[str, Any]) -> Plan:
                 candidate = row.delta_l2 is None or row.delta_l2 != 0
                 if candidate and bound is not None and row.delta_max is not None and row.delta_max < bound:
                     candidate = False
-                    e.pruned_bytes += row.nbytes
-                    e.blocks_pruned += 1
+                    pruned_bytes += row.nbytes
+                    blocks_pruned += 1
                 candidate_bytes += row.nbytes if candidate else 0
                 if row.block_idx in chosen:
                     reads.append(Read(row.block_idx, row.offset, row.nbytes, row.xxh3))
@@ -96,22 +100,22 @@ def plan_from_manifest(conn: sa.Connection, manifest: dict[str, Any]) -> Plan:
                 raise ReplayError(f"manifest selects blocks of {tname!r} that the catalog does not have")
             if reads:
                 access[(e.position, tidx)] = tuple(reads)
-                e.planned_bytes += sum(r.nbytes for r in reads)
-                e.blocks_selected += len(reads)
+                planned_bytes += sum(r.nbytes for r in reads)
+                blocks_selected += len(reads)
             full_selection[(e.position, tidx)] = all_candidates_read
+        counted.append(replace(e, planned_bytes=planned_bytes, blocks_selected=blocks_selected,
+                               pruned_bytes=pruned_bytes, blocks_pruned=blocks_pruned))
+    experts = counted
     planned = sum(e.planned_bytes for e in experts)
     full_bytes = sum(e.tensors[x.name].nbytes for e in experts for x in base_tensors
                      if x.dtype in ARITHMETIC_DTYPES and x.name in e.tensors)
     additive = bool(op.additive)
-    plan = Plan(
-        spec=spec, base=base, base_tensors=base_tensors, experts=experts, out_dtype=sp["dtype"],
+    plan = complete_plan(
+        conn, op, spec=spec, base=base, base_tensors=base_tensors, experts=experts, out_dtype=sp["dtype"],
         budget_bytes=int(manifest["budget_bytes"]), full_bytes=full_bytes, candidate_bytes=candidate_bytes,
         planned_bytes=planned, access=access, full_selection=full_selection,
         bound_per_tensor=dict(bound_per_tensor) if additive else None,
-        bound_total=math.fsum(bound_per_tensor.values()) if additive else None,
-        pruned_bytes=sum(e.pruned_bytes for e in experts), pruned_blocks=sum(e.blocks_pruned for e in experts),
-    )
-    finalize(conn, plan, op, sketch_cache)
+        bound_total=math.fsum(bound_per_tensor.values()) if additive else None, sketch_cache=sketch_cache)
     if plan.plan_hash != manifest["plan_hash"]:
         raise ReplayError(f"rebuilt plan hash {plan.plan_hash[:16]} != recorded {manifest['plan_hash'][:16]}: "
                           f"the catalog no longer describes the recorded inputs")

@@ -41,6 +41,7 @@ import sqlalchemy as sa
 from mergepipe_db.db import schema
 from mergepipe_db.db.fetch import fetch_columns
 from mergepipe_db.db.sql_files import sql_text
+from mergepipe_db.sources import source_class
 
 if TYPE_CHECKING:
     from mergepipe_db.core.plan import ExpertPlan
@@ -50,8 +51,6 @@ if TYPE_CHECKING:
 _FLOOR_MARGIN = 1.0 - 2.0 ** -48
 #: T must be a normal number well inside float range for that margin to hold
 _T_MIN, _T_MAX = 1e-280, 1e280
-#: checkpoint kinds whose block rows are ranked one block at a time (a LoRA adapter's factor units are not)
-_BLOCK_KINDS = ("full", "delta", "snapshot")
 
 
 def threshold(lower: np.ndarray, nbytes: np.ndarray, budget: int) -> float | None:
@@ -206,7 +205,7 @@ def whole_tensors(conn: sa.Connection, experts: list[ExpertPlan], pairs: tuple[l
     by compressed length) keep their block rows. None when no pair qualifies."""
     by_pos = {e.position: e for e in experts
               if not tensor_level[e.position] and e.checkpoint.has_stats
-              and e.checkpoint.kind in _BLOCK_KINDS}
+              and source_class(e.checkpoint.kind).ranked_by_block}
     ids = sorted({e.checkpoint.id for e in by_pos.values()})
     if not ids:
         return None
@@ -300,7 +299,7 @@ def top_of_ranking(conn: sa.Connection, experts: list[ExpertPlan], pairs: tuple[
     factor units) or with packed blocks (in `packed`: their costs are compressed lengths), a coefficient that is not a
     positive number, a tensor with scored candidates outside the plan (its buckets would count), no summaries,
     or no threshold (everything scored fits the budget)."""
-    if any(e.checkpoint.kind not in _BLOCK_KINDS or not 0 < abs(e.coef) < math.inf for e in experts):
+    if any(not source_class(e.checkpoint.kind).ranked_by_block or not 0 < abs(e.coef) < math.inf for e in experts):
         return None
     ids = sorted({e.checkpoint.id for e in experts})
     rt, rb = schema.rank_tensor, schema.rank_bucket

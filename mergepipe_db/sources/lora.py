@@ -1,22 +1,14 @@
-"""Expert sources beyond full checkpoints: explicit delta checkpoints and PEFT LoRA adapters.
+"""PEFT LoRA adapters: ΔW = transpose?(B @ A) · s in float32 per module (docs/SEMANTICS.md, "Expert sources").
 
-How Δ is formed per source (docs/SEMANTICS.md, "Expert sources"):
-
-- ``full``: Δ = θ_k − θ₀ (float32), the default path of the executor;
-- ``delta``: the tensors hold Δ itself, in any arithmetic dtype (upcast to float32); only the tensors named
-  are covered, every other tensor has Δ = 0;
-- ``lora``: ΔW = transpose?(B @ A) · s in float32 per module, s = α/r (α/√r with ``use_rslora``, per-module
-  ``rank_pattern``/``alpha_pattern`` matched like PEFT), transposed for ``fan_in_fan_out`` and embeddings;
-  ``modules_to_save`` weights are full replacement tensors (Δ = θ − θ₀ like a full checkpoint).
+s = α/r (α/√r with ``use_rslora``, per-module ``rank_pattern``/``alpha_pattern`` matched like PEFT), transposed
+for ``fan_in_fan_out`` and embeddings; ``modules_to_save`` weights are full replacement tensors (Δ = θ − θ₀ like
+a full checkpoint).
 
 A LoRA tensor is catalogued under the base tensor's name with virtual row blocks that follow the base's
 blocking: block b costs exactly the bytes of the factor rows/columns it needs (rows of B; for transposed
 modules the columns of A), and the factor every block needs (A; B when transposed) is its own unit,
 block ``FACTOR_BLOCK`` (-2), whose score is the max score of the tensor's blocks, so the ranking puts it
 just before them and a selected block always has its factor (realized bytes == planned bytes).
-
-This module also holds the executor's read hook for these experts (`ExpertSource.read`), which returns Δ
-(float32) directly, and attaches the packed block store (`mergepipe_db.blockstore`) for packed experts.
 """
 
 from __future__ import annotations
@@ -26,23 +18,17 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from mergepipe_db.core.dtypes import ARITHMETIC_DTYPES, DTYPE_BITS
 from mergepipe_db.core.geometry import block_byte_range, block_ranges, row_count
-from mergepipe_db.errors import (
-    BadCheckpointError,
-    CoordinateMismatchError,
-    IntegrityError,
-    LoraAdapterError,
-    PlanExecutionMismatchError,
-)
+from mergepipe_db.core.plan import CheckpointInfo, Read, TensorInfo
+from mergepipe_db.errors import IntegrityError, LoraAdapterError, PlanExecutionMismatchError
+from mergepipe_db.sources.base import DELTA, THETA, ExpertSource, SourceRead, tensor_from_bytes
 
-KINDS = ("full", "delta", "lora")
 FACTOR_BLOCK = -2
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -55,56 +41,125 @@ _SUFFIXES = {  # key suffix -> (factor letter, is embedding)
 }
 
 
-# --------------------------------------------------------------------------------------------------
-# Kind detection and coordinates
-# --------------------------------------------------------------------------------------------------
+class LoraSource(ExpertSource):
+    """A PEFT LoRA adapter of a base (a directory with adapter_config.json and adapter_model.safetensors); read
+    as Δ (float32) for its LoRA modules, as θ bytes for its modules_to_save weights."""
 
+    kind: ClassVar[str] = "lora"
+    noun: ClassVar[str] = "lora checkpoint"
+    scans_itself: ClassVar[bool] = True
+    ranked_by_block: ClassVar[bool] = False  # a factor unit (block -2) precedes its blocks
+    ties_prunable: ClassVar[bool] = False  # the factor unit and ΔW's rounding make no such promise
+    needs_torch: ClassVar[bool] = True
+    plain_blocks: ClassVar[bool] = False
+    adjusts_reads: ClassVar[bool] = True
 
-def detect_kind(path: str | Path, kind: str | None, base: str | None) -> str:
-    """The checkpoint kind to ingest `path` as: `kind`, or ``lora`` when the directory holds an
-    adapter_config.json. BadCheckpointError for an unknown kind or a delta/LoRA without a base."""
-    p = Path(path)
-    if kind in (None, "full", "auto") and p.is_dir() and (p / ADAPTER_CONFIG).is_file():
-        kind = "lora"
-    kind = kind or "full"
-    if kind == "auto":
-        kind = "full"
-    if kind not in KINDS:
-        raise BadCheckpointError(f"unsupported checkpoint kind {kind!r}; supported: {', '.join(KINDS)}")
-    if kind != "full" and base is None:
-        raise BadCheckpointError(f"a {kind} checkpoint is relative to a base: give --base NAME")
-    return kind
+    def __init__(self, info: CheckpointInfo) -> None:
+        super().__init__(info)
+        self.lora: dict[str, dict[str, Any]] = (info.config or {}).get("lora", {})
 
+    @classmethod
+    def detect(cls, path: str | Path) -> bool:
+        p = Path(path)
+        return p.is_dir() and (p / ADAPTER_CONFIG).is_file()
 
-def check_coordinates(kind: str, layout: Any, base: dict[str, Any], *, what: str) -> None:
-    """Delta: every tensor names a base tensor of the same shape, arithmetic dtype (may differ from the
-    base's). LoRA: validates the adapter against the base and fills ``layout.config["lora"]``."""
-    if kind == "lora":
+    @classmethod
+    def open_layout(cls, path: str | Path) -> Any:
+        return lora_layout(path)
+
+    @classmethod
+    def check_coordinates(cls, layout: Any, base: dict[str, Any], *, what: str) -> None:
+        """Validates the adapter against the base (LoraAdapterError) and fills ``layout.config["lora"]``."""
         _validate_lora(layout, base, what=what)
-        return
-    problems: list[str] = []
-    n = 0
-    for h in layout.files:
-        for t in h.tensors:
-            n += 1
-            b = base.get(t.name)
-            if b is None:
-                problems.append(f"tensor {t.name!r} is not in the base")
-            elif tuple(t.shape) != b.shape:
-                problems.append(f"{t.name!r} shape {list(t.shape)} != base {list(b.shape)}")
-            elif t.dtype not in ARITHMETIC_DTYPES or b.dtype not in ARITHMETIC_DTYPES:
-                problems.append(f"{t.name!r}: a delta needs arithmetic dtypes (delta {t.dtype}, base {b.dtype})")
-    if not n:
-        problems.append("it holds no tensors")
-    if problems:
-        more = f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""
-        raise CoordinateMismatchError(f"{what} does not fit the base's coordinates: {'; '.join(problems[:5])}{more}")
+
+    @classmethod
+    def scan(cls, layout: Any, *, block_bytes: int, base: dict[str, Any], progress: bool = False
+             ) -> tuple[list[dict], list[dict], list[dict], list[str], int]:
+        return scan_lora(layout, block_bytes=block_bytes, base=base, progress=progress)
+
+    def planned(self, et: TensorInfo, reads: tuple[Read, ...]) -> tuple[Read, ...]:
+        """A tensor-level LoRA selection (every block, no factor unit: a replayed plan) is the whole-tensor read."""
+        if not reads or et.name not in self.lora:
+            return reads
+        idxs = {r.block_idx for r in reads}
+        if FACTOR_BLOCK not in idxs and -1 not in idxs and idxs == set(range(et.n_blocks)):
+            return (Read(-1, et.offset, et.nbytes, et.xxh3),)
+        return reads
+
+    def read(self, t: TensorInfo, et: TensorInfo, reads: tuple[Read, ...], base: np.ndarray, reader: Any,
+             verify: bool, pool: Any) -> SourceRead:
+        """ΔW of a LoRA module (float32, 0 on the rows not selected); a modules_to_save weight's θ bytes."""
+        from mergepipe_db.sources.selection import read_selected, selected_rows
+
+        if t.name in self.lora:
+            return self._read_lora(t, et, reads, reader, verify)
+        buf, n_read = read_selected(reader, et, reads, self.info.name, verify)
+        blocks, rows = selected_rows(et, reads)
+        return SourceRead(THETA, buf, rows, blocks, n_read)
+
+    def _read_lora(self, t: TensorInfo, et: TensorInfo, reads: tuple[Read, ...], reader: Any,
+                   verify: bool) -> SourceRead:
+        import torch
+
+        from mergepipe_db.sources.selection import selected_rows
+
+        name = self.info.name
+        entry = self.lora[t.name]
+        idxs = {r.block_idx for r in reads}
+        ranges = block_ranges(t.shape, et.rows_per_block)
+        whole = -1 in idxs
+        blocks = list(range(len(ranges))) if whole else sorted(b for b in idxs if b >= 0)
+        if blocks and not (whole or FACTOR_BLOCK in idxs):
+            raise PlanExecutionMismatchError(f"plan selects LoRA blocks of {t.name!r} in expert "
+                                             f"{name!r} without their shared factor")
+        by_idx = {r.block_idx: r for r in reads}
+        n_read = 0
+        fname = _factor_name(entry)
+        factor = None
+        if whole or FACTOR_BLOCK in idxs:
+            off, n, shape = entry[fname]
+            raw = reader.read(et.path, off, n)
+            n_read += n
+            if verify and FACTOR_BLOCK in by_idx:
+                _check_hash(raw, by_idx[FACTOR_BLOCK].xxh3, f"LoRA factor of {t.name!r} ({name!r})")
+            factor = tensor_from_bytes(raw, entry["dtype"], shape)
+        delta = torch.zeros(t.shape, dtype=torch.float32)
+        if whole:  # tensor-level plan: the sliced factor is read whole, once
+            other = "a" if fname == "b" else "b"
+            off, n, shape = entry[other]
+            whole_other = tensor_from_bytes(reader.read(et.path, off, n), entry["dtype"], shape)
+            n_read += n
+        for bi in blocks:
+            r0, r1 = ranges[bi]
+            if whole:
+                part = whole_other[:, r0:r1] if entry["transposed"] else whole_other[r0:r1]
+            else:
+                chunk = bytearray()
+                for off, n in _lora_pieces(entry, (r0, r1)):
+                    chunk += reader.read(et.path, off, n)
+                    n_read += n
+                if verify:
+                    _check_hash(chunk, by_idx[bi].xxh3, f"LoRA block {bi} of {t.name!r} ({name!r})")
+                part = _slice_tensor(chunk, entry, (r0, r1))
+            if entry["transposed"]:
+                delta[r0:r1] = delta_rows(part, factor, entry["scale"], True)
+            else:
+                delta[r0:r1] = delta_rows(factor, part, entry["scale"], False)
+        sel_blocks, rows = selected_rows(et, tuple(r for r in reads if r.block_idx >= -1))
+        return SourceRead(DELTA, delta.numpy(), rows, tuple(blocks) if whole else sel_blocks, n_read)
+
+    def delta_tensor(self, t: TensorInfo, et: TensorInfo, reader: Any) -> Any:
+        if t.name not in self.lora:
+            return super().delta_tensor(t, et, reader)
+        e = self.lora[t.name]
+        a = tensor_from_bytes(reader.read(et.path, e["a"][0], e["a"][1]), e["dtype"], e["a"][2])
+        b = tensor_from_bytes(reader.read(et.path, e["b"][0], e["b"][1]), e["dtype"], e["b"][2])
+        return delta_rows(a, b, e["scale"], e["transposed"])
 
 
 # --------------------------------------------------------------------------------------------------
-# LoRA adapters: layout and validation
+# Layout and validation
 # --------------------------------------------------------------------------------------------------
-
 
 def lora_layout(path: str | Path) -> Any:
     """A CheckpointLayout for a PEFT adapter directory (adapter_config.json + adapter_model.safetensors).
@@ -249,7 +304,6 @@ def _validate_lora(layout: Any, base: dict[str, Any], *, what: str) -> None:
     layout.config["same_as_base"] = sorted(same)
 
 
-# --------------------------------------------------------------------------------------------------
 # LoRA math
 # --------------------------------------------------------------------------------------------------
 
@@ -296,35 +350,6 @@ def _slice_tensor(buf: bytes | bytearray, entry: dict[str, Any], rows: tuple[int
     return t.reshape(n, entry["b"][2][1])
 
 
-def tensor_from_bytes(buf: bytes | bytearray, dtype: str, shape: list[int]) -> Any:
-    import torch
-
-    from mergepipe_db.core.dtypes import torch_dtype
-
-    if not len(buf):
-        return torch.empty(shape, dtype=torch_dtype(dtype))
-    return torch.frombuffer(bytearray(buf), dtype=torch_dtype(dtype)).reshape(shape)
-
-
-def _stats_f32(d: Any) -> dict[str, Any]:
-    import torch
-
-    from mergepipe_db.core import sketch
-
-    d = d.reshape(-1)
-    if d.numel() == 0:
-        return {"delta_l2": 0.0, "delta_l1": 0.0, "delta_max": 0.0, "pos_frac": 0.0,
-                "sketch": sketch.encode(sketch.histogram(torch.zeros(0)))}
-    a = d.abs()
-    return {
-        "delta_l2": float(torch.linalg.vector_norm(d, dtype=torch.float64)),
-        "delta_l1": float(a.sum(dtype=torch.float64)),
-        "delta_max": float(a.max()),
-        "pos_frac": float((d > 0).sum()) / d.numel(),
-        "sketch": sketch.encode(sketch.histogram(a)),
-    }
-
-
 def scan_lora(layout: Any, *, block_bytes: int, base: dict[str, Any], progress: bool = False,
               delta: bool = False) -> tuple[list[dict], list[dict], list[dict], list[str], int]:
     """Ingest scan of a LoRA adapter: (file rows, tensor rows, block rows, sha256s, bytes read).
@@ -336,7 +361,7 @@ def scan_lora(layout: Any, *, block_bytes: int, base: dict[str, Any], progress: 
     from mergepipe_db.core.hashing import xxh3_hex
     from mergepipe_db.io import open_store
     from mergepipe_db.io.local import RangeReader
-    from mergepipe_db.kernels.block_stats import delta_block_stats, zero_block_stats
+    from mergepipe_db.kernels.block_stats import delta_block_stats, float32_delta_block_stats, zero_block_stats
 
     del block_bytes, progress, delta
     header = layout.files[0]
@@ -398,7 +423,7 @@ def scan_lora(layout: Any, *, block_bytes: int, base: dict[str, Any], progress: 
                 r0, r1 = rows
                 d = delta_rows(a[:, r0:r1], b, e["scale"], True) if e["transposed"] else delta_rows(
                     a, b[r0:r1], e["scale"], False)
-                stats = _stats_f32(d)
+                stats = float32_delta_block_stats(d)
                 l2sq += stats["delta_l2"] ** 2
                 best = max(best, stats["delta_l2"])
                 block_rows.append({"tensor_idx": tidx, "block_idx": bi, "row_start": r0, "row_stop": r1,
@@ -427,181 +452,11 @@ def scan_lora(layout: Any, *, block_bytes: int, base: dict[str, Any], progress: 
     return file_rows, tensor_rows, block_rows, [sha], len(data)
 
 
-# --------------------------------------------------------------------------------------------------
-# Plan time: attach per-expert sources; the executor's read hook
-# --------------------------------------------------------------------------------------------------
-
-
-def _fill_rows(dst: np.ndarray, src: np.ndarray, rows: list[tuple[int, int]]) -> None:
-    """dst[rows] = src[rows] as float32 (`src`: stored values, BF16 as uint16 bits)."""
-    from mergepipe_db.core.dtypes import as_float32
-
-    if dst.ndim == 0:
-        dst[...] = as_float32(src)
-        return
-    for s, e in rows:
-        dst[s:e] = as_float32(src[s:e])
-
-
 def _check_hash(data: Any, expected: str, what: str) -> None:
     from mergepipe_db.core.hashing import xxh3_hex
 
     got = xxh3_hex(data)
     if got != expected:
         raise IntegrityError(f"corrupted read in {what}: xxh3 {got} != catalog {expected}")
-
-
-@dataclass
-class ExpertSource:
-    """How the executor reads one non-plain expert (`read` runs in the executor's reader thread)."""
-
-    kind: str  # delta | lora | packed
-    expert: Any  # planner.ExpertPlan
-    lora: dict[str, dict[str, Any]] | None = None
-    packed: Any = None  # blockstore.PackedIndex for packed full experts
-
-    def read(self, item_cls: Any, t: Any, reads: tuple[Any, ...], base: Any, reader: Any, verify: bool) -> Any:
-        """Read the planned units of tensor `t` and return the executor's item: Δ (float32, base shape, 0 on
-        omitted rows) for delta/LoRA, the expert's stored bytes (uint8, selected rows filled) when packed.
-        Every read goes through `reader`, so realized bytes are counted where they are issued."""
-        from mergepipe_db.sources.selection import selected_rows
-
-        e = self.expert
-        et = e.tensors[t.name]
-        if self.kind == "packed":
-            buf, n = self.packed.read(et, t, reads, base, reader, verify, e.checkpoint.name)
-            blocks, rows = selected_rows(et, reads)
-            return item_cls("expert", t.idx, e.position, buf, rows, blocks, n)
-        if self.kind == "lora" and self.lora is not None and t.name in self.lora:
-            return self._read_lora(item_cls, t, et, reads, reader, verify)
-        return self._read_delta(item_cls, t, et, reads, reader, verify)
-
-    def _read_delta(self, item_cls: Any, t: Any, et: Any, reads: tuple[Any, ...], reader: Any,
-                    verify: bool) -> Any:
-        from mergepipe_db.core.dtypes import numpy_storage_dtype
-        from mergepipe_db.sources.selection import read_selected, selected_rows
-
-        e = self.expert
-        buf, n_read = read_selected(reader, et, reads, e.checkpoint.name, verify)
-        blocks, rows = selected_rows(et, reads)
-        if self.kind == "lora":  # a modules_to_save weight: θ bytes like a full checkpoint
-            return item_cls("expert", t.idx, e.position, buf, rows, blocks, n_read)
-        raw = buf.view(numpy_storage_dtype(et.dtype)).reshape(t.shape)
-        delta = np.zeros(t.shape, dtype=np.float32)
-        _fill_rows(delta, raw, rows)
-        return item_cls("expert", t.idx, e.position, delta, rows, blocks, n_read)
-
-    def _read_lora(self, item_cls: Any, t: Any, et: Any, reads: tuple[Any, ...], reader: Any,
-                   verify: bool) -> Any:
-        import torch
-
-        from mergepipe_db.sources.selection import selected_rows
-
-        e = self.expert
-        entry = self.lora[t.name]  # type: ignore[index]
-        idxs = {r.block_idx for r in reads}
-        ranges = block_ranges(t.shape, et.rows_per_block)
-        whole = -1 in idxs
-        blocks = list(range(len(ranges))) if whole else sorted(b for b in idxs if b >= 0)
-        if blocks and not (whole or FACTOR_BLOCK in idxs):
-            raise PlanExecutionMismatchError(f"plan selects LoRA blocks of {t.name!r} in expert "
-                                             f"{e.checkpoint.name!r} without their shared factor")
-        by_idx = {r.block_idx: r for r in reads}
-        n_read = 0
-        fname = _factor_name(entry)
-        factor = None
-        if whole or FACTOR_BLOCK in idxs:
-            off, n, shape = entry[fname]
-            raw = reader.read(et.path, off, n)
-            n_read += n
-            if verify and FACTOR_BLOCK in by_idx:
-                _check_hash(raw, by_idx[FACTOR_BLOCK].xxh3, f"LoRA factor of {t.name!r} ({e.checkpoint.name!r})")
-            factor = tensor_from_bytes(raw, entry["dtype"], shape)
-        delta = torch.zeros(t.shape, dtype=torch.float32)
-        if whole:  # tensor-level plan: the sliced factor is read whole, once
-            other = "a" if fname == "b" else "b"
-            off, n, shape = entry[other]
-            whole_other = tensor_from_bytes(reader.read(et.path, off, n), entry["dtype"], shape)
-            n_read += n
-        for bi in blocks:
-            r0, r1 = ranges[bi]
-            if whole:
-                part = whole_other[:, r0:r1] if entry["transposed"] else whole_other[r0:r1]
-            else:
-                chunk = bytearray()
-                for off, n in _lora_pieces(entry, (r0, r1)):
-                    chunk += reader.read(et.path, off, n)
-                    n_read += n
-                if verify:
-                    _check_hash(chunk, by_idx[bi].xxh3, f"LoRA block {bi} of {t.name!r} ({e.checkpoint.name!r})")
-                part = _slice_tensor(chunk, entry, (r0, r1))
-            if entry["transposed"]:
-                delta[r0:r1] = delta_rows(part, factor, entry["scale"], True)
-            else:
-                delta[r0:r1] = delta_rows(factor, part, entry["scale"], False)
-        sel_blocks, rows = selected_rows(et, tuple(r for r in reads if r.block_idx >= -1))
-        return item_cls("expert", t.idx, e.position, delta.numpy(), rows, tuple(blocks) if whole else sel_blocks,
-                        n_read)
-
-
-def attach_sources(conn: Any, plan: Any) -> None:
-    """Give the plan an `ExpertSource` per delta, LoRA or packed expert (``plan.sources[position]``), make
-    each packed block's read cost its compressed length, and recompute planned bytes from the reads.
-
-    Called for planned and replayed plans alike (planner.finalize), so both cost the same bytes."""
-    from mergepipe_db.sources import packed as blockstore
-
-    changed = False
-    with_packed = blockstore.packed_checkpoints(conn, [e.checkpoint.id for e in plan.experts
-                                                       if e.checkpoint.kind == "full"])
-    for e in plan.experts:
-        kind = e.checkpoint.kind
-        packed = blockstore.load_index(conn, e.checkpoint.id) if e.checkpoint.id in with_packed else None
-        if kind == "lora":
-            cfg = e.checkpoint.config or {}
-            plan.sources[e.position] = ExpertSource("lora", e, lora=cfg.get("lora", {}))
-            _normalize_lora_reads(plan, e, cfg.get("lora", {}))
-        elif kind == "delta":
-            plan.sources[e.position] = ExpertSource("delta", e)
-        elif packed:
-            plan.sources[e.position] = ExpertSource("packed", e, packed=packed)
-            for key, reads in list(plan.access.items()):
-                if key[0] != e.position:
-                    continue
-                t = next(x for x in plan.base_tensors if x.idx == key[1])
-                new = tuple(replace(r, nbytes=packed.cost(e.tensors[t.name].idx, r)) for r in reads)
-                if new != reads:
-                    plan.access[key] = new
-                    changed = True
-        else:
-            continue
-        changed = True
-    if changed:
-        total = 0
-        for e in plan.experts:
-            e.planned_bytes = sum(r.nbytes for (pos, _t), reads in plan.access.items() if pos == e.position
-                                  for r in reads)
-            total += e.planned_bytes
-        plan.planned_bytes = total
-
-
-def _normalize_lora_reads(plan: Any, e: Any, lora: dict[str, Any]) -> None:
-    """A replayed tensor-level LoRA read (every block, no factor unit) becomes the whole-tensor read."""
-    from mergepipe_db.core.plan import Read
-
-    for t in plan.base_tensors:
-        key = (e.position, t.idx)
-        reads = plan.access.get(key)
-        if not reads or t.name not in lora:
-            continue
-        idxs = {r.block_idx for r in reads}
-        et = e.tensors[t.name]
-        if FACTOR_BLOCK not in idxs and -1 not in idxs and idxs == set(range(et.n_blocks)):
-            plan.access[key] = (Read(-1, et.offset, et.nbytes, et.xxh3),)
-
-
-# --------------------------------------------------------------------------------------------------
-# Export: Δ = expert − base as an HF directory
-# --------------------------------------------------------------------------------------------------
 
 
