@@ -18,7 +18,7 @@ from mergepipe_db.core.plan import FileStamp, Read
 from mergepipe_db.errors import MergePipeError, StaleSourceError, UnsupportedStorageError
 from mergepipe_db.io import local
 
-PACKAGE = Path(__file__).resolve().parent.parent / "mergepipe_db"
+PACKAGE = Path(__file__).resolve().parents[2] / "mergepipe_db"
 
 
 # --- open_store: the scheme table ----------------------------------------------------------------
