@@ -23,7 +23,8 @@ test: install test-duckdb test-postgres
 test-duckdb:
 	$(BIN)/python -m pytest -q -n 2 -m "not fuzz and not slow"
 
-# Fails when the server does not start or no URL comes back (no silent fall-back to DuckDB: tests/integration/test_backend.py).
+# Fails when the server does not start or no URL comes back: no silent fall-back to DuckDB
+# (tests/integration/test_backend.py checks the backend from inside the run).
 test-postgres:
 	@out=$$(bash .ci/start-postgres.sh) || { echo "test-postgres: .ci/start-postgres.sh failed" >&2; exit 1; }; \
 	url=$$(printf '%s\n' "$$out" | tail -n 1); \
