@@ -3,7 +3,6 @@ merge reads each packed block's compressed length instead of its raw bytes (`sou
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,12 +33,6 @@ class PackResult:
         return {**self.__dict__, "ratio": self.ratio}
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
 def default_store(db: Any) -> Path:
     """``<catalog dir>/mergepipe-store`` for a DuckDB catalog, else ``./mergepipe-store``."""
     p = db.duckdb_path
@@ -58,14 +51,15 @@ def pack(db: Any, name: str, *, store: str | Path | None = None) -> PackResult:
     from filelock import FileLock
 
     from mergepipe_db.core.hashing import xxh3_hex
-    from mergepipe_db.io.local import RangeReader, fsync_dir
+    from mergepipe_db.io import open_store
+    from mergepipe_db.sources import source_class
 
     c, b = schema.checkpoint, schema.block
     with db.connect() as conn:
         row = conn.execute(sa.select(c).where(c.c.name == name)).mappings().first()
         if row is None:
             raise UnknownCheckpointError(f"unknown checkpoint {name!r}")
-        if row["kind"] != "full" or row["base_id"] is None:
+        if not source_class(row["kind"]).packable or row["base_id"] is None:
             raise PackError(f"{name!r} is a {row['kind']} checkpoint{'' if row['base_id'] else ' without a base'}; "
                             f"only full experts ingested with --base can be packed")
         from mergepipe_db.db.checkpoints import load_tensors
@@ -89,10 +83,11 @@ def pack(db: Any, name: str, *, store: str | Path | None = None) -> PackResult:
     new_blobs: list[dict[str, Any]] = []
     new_packed: list[dict[str, Any]] = []
     raw_total = stored = packed_cost = dedup = left_raw = 0
-    with FileLock(str(store_path) + ".lock"), RangeReader(random=False) as reader:
-        fd = os.open(store_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0), 0o644)
+    bytes_store = open_store(store_path)
+    with FileLock(str(store_path) + ".lock"), bytes_store.range_reader(random=False) as reader:
+        out = bytes_store.appender(store_path)
         try:
-            pos = os.fstat(fd).st_size
+            pos = out.size
             for tidx, bidx, off, nbytes, h in blocks:
                 key = (int(tidx), int(bidx))
                 et = mine[key[0]]
@@ -118,7 +113,7 @@ def pack(db: Any, name: str, *, store: str | Path | None = None) -> PackResult:
                     if len(payload) >= len(x):  # no smaller than the block: left to be read from the file
                         left_raw += 1
                         continue
-                    _write_all(fd, payload)
+                    out.write(memoryview(payload))
                     clen = len(payload)
                     new_blobs.append({"hash": ph, "store_path": str(store_path), "offset": pos, "clen": clen,
                                       "raw_len": len(x), "codec": CODEC})
@@ -130,10 +125,11 @@ def pack(db: Any, name: str, *, store: str | Path | None = None) -> PackResult:
                                        (bt.idx, key[1]), xxh3_hex(bdata))})
                 raw_total += len(x)
                 packed_cost += clen
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        fsync_dir(store_dir)
+            out.finish(fsync=True)
+        except BaseException:
+            out.abort()
+            raise
+        bytes_store.sync(store_dir)
         from mergepipe_db.db.bulk import bulk_insert
 
         with db.connect() as conn:

@@ -82,7 +82,9 @@ class InputFile(Protocol):
 
 class OutputFile(Protocol):
     """One object written front to back; `finish` makes it whole (and durable with fsync), `abort` drops
-    the handle after a failure."""
+    the handle after a failure. `size`: its length when opened (0 but for an appender)."""
+
+    size: int
 
     @property
     def direct(self) -> bool: ...
@@ -135,6 +137,11 @@ class ByteStore(ABC):
                ) -> OutputFile:
         """A new object written front to back (`exclusive`: FileExistsError if it exists); `hasher`
         (hashlib-like) is fed every byte in order; `direct` asks to bypass caches where the store can."""
+
+    @abstractmethod
+    def appender(self, location: Location) -> OutputFile:
+        """An output file opened (or created) for appending at its end; its `size` is the length it had (an
+        append-only store file such as the packed block store's; the caller serializes appenders)."""
 
     @abstractmethod
     def write_new(self, location: Location, data: bytes) -> None:

@@ -746,17 +746,23 @@ class DirectSink:
 
 class LocalOutputFile:
     """An output file written front to back: created (exclusively unless `exclusive` is False, then
-    truncated), written with plain writes or, with `direct`, through a `DirectSink` (O_DIRECT, where the file
-    system allows it); `hasher` (hashlib-like), where given, is fed every byte of the file in order. A full
-    disk is OutOfSpaceError (from `write` or `finish`); FileExistsError where an exclusive file exists."""
+    truncated; with `append`, opened or created and written at its end), written with plain writes or, with
+    `direct`, through a `DirectSink` (O_DIRECT, where the file system allows it); `hasher` (hashlib-like), where
+    given, is fed every byte written in order. `size` is the file's length when opened (0 unless appending). A
+    full disk is OutOfSpaceError (from `write` or `finish`); FileExistsError where an exclusive file exists."""
 
-    def __init__(self, path: str | Path, *, exclusive: bool = True, direct: bool = False, hasher: Any = None
-                 ) -> None:
+    def __init__(self, path: str | Path, *, exclusive: bool = True, direct: bool = False, hasher: Any = None,
+                 append: bool = False) -> None:
         self.path = Path(path)
         self._hasher = hasher
         flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
-        flags |= os.O_EXCL if exclusive else os.O_TRUNC
+        if append:
+            assert not direct, "O_DIRECT writes whole pages: no appending"
+            flags |= os.O_APPEND
+        else:
+            flags |= os.O_EXCL if exclusive else os.O_TRUNC
         self._fd: int | None = os.open(self.path, flags, 0o644)
+        self.size = os.fstat(self._fd).st_size
         self._sink: DirectSink | None = None
         if direct:  # the sink's helper hashes what it writes
             self._sink = DirectSink.open(self.path, hasher)
@@ -857,6 +863,9 @@ class LocalStore(ByteStore):
     def writer(self, location: Location, *, exclusive: bool = True, direct: bool = False, hasher: Any = None
                ) -> LocalOutputFile:
         return LocalOutputFile(_local(location), exclusive=exclusive, direct=direct, hasher=hasher)
+
+    def appender(self, location: Location) -> LocalOutputFile:
+        return LocalOutputFile(_local(location), append=True)
 
     def write_new(self, location: Location, data: bytes) -> None:
         write_new(_local(location), data)
