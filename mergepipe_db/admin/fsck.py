@@ -258,7 +258,7 @@ def _check_sources(state: _State, *, full: bool) -> list[Finding]:
 
 
 def _check_summaries(conn: sa.Connection) -> list[Finding]:
-    """Each checkpoint's ranking summaries (ranking.py) agree with its blocks: per tensor the candidates, their
+    """Each checkpoint's ranking summaries (db/rank_tables.py) agree with its blocks: per tensor the candidates, their
     bytes, the unscored ones and the summed sketch; per checkpoint the scored candidates and their bytes in the
     buckets. The planner reads plans from them; they are written with the blocks and never change, so a
     difference means the catalog was edited by hand."""

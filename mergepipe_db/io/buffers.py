@@ -14,9 +14,10 @@ _POOL_FREE_BYTES = 512 << 20
 
 class BufferPool:
     """Reusable page-aligned byte buffers: taken for a read or an output tensor, given back when done, so
-    a merge does not fault in fresh, kernel-zeroed pages for every tensor (DESIGN §6). Thread-safe. Memory is
-    bounded by what is in flight (the read-ahead's bytes, the inputs an operator holds, the output queue) plus
-    at most `_POOL_FREE_BYTES` of free buffers, not by the number of experts.
+    a merge does not fault in fresh, kernel-zeroed pages for every tensor (on these VMs a page touched for the first
+    time costs more than the read into it). Thread-safe. Memory is bounded by what is in flight (the read-ahead's
+    bytes, the inputs an operator holds, the output queue) plus at most `_POOL_FREE_BYTES` of free buffers, not by
+    the number of experts.
     """
 
     def __init__(self, max_free_bytes: int | None = None) -> None:

@@ -61,7 +61,7 @@ def _load(own_process: bool) -> None:
 
         from mergepipe_db.kernels import merge as merge_kernels
 
-        merge_kernels.narrow_bf16(np.empty(1, np.uint16), np.zeros(1, np.float32))  # as executor._BaseOnly does
+        merge_kernels.narrow_bf16(np.empty(1, np.uint16), np.zeros(1, np.float32))  # as the base-only path does
     with contextlib.suppress(Exception):
         # the commit's bulk insert into DuckDB goes through Arrow (`db.bulk`): imported here, while the merge
         # runs, not at the commit (0.1-0.5 s, cold)

@@ -5,7 +5,7 @@ Three threads, data flowing one way:
   `_READ_AHEAD_BYTES` ahead of the compute thread (reads overlap compute even while an operator holds a
   tensor's inputs for one fused pass at `finish`); the base tensors are read one tensor ahead on a helper
   thread (`_BaseAhead`), so a base read and the expert ranges are in flight together; with O_DIRECT where the
-  file system allows it (`storage.RangeReader.read_aligned`: no page-cache copy; on these machines buffered
+  file system allows it (`io.local.RangeReader.read_aligned`: no page-cache copy; on these machines buffered
   reads cost more kernel time than the merge's arithmetic), except ranges already whole in the page cache,
   which are copied from it. Realized expert bytes are counted where the reads are issued and must equal the
   plan's bytes (budget soundness).

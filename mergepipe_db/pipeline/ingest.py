@@ -1,6 +1,6 @@
 """Ingest: catalogue a checkpoint once — files, tensors, row blocks, hashes and delta statistics.
 
-Each file is read once, sequentially (O_DIRECT where the file system allows it, `storage.SequentialReader`);
+Each file is read once, sequentially (O_DIRECT where the file system allows it, `io.local.SequentialReader`);
 a reader thread reads and xxh3-hashes ahead (sha256 on a thread of its own) while the caller's thread hands
 blocks to the delta statistics, so hashing overlaps with I/O. Peak memory is a few read pieces.
 Experts of one base that list their tensors in the same order are read in lockstep (`ingest_many`,
@@ -203,11 +203,11 @@ class _Sha256Thread:
 
 
 class _FileStream:
-    """One checkpoint's files read front to back (`storage.SequentialReader`: O_DIRECT where it can), each
+    """One checkpoint's files read front to back (`io.local.SequentialReader`: O_DIRECT where it can), each
     hashed (sha256, on `hashing`'s thread) as it is read; a file no tensor is read from is still read and
     hashed, in turn, so `sha` lines up with `layout.files` (its digests are final once `hashing` is closed).
     What it reads leaves the page cache as it found it: what is read through the cache (where O_DIRECT is
-    refused) is dropped behind the reader (`storage.DropBehind`; `drop_unknown`: drop where the kernel cannot
+    refused) is dropped behind the reader (`io.local.DropBehind`; `drop_unknown`: drop where the kernel cannot
     tell what was cached)."""
 
     def __init__(self, layout: CheckpointLayout, hashing: _Sha256Thread, cuts: list[list[int]], *, piece: int,
@@ -294,7 +294,7 @@ def _reader(layouts, plans, base, out: queue.Queue, shas: list[list[str]], stop:
     they were (a third of a benchmark expert's bytes), so an expert ingested alone skips that much of its base.
 
     The base is read without the kernel's read-ahead, which would fetch the skipped ranges too (up to 16 MiB
-    past each read here); instead, a base block known to be needed is asked for (`storage.ReadAhead`) as soon
+    past each read here); instead, a base block known to be needed is asked for (`io.local.ReadAhead`) as soon
     as the members' blocks are hashed and taken `_BASE_LEAD` bytes of member data later. Each member's files
     are read in pieces of `_MEMBER_READS` bytes shared among the members (so memory does not grow with their
     number)."""

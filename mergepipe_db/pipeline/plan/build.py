@@ -11,7 +11,8 @@ budget, and the executor checks realized == planned.
 Two shortcuts give the same plan without ranking every candidate: a budget that holds every candidate takes
 them all (a tensor whose every block is a candidate as one whole-tensor read, `ranking.whole_tensors`; the
 other tensors' blocks from `sql/plan_take_all.sql`), and a budgeted single-block plan ranks only the top of
-each expert's ranking, found from the ranking summaries ingest keeps (`ranking.py`, `sql/plan_rank_top.sql`).
+each expert's ranking, found from the ranking summaries ingest keeps (`db/rank_tables.py`; `ranking.py` beside
+this module, `sql/plan_rank_top.sql`).
 Each checks its premise on the rows it reads and hands over to the full ranking when it fails.
 
 TIES (density d < 1) never reads a block that provably trims to zero: from the summed block sketches of a
@@ -56,7 +57,7 @@ def _trim_bound(hist: np.ndarray, complete: bool, density: float, numel: int) ->
     """TIES: a value every block with ``delta_max`` below it provably trims to zero, or None (no pruning).
 
     k = int(d·numel) (the operator's k); τ = the k-th largest |Δ| lies in bin b_τ of the exact tensor
-    histogram, so τ >= edges[b_τ], and for float32 x, ``x < edges[b_τ]`` iff bin(x) < b_τ (sketch.py): a block
+    histogram, so τ >= edges[b_τ], and for float32 x, ``x < edges[b_τ]`` iff bin(x) < b_τ (core/sketch.py): a block
     whose max |Δ| is below edges[b_τ] holds only |Δ| < τ. k == 0 means τ = +inf (everything trims). A tensor
     with values in the last bin (huge, inf or NaN) or an incomplete or inconsistent sketch is never pruned.
     """

@@ -16,7 +16,7 @@ blocks in the transaction that inserts them (ingest, snapshot commit; migration 
   which the per-(tensor, expert) plan summary (candidate counts, omitted-update bound) follows without
   reading the omitted blocks.
 
-mp_tensor_sketch holds, per tensor, the sum of its block sketches (`sketch.py`): TIES takes its trim
+mp_tensor_sketch holds, per tensor, the sum of its block sketches (`core/sketch.py`): TIES takes its trim
 threshold's bin from it, without decoding a sketch per block (10^6 of them hold ~250 MB).
 
 Blocks are also inserted in descending delta_l2 order (`in_rank_order`), so the top of a checkpoint's ranking
