@@ -50,15 +50,15 @@ MAX_EXP = 16
 NBINS = BINS_PER_OCTAVE * (MAX_EXP - MIN_EXP) + 1  # 225
 ZERO_BIN = 0
 LAST_BIN = NBINS - 1
-#: bin = floor(4*log2(x)) + _OFFSET, clamped to [1, LAST_BIN]
-_OFFSET = BINS_PER_OCTAVE * -MIN_EXP + 1  # 161
+#: bin = floor(4*log2(x)) + BIN_OFFSET, clamped to [1, LAST_BIN]
+BIN_OFFSET = BINS_PER_OCTAVE * -MIN_EXP + 1  # 161
 
 _CHUNK = 1 << 16  # elements per step of `histogram` (keeps the scratch in cache)
-_SCALE = 4096.0  # 2^12: keeps y**4 normal for x in [2^-40, 2^16]
-_F32_EXP_BIAS = 127
+CODE_SCALE = 4096.0  # 2^12: keeps y**4 normal for x in [2^-40, 2^16]
+F32_EXP_BIAS = 127
 
 # float32 exponent field E of (x * 2^12)**4 (0..255) -> bin; E == 0 holds exact zeros and tiny values.
-_CODE_TO_BIN = np.clip(np.arange(256, dtype=np.int64) - _F32_EXP_BIAS - 48 + _OFFSET, 1, LAST_BIN)
+_CODE_TO_BIN = np.clip(np.arange(256, dtype=np.int64) - F32_EXP_BIAS - 48 + BIN_OFFSET, 1, LAST_BIN)
 
 # encode/decode: version byte, then sorted (bin, count) pairs of the non-empty bins, little-endian.
 _PAIR32 = np.dtype([("bin", "<u2"), ("count", "<u4")])
@@ -84,7 +84,7 @@ def _make_edges() -> np.ndarray:
     edges = np.zeros(NBINS, dtype=np.float64)
     edges[1] = float(np.float32(2.0**-149))  # the smallest positive float32: bin >= 1 <=> x > 0
     for j in range(2, NBINS):
-        edges[j] = _float32_ceil_pow2_quarter(j - _OFFSET)
+        edges[j] = _float32_ceil_pow2_quarter(j - BIN_OFFSET)
     return edges
 
 
@@ -103,7 +103,7 @@ def bin_edges() -> np.ndarray:
 
 def _nominal_range(b: int) -> tuple[float, float]:
     """Nominal [lower, upper) of bin b >= 1 for interpolation (bin 1 and the last bin are clamped wider)."""
-    lo = 2.0 ** ((b - _OFFSET) / BINS_PER_OCTAVE)
+    lo = 2.0 ** ((b - BIN_OFFSET) / BINS_PER_OCTAVE)
     return lo, lo * 2.0 ** (1.0 / BINS_PER_OCTAVE)
 
 
@@ -123,7 +123,7 @@ def _codes(chunk: torch.Tensor, fbuf: torch.Tensor, ibuf: torch.Tensor) -> torch
     import torch
 
     m = chunk.numel()
-    y = torch.mul(chunk, _SCALE, out=fbuf[:m])
+    y = torch.mul(chunk, CODE_SCALE, out=fbuf[:m])
     y.mul_(y)
     y.mul_(y)
     codes = torch.bitwise_right_shift(y.view(torch.int32), 23, out=ibuf[:m])

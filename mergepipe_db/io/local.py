@@ -45,7 +45,7 @@ ALIGN = 4096  # O_DIRECT granularity: offsets, lengths and buffer addresses in w
 
 
 #: bytes per read request: on these virtio disks 8 MiB O_DIRECT requests stream ~1.3x faster than 64 MiB ones
-_REQUEST = 8 << 20
+REQUEST_BYTES = 8 << 20
 
 _CACHESTAT = 451  # the syscall's number, the same on every architecture (Linux 6.5+)
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else ALIGN  # the page cache's unit
@@ -153,12 +153,12 @@ class DropBehind:
 
 def pread_into(fd: int, buf: memoryview, offset: int, need: int | None = None) -> int:
     """The package's one pread loop: read into `buf` from `offset` until at least `need` bytes (all of `buf`
-    by default) arrived or the file ended, in requests of at most `_REQUEST` bytes. Returns the bytes read:
+    by default) arrived or the file ended, in requests of at most `REQUEST_BYTES` bytes. Returns the bytes read:
     fewer than `need` only at the end of the file."""
     need = len(buf) if need is None else need
     done = 0
     while done < need:
-        n = os.preadv(fd, [buf[done:done + _REQUEST]], offset + done)
+        n = os.preadv(fd, [buf[done:done + REQUEST_BYTES]], offset + done)
         if n == 0:
             break
         done += n
@@ -274,11 +274,11 @@ class RangeReader:
         pages around the range; with O_DIRECT the whole pages are read in place, so bytes of `arr` next to
         the range (up to a page on each side) receive the file's neighbouring bytes. Without O_DIRECT (or
         once the file system rejects it) this is a plain buffered read of the range. The range is looked at
-        in pieces of `_REQUEST` bytes (at multiples of it in the file): a piece whole in the page cache
+        in pieces of `REQUEST_BYTES` bytes (at multiples of it in the file): a piece whole in the page cache
         (`page_cached`) is copied from there, and each run of the other pieces is one O_DIRECT read.
         """
         fd, end = self._fd(path), offset + n
-        edges = [offset, *range((offset // _REQUEST + 1) * _REQUEST, end, _REQUEST), end]
+        edges = [offset, *range((offset // REQUEST_BYTES + 1) * REQUEST_BYTES, end, REQUEST_BYTES), end]
         pieces = zip(edges, edges[1:])
         for cached, group in itertools.groupby(pieces, key=lambda p: bool(page_cached(fd, p[0], p[1] - p[0]))):
             run = list(group)  # consecutive pieces alike: one read

@@ -37,8 +37,8 @@ _SPARSE = 4  # a tile with at most 1/4 of its |Δ| nonzero bins and counts only 
 # int32/uint32/float32 constants, so numba keeps the tile loops in 32-bit lanes
 _LAST = np.int32(sketch.LAST_BIN)
 _ZERO, _ONE = np.int32(0), np.int32(1)
-_SCALE = np.float32(sketch._SCALE)
-_CODE_SHIFT = np.int32(sketch._F32_EXP_BIAS + 48 - sketch._OFFSET)  # bin = code − this (sketch._CODE_TO_BIN)
+_SCALE = np.float32(sketch.CODE_SCALE)
+_CODE_SHIFT = np.int32(sketch.F32_EXP_BIAS + 48 - sketch.BIN_OFFSET)  # bin = code − this (sketch._CODE_TO_BIN)
 _U23, _UFF = np.uint32(23), np.uint32(0xFF)
 
 

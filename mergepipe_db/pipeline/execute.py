@@ -2,7 +2,7 @@
 
 Three threads, data flowing one way:
 - reader: issues every read (base tensors in order, expert ranges with adjacent blocks coalesced) up to
-  `_READ_AHEAD_BYTES` ahead of the compute thread (reads overlap compute even while an operator holds a
+  `READ_AHEAD_BYTES` ahead of the compute thread (reads overlap compute even while an operator holds a
   tensor's inputs for one fused pass at `finish`); the base tensors are read one tensor ahead on a helper
   thread (`_BaseAhead`), so a base read and the expert ranges are in flight together; with O_DIRECT where the
   file system allows it (`io.local.RangeReader.read_aligned`: no page-cache copy; on these machines buffered
@@ -49,7 +49,7 @@ from mergepipe_db.io.local import RangeReader
 DEFAULT_SHARD_BYTES = 4 << 30
 #: how far the reader may run ahead of the compute thread: bytes of items read and not yet taken (an item
 #: larger than this is still read once nothing else is waiting), and items
-_READ_AHEAD_BYTES = 256 << 20
+READ_AHEAD_BYTES = 256 << 20
 _READ_AHEAD_ITEMS = 64
 
 
@@ -77,7 +77,7 @@ def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
 
 
 @dataclass
-class _Item:
+class ReadItem:
     kind: str  # "base" | "expert"
     tensor_idx: int
     position: int
@@ -89,11 +89,11 @@ class _Item:
     delta: bool = False  # `data` is Δ (float32), as the expert's source stated (`SourceRead.form`)
 
 
-class _Stopped(Exception):
+class Stopped(Exception):
     """The compute thread stopped the merge: the reader leaves without reading further."""
 
 
-class _ReadAhead:
+class ReadQueue:
     """The reader's queue to the compute thread, bounded in the bytes of the items waiting in it as well as
     in their number: the reader can read a whole tensor of every expert ahead while the compute thread runs
     a fused pass, and memory stays bounded whatever the number of experts."""
@@ -103,20 +103,20 @@ class _ReadAhead:
         self._q: queue.Queue = queue.Queue()
         self._cv = threading.Condition()
         self._stop = stop
-        self._max_bytes = _READ_AHEAD_BYTES if max_bytes is None else max_bytes
+        self._max_bytes = READ_AHEAD_BYTES if max_bytes is None else max_bytes
         self._max_items = _READ_AHEAD_ITEMS if max_items is None else max_items
         self._bytes = self._items = 0
         self.full_s = 0.0  # time the reader waited for room (the compute side was behind)
 
     def put(self, item: Any) -> None:
-        """Queue an item (an `_Item`, None at the end, or an exception), waiting for room; `_Stopped` once
+        """Queue an item (an `ReadItem`, None at the end, or an exception), waiting for room; `Stopped` once
         the merge is stopped."""
         nbytes = _item_bytes(item)
         with self._cv:
             t0 = time.perf_counter()
             while self._items and (self._items >= self._max_items or self._bytes + nbytes > self._max_bytes):
                 if self._stop.is_set():
-                    raise _Stopped
+                    raise Stopped
                 self._cv.wait(0.05)
             self.full_s += time.perf_counter() - t0
             self._items += 1
@@ -134,7 +134,7 @@ class _ReadAhead:
 
 
 def _item_bytes(item: Any) -> int:
-    return item.data.nbytes if isinstance(item, _Item) else 0
+    return item.data.nbytes if isinstance(item, ReadItem) else 0
 
 
 class _BaseAhead(threading.Thread):
@@ -171,13 +171,13 @@ class _BaseAhead(threading.Thread):
                 return
 
     def next(self) -> tuple[np.ndarray, int]:
-        """The next base tensor's (buffer, pos), as `BufferPool.take` gave them; `_Stopped` once stopped."""
+        """The next base tensor's (buffer, pos), as `BufferPool.take` gave them; `Stopped` once stopped."""
         while True:
             try:
                 item = self._q.get(timeout=0.05)
             except queue.Empty:
                 if self._halt.is_set():
-                    raise _Stopped from None
+                    raise Stopped from None
                 if not self.is_alive() and self._q.empty():
                     raise RuntimeError("the base reader stopped early") from None
                 continue
@@ -186,7 +186,7 @@ class _BaseAhead(threading.Thread):
             return item
 
 
-def _reader_thread(plan: Plan, q: _ReadAhead, stop: threading.Event, counters: dict[str, int],
+def _reader_thread(plan: Plan, q: ReadQueue, stop: threading.Event, counters: dict[str, int],
                    verify: bool, pool: BufferPool) -> None:
     base_ahead = _BaseAhead(plan.base_tensors, pool, stop)
     expert_reader = RangeReader(random=True)
@@ -197,7 +197,7 @@ def _reader_thread(plan: Plan, q: _ReadAhead, stop: threading.Event, counters: d
                 return
             arr, pos = base_ahead.next()
             base = arr[pos:pos + t.nbytes]
-            q.put(_Item("base", t.idx, -1, base, [], (), t.nbytes, arr))
+            q.put(ReadItem("base", t.idx, -1, base, [], (), t.nbytes, arr))
             if t.dtype not in ARITHMETIC_DTYPES:
                 continue
             for e in plan.experts:
@@ -205,17 +205,17 @@ def _reader_thread(plan: Plan, q: _ReadAhead, stop: threading.Event, counters: d
                 if not reads:
                     continue
                 got = plan.sources[e.position].read(t, e.tensors[t.name], reads, base, expert_reader, verify, pool)
-                q.put(_Item("expert", t.idx, e.position, got.data, got.rows, got.blocks, got.nbytes_read, got.arr,
+                q.put(ReadItem("expert", t.idx, e.position, got.data, got.rows, got.blocks, got.nbytes_read, got.arr,
                             got.is_delta))
         base_ahead.join()
         counters["base"] = base_ahead.reader.bytes_read
         counters["expert"] = expert_reader.bytes_read
         counters["cached"] = base_ahead.reader.bytes_cached + expert_reader.bytes_cached
         q.put(None)
-    except _Stopped:
+    except Stopped:
         return
     except BaseException as e:  # noqa: BLE001 - re-raised in the compute thread
-        with contextlib.suppress(_Stopped):
+        with contextlib.suppress(Stopped):
             q.put(e)
     finally:
         expert_reader.close()
@@ -236,7 +236,7 @@ def execute(
 
     layout = output_layout(plan, shard_bytes)
     needs_torch = (operator_class(plan.spec.method).uses_torch or any(s.needs_torch for s in plan.sources)
-                   or any(ot.dtype == "F16" for ot in layout[0]))  # `_cast_into`
+                   or any(ot.dtype == "F16" for ot in layout[0]))  # `cast_into`
     torch = sys.modules.get("torch")
     if needs_torch and torch is None:
         import torch
@@ -253,7 +253,7 @@ def execute(
             torch.set_num_threads(prev_threads)
 
 
-def _cast_into(out_bytes: np.ndarray, dtype: str, merged: np.ndarray) -> None:
+def cast_into(out_bytes: np.ndarray, dtype: str, merged: np.ndarray) -> None:
     """Write float32 `merged` into `out_bytes` (uint8) as safetensors `dtype`, rounding as torch's ``.to``."""
     flat = merged.reshape(-1)
     if dtype == "F32":
@@ -271,7 +271,7 @@ def _cast_into(out_bytes: np.ndarray, dtype: str, merged: np.ndarray) -> None:
     torch.from_numpy(out_bytes).view(torch_dtype(dtype)).copy_(torch.from_numpy(flat))
 
 
-class _BaseOnly:
+class BaseOnly:
     """Blocks no expert selected, written from the operator's `base_only_table`: BF16 θ₀ bits to BF16 output
     bits by a lookup, with no widening, folding or rounding there (at a low budget, most of a tensor)."""
 
@@ -307,7 +307,7 @@ class _BaseOnly:
     def cast_into(self, out_bytes: np.ndarray, merged: np.ndarray, base_bytes: np.ndarray, bounds: np.ndarray,
                   skip: np.ndarray) -> np.ndarray | None:
         """BF16 output: `merged` rounded on the blocks computed, the table's value of θ₀ on the skipped ones;
-        with a NaN in either, the skipped blocks are filled from the table and torch converts (`_cast_into`).
+        with a NaN in either, the skipped blocks are filled from the table and torch converts (`cast_into`).
         Returns which blocks are θ₀'s bytes unchanged (skipped blocks with no pattern the table moves, such as
         −0 → +0), or None when none is: those are not written into `out_bytes` (`_OutputJob.pieces`)."""
         from mergepipe_db.kernels import merge as merge_kernels
@@ -321,7 +321,7 @@ class _BaseOnly:
         for b in np.flatnonzero(skip).tolist():
             s, e = int(bounds[b]), int(bounds[b + 1])
             flat[s:e] = self.table[base16[s:e]]
-        _cast_into(out_bytes, "BF16", merged)
+        cast_into(out_bytes, "BF16", merged)
         return None
 
 
@@ -364,7 +364,7 @@ class _OutputJob:
     base: np.ndarray | None  # the base tensor's bytes when dtypes agree (delta statistics of the output)
     give_back: tuple[np.ndarray | None, ...]  # BufferPool buffers to return once written
     tensor: TensorInfo
-    #: per block, whether its output bytes are θ₀'s (`_BaseOnly.cast_into`): those are taken from `base`, and
+    #: per block, whether its output bytes are θ₀'s (`BaseOnly.cast_into`): those are taken from `base`, and
     #: `data` holds only the others; `bounds` are the blocks' byte offsets in the tensor
     unchanged: np.ndarray | None = None
     bounds: np.ndarray | None = None
@@ -491,7 +491,7 @@ class _OutputWriter(threading.Thread):
         data = memoryview(job.data)
         base_view = None if job.base is None else memoryview(job.base)
         tensor_hash = xxh3_stream()
-        rows = list(_out_blocks(job.ot, data, self._bb, base_view, job.unchanged, tensor_hash, job.bounds))
+        rows = list(out_block_rows(job.ot, data, self._bb, base_view, job.unchanged, tensor_hash, job.bounds))
         out = tensor_hash.hexdigest(), rows
         del data, base_view
         for arr in job.give_back:
@@ -536,7 +536,7 @@ def _execute(
     pool32 = _F32Pool()
     buffers = BufferPool()
     stop = threading.Event()
-    q = _ReadAhead(stop)
+    q = ReadQueue(stop)
     counters: dict[str, int] = {}
     reader = threading.Thread(target=_reader_thread, args=(plan, q, stop, counters, verify_reads, buffers),
                               daemon=True)
@@ -553,7 +553,7 @@ def _execute(
     reader.start()
     output.start()
 
-    def next_item() -> _Item:
+    def next_item() -> ReadItem:
         t0 = time.perf_counter()
         item = q.get()
         timings["read_wait"] += time.perf_counter() - t0
@@ -563,7 +563,7 @@ def _execute(
 
     try:
         op = make_operator(spec.method, params, normalize=spec.normalize, lam=spec.lam, t=spec.t)
-        table = _BaseOnly(op) if any(ot.dtype == "BF16" for ot in out_tensors) else None
+        table = BaseOnly(op) if any(ot.dtype == "BF16" for ot in out_tensors) else None
         # an operator that keeps θ_k past add() (slerp keeps its one expert until finish) gets fresh memory
         reuse_theta = not op.tensor_granular
         for t, ot in zip(plan.base_tensors, out_tensors):
@@ -633,7 +633,7 @@ def _execute(
                     assert table is not None
                     unchanged = table.cast_into(out_bytes, merged, base_item.data, bounds, skip)
                 else:
-                    _cast_into(out_bytes, ot.dtype, merged)
+                    cast_into(out_bytes, ot.dtype, merged)
                 del merged, base32
             else:
                 out_bytes = base_item.data
@@ -706,7 +706,7 @@ def _shard_offsets(out_tensors: list[OutTensor], by_shard: dict[int, list[OutTen
     return [absolute[o.idx] for o in out_tensors], header_lens
 
 
-def _out_blocks(ot: OutTensor, data: memoryview, block_bytes: int, base: memoryview | None = None,
+def out_block_rows(ot: OutTensor, data: memoryview, block_bytes: int, base: memoryview | None = None,
                 unchanged: np.ndarray | None = None, tensor_hash: Any = None, bounds: np.ndarray | None = None
                 ) -> Iterator[dict[str, Any]]:
     """Block rows of an output tensor (offsets relative to the tensor; made absolute at commit).

@@ -173,7 +173,7 @@ def test_pread_into_stops_at_the_end_of_the_file(tmp_path: Path, monkeypatch: py
     f = tmp_path / "a.bin"
     data = os.urandom(10_000)
     f.write_bytes(data)
-    monkeypatch.setattr(local, "_REQUEST", 4096)  # several requests per read
+    monkeypatch.setattr(local, "REQUEST_BYTES", 4096)  # several requests per read
     fd = os.open(f, os.O_RDONLY)
     try:
         buf = bytearray(12_000)

@@ -82,7 +82,7 @@ def test_a_partly_cached_range_is_copied_where_cached_and_read_directly_elsewher
     O_DIRECT reads; every byte is counted once and lands where it belongs."""
     path, data = _file(tmp_path)
     cold_or_skip(path)
-    monkeypatch.setattr(storage, "_REQUEST", 4 * PAGE)
+    monkeypatch.setattr(storage, "REQUEST_BYTES", 4 * PAGE)
     fd = os.open(path, os.O_RDONLY)
     try:  # warm pages 8-15 and 24-27: two whole pieces, one half piece (28-31 stays cold)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)

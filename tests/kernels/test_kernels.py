@@ -149,7 +149,7 @@ def test_narrow_bf16_rounds_as_torch() -> None:
 @pytest.mark.parametrize("nan", [False, True])
 def test_output_cast_is_torchs(dtype: str, nan: bool) -> None:
     from mergepipe_db.core.dtypes import torch_dtype
-    from mergepipe_db.pipeline.execute import _cast_into
+    from mergepipe_db.pipeline.execute import cast_into
 
     g = torch.Generator().manual_seed(9)
     merged = (torch.randn(4098, generator=g) * torch.logspace(-42, 38, 4098)).reshape(3, -1)
@@ -157,7 +157,7 @@ def test_output_cast_is_torchs(dtype: str, nan: bool) -> None:
         merged[1, 5] = float("nan")
         merged[2, -1] = -float("nan")
     out = np.empty(merged.numel() * torch.empty(0, dtype=torch_dtype(dtype)).element_size(), np.uint8)
-    _cast_into(out, dtype, merged.numpy())
+    cast_into(out, dtype, merged.numpy())
     want = merged.to(torch_dtype(dtype)).reshape(-1).view(torch.uint8).numpy()
     assert np.array_equal(out, want)
 

@@ -109,23 +109,23 @@ def test_fused_merges_import_neither_torch_nor_scipy(catalog, catalog_url, tiny_
 def test_unread_blocks_from_the_base_table_equal_the_computed_ones(catalog, tiny_family, tmp_path, monkeypatch,
                                                                    method) -> None:
     """At a partial budget the executor writes blocks no expert reads from the operator's base-only table
-    (`executor._BaseOnly`); the output is byte for byte the one computed with every block folded."""
+    (`executor.BaseOnly`); the output is byte for byte the one computed with every block folded."""
     from mergepipe_db.pipeline import execute as executor
 
     names = ingest_family(catalog, tiny_family)
     spec = make_spec(method, names)
     skipped: list[int] = []
-    skippable = executor._BaseOnly.skippable
+    skippable = executor.BaseOnly.skippable
 
     def counting(self, plan, t):  # noqa: ANN001, ANN202
         skip = skippable(self, plan, t)
         skipped.append(0 if skip is None else int(skip.sum()))
         return skip
 
-    monkeypatch.setattr(executor._BaseOnly, "skippable", counting)
+    monkeypatch.setattr(executor.BaseOnly, "skippable", counting)
     catalog.merge(spec, out=tmp_path / "table", budget="0.3", shard_bytes=40_000)
     assert sum(skipped) > 0
-    monkeypatch.setattr(executor._BaseOnly, "skippable", lambda self, plan, t: None)
+    monkeypatch.setattr(executor.BaseOnly, "skippable", lambda self, plan, t: None)
     catalog.merge(spec, out=tmp_path / "folded", budget="0.3", shard_bytes=40_000)
     assert_bytes_equal(load_output(tmp_path / "table"), load_output(tmp_path / "folded"))
 
@@ -141,13 +141,13 @@ def test_snapshot_block_rows_equal_an_ingest_of_its_output(catalog, tiny_family,
 
     names = ingest_family(catalog, tiny_family)
     marked: list[int] = []
-    out_blocks = executor._out_blocks
+    out_blocks = executor.out_block_rows
 
     def spying(ot, data, block_bytes, base=None, unchanged=None, *args):  # noqa: ANN001, ANN002, ANN202
         marked.append(0 if unchanged is None else int(unchanged.sum()))
         return out_blocks(ot, data, block_bytes, base, unchanged, *args)
 
-    monkeypatch.setattr(executor, "_out_blocks", spying)
+    monkeypatch.setattr(executor, "out_block_rows", spying)
     res = catalog.merge(make_spec(method, names), out=tmp_path / "out", budget="0.2", shard_bytes=40_000)
     assert sum(marked) > 0  # the shortcut was taken
     again = catalog.ingest(tmp_path / "out", name="again", base="base")

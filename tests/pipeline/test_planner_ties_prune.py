@@ -59,7 +59,7 @@ def test_full_budget_with_pruning_is_bit_identical_to_reference(catalog, request
     assert sum(e.pruned_bytes for e in plan.experts) == plan.pruned_bytes
     assert plan.planned_bytes == plan.candidate_bytes and all(plan.full_selection.values())
     with monkeypatch.context() as m:
-        m.setattr(planner, "_prunable", lambda *a: False)
+        m.setattr(planner, "ties_prunable", lambda *a: False)
         unpruned = catalog.plan(spec, budget="1.0")
     assert unpruned.pruned_bytes == 0
     assert unpruned.candidate_bytes == plan.candidate_bytes + plan.pruned_bytes
@@ -171,13 +171,13 @@ def test_trim_bound_cases() -> None:
     h = np.zeros(sketch.NBINS, dtype=np.int64)
     h[0], h[100], h[150] = 50, 40, 10
     b, _ = sketch.locate_kth_largest(h, 5)
-    assert b == 150 and planner._trim_bound(h, True, 0.05, 100) == sketch.bin_edges()[150]
-    assert planner._trim_bound(h, True, 0.005, 100) == math.inf  # k = 0: everything trims
-    assert planner._trim_bound(h, False, 0.05, 100) is None  # a block without a sketch
-    assert planner._trim_bound(h, True, 0.05, 101) is None  # counts disagree with numel
-    assert planner._trim_bound(h, True, 0.9, 100) is None  # τ = 0 (zero bin): nothing to prune
+    assert b == 150 and planner.trim_bound(h, True, 0.05, 100) == sketch.bin_edges()[150]
+    assert planner.trim_bound(h, True, 0.005, 100) == math.inf  # k = 0: everything trims
+    assert planner.trim_bound(h, False, 0.05, 100) is None  # a block without a sketch
+    assert planner.trim_bound(h, True, 0.05, 101) is None  # counts disagree with numel
+    assert planner.trim_bound(h, True, 0.9, 100) is None  # τ = 0 (zero bin): nothing to prune
     h[sketch.LAST_BIN] = 1
-    assert planner._trim_bound(h, True, 0.05, 101) is None  # huge / inf / NaN values: never pruned
+    assert planner.trim_bound(h, True, 0.05, 101) is None  # huge / inf / NaN values: never pruned
     # the bound is the sketch's binning: x < edges[b] iff bin(x) < b, on the edges and their neighbours
     edges = sketch.bin_edges()
     for j in (2, 40, 150, 200):

@@ -16,14 +16,14 @@ from conftest import ingest_family
 from reference_merge import assert_bytes_equal, load_output
 
 from mergepipe_db.pipeline import execute as executor
-from mergepipe_db.pipeline.execute import _Item, _ReadAhead, _Stopped
+from mergepipe_db.pipeline.execute import ReadItem, ReadQueue, Stopped
 
 
-def _item(nbytes: int) -> _Item:
-    return _Item("expert", 0, 0, torch.empty(nbytes, dtype=torch.uint8), [], (), nbytes)
+def _item(nbytes: int) -> ReadItem:
+    return ReadItem("expert", 0, 0, torch.empty(nbytes, dtype=torch.uint8), [], (), nbytes)
 
 
-def _put_waits(q: _ReadAhead, item: object) -> tuple[threading.Thread, list[object]]:
+def _put_waits(q: ReadQueue, item: object) -> tuple[threading.Thread, list[object]]:
     """Start putting `item` on another thread and check that the put is still waiting 0.2 s later."""
     done: list[object] = []
 
@@ -31,7 +31,7 @@ def _put_waits(q: _ReadAhead, item: object) -> tuple[threading.Thread, list[obje
         try:
             q.put(item)
             done.append("put")
-        except _Stopped:
+        except Stopped:
             done.append("stopped")
 
     t = threading.Thread(target=put, daemon=True)
@@ -42,7 +42,7 @@ def _put_waits(q: _ReadAhead, item: object) -> tuple[threading.Thread, list[obje
 
 
 def test_read_ahead_waits_for_room_in_bytes_and_items() -> None:
-    q = _ReadAhead(threading.Event(), max_bytes=100, max_items=3)
+    q = ReadQueue(threading.Event(), max_bytes=100, max_items=3)
     q.put(_item(60))
     t, done = _put_waits(q, _item(50))  # 60 + 50 > 100: waits until the first is taken
     assert q.get().data.numel() == 60
@@ -58,7 +58,7 @@ def test_read_ahead_waits_for_room_in_bytes_and_items() -> None:
 
 def test_oversized_item_is_admitted_alone_and_stop_releases_the_reader() -> None:
     stop = threading.Event()
-    q = _ReadAhead(stop, max_bytes=100, max_items=8)
+    q = ReadQueue(stop, max_bytes=100, max_items=8)
     q.put(_item(1000))  # nothing waiting: read even though it exceeds the bound
     t, done = _put_waits(q, _item(1))
     stop.set()
@@ -73,7 +73,7 @@ def test_oversized_item_is_admitted_alone_and_stop_releases_the_reader() -> None
 @pytest.mark.parametrize("method", ["linear", "ties"])
 def test_merge_with_a_tiny_read_ahead_is_bit_identical(catalog, tiny_family, tmp_path, monkeypatch,
                                                        method) -> None:
-    monkeypatch.setattr(executor, "_READ_AHEAD_BYTES", 1)
+    monkeypatch.setattr(executor, "READ_AHEAD_BYTES", 1)
     names = ingest_family(catalog, tiny_family)
     catalog.merge(make_spec(method, names), out=tmp_path / "out", budget="1.0")
     assert_bytes_equal(load_output(tmp_path / "out"), reference_for(catalog, tiny_family, method, names))
@@ -111,7 +111,7 @@ def test_an_error_in_the_output_statistics_stops_the_merge_and_publishes_nothing
     thread is left behind, nothing appears at --out, and the same merge then commits."""
     names = ingest_family(catalog, tiny_family)
     calls: list[int] = []
-    real = executor._out_blocks
+    real = executor.out_block_rows
 
     def failing(ot, *args, **kwargs):  # noqa: ANN001, ANN202
         calls.append(ot.idx)
@@ -119,12 +119,12 @@ def test_an_error_in_the_output_statistics_stops_the_merge_and_publishes_nothing
             raise RuntimeError("statistics failed")
         return real(ot, *args, **kwargs)
 
-    monkeypatch.setattr(executor, "_out_blocks", failing)
+    monkeypatch.setattr(executor, "out_block_rows", failing)
     with pytest.raises(RuntimeError, match="statistics failed"):
         catalog.merge(make_spec("linear", names), out=tmp_path / "out", budget="1.0")
     assert not (tmp_path / "out").exists()
     assert not [t for t in threading.enumerate() if t.name.startswith(("mergepipe-output", "mergepipe-stats"))]
-    monkeypatch.setattr(executor, "_out_blocks", real)
+    monkeypatch.setattr(executor, "out_block_rows", real)
     catalog.merge(make_spec("linear", names), out=tmp_path / "out", budget="1.0")
     assert_bytes_equal(load_output(tmp_path / "out"), reference_for(catalog, tiny_family, "linear", names))
 

@@ -53,7 +53,7 @@ _EDGES = sketch.bin_edges()  # the smallest float32 of each sketch bin
 # --- catalog reads ---------------------------------------------------------------------------------
 
 
-def _trim_bound(hist: np.ndarray, complete: bool, density: float, numel: int) -> float | None:
+def trim_bound(hist: np.ndarray, complete: bool, density: float, numel: int) -> float | None:
     """TIES: a value every block with ``delta_max`` below it provably trims to zero, or None (no pruning).
 
     k = int(d·numel) (the operator's k); τ = the k-th largest |Δ| lies in bin b_τ of the exact tensor
@@ -72,7 +72,7 @@ def _trim_bound(hist: np.ndarray, complete: bool, density: float, numel: int) ->
     return float(_EDGES[b])
 
 
-def _prunable(e: ExpertPlan, op: Any, base_id: str) -> bool:
+def ties_prunable(e: ExpertPlan, op: Any, base_id: str) -> bool:
     """TIES trim (magnitude sparsification) at density < 1, for an expert whose block statistics are of the
     same Δ the executor forms (`ExpertSource.ties_prunable`: not a LoRA adapter), catalogued against this base."""
     return (getattr(op, "sparsification", None) == "magnitude" and not op.tensor_granular and e.density < 1
@@ -84,13 +84,13 @@ def ties_prune_bounds(conn: sa.Connection, experts: list[ExpertPlan], op: Any, b
                       base_tensors: list[TensorInfo]) -> tuple[dict[tuple[int, int], float],
                                                                 dict[int, dict[int, np.ndarray]]]:
     """TIES pruning bounds ``{(position, expert tensor_idx): bound}`` (a block with delta_max < bound is never
-    a candidate, see `_trim_bound`), and the tensor sketches loaded for them, ``{position: {base tensor_idx:
+    a candidate, see `trim_bound`), and the tensor sketches loaded for them, ``{position: {base tensor_idx:
     histogram}}`` (`complete_plan` reuses them for partially selected tensors)."""
     bounds: dict[tuple[int, int], float] = {}
     loaded: dict[int, dict[int, np.ndarray]] = {}
     by_name = {t.name: t for t in base_tensors}
     for e in experts:
-        if not _prunable(e, op, base_id):
+        if not ties_prunable(e, op, base_id):
             continue
         sketches = tensor_sketches(conn, e.checkpoint.id)
         mine: dict[int, np.ndarray] = {}
@@ -100,7 +100,7 @@ def ties_prune_bounds(conn: sa.Connection, experts: list[ExpertPlan], op: Any, b
                 continue
             hist, complete = sketches[et.idx]
             mine[bt.idx] = hist
-            bound = _trim_bound(hist, complete, e.density, math.prod(bt.shape))
+            bound = trim_bound(hist, complete, e.density, math.prod(bt.shape))
             if bound is not None:
                 bounds[(e.position, et.idx)] = bound
         loaded[e.position] = mine
