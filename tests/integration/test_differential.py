@@ -456,11 +456,9 @@ def byte_reads(monkeypatch) -> ReadLog:
     return log
 
 
-def reads_per_expert(catalog, calls: list[tuple[str, int, int]], experts: list[str]) -> dict[frozenset, int]:
-    """Expert bytes of `calls`, by the files each expert is catalogued with (and its packed blocks in a block
-    store), keyed by groups of experts: one expert each, unless packed experts share a block (one blob in the
-    store, content-addressed), whose reads cannot tell them apart. Reads of the base's files are left out; a
-    read of any other file fails the test."""
+def catalogued_files(catalog) -> tuple[dict[str, set[str]], dict[tuple[str, int], set[str]]]:
+    """Which checkpoints each catalogued file belongs to (by real path), and each packed block's blob in a block
+    store ((real path, offset): the checkpoints whose blocks it holds)."""
     _c, rows = catalog.sql("SELECT c.name, f.path FROM mp_file f JOIN mp_checkpoint c ON c.id = f.checkpoint_id")
     owner: dict[str, set[str]] = {}
     for name, path in rows:
@@ -470,6 +468,15 @@ def reads_per_expert(catalog, calls: list[tuple[str, int, int]], experts: list[s
     blobs: dict[tuple[str, int], set[str]] = {}
     for name, path, offset in rows:
         blobs.setdefault((os.path.realpath(path), int(offset)), set()).add(name)
+    return owner, blobs
+
+
+def reads_per_expert(files, calls: list[tuple[str, int, int]], experts: list[str]) -> dict[frozenset, int]:
+    """Expert bytes of `calls`, by the files each expert is catalogued with (`catalogued_files`: its files and
+    its packed blocks in a block store), keyed by groups of experts: one expert each, unless packed experts
+    share a block (one blob in the store, content-addressed), whose reads cannot tell them apart. Reads of the
+    base's files are left out; a read of any other file fails the test."""
+    owner, blobs = files
     merged = set(experts)
     group = {n: frozenset([n]) for n in experts}
     attributed: list[tuple[frozenset, int]] = []
@@ -490,10 +497,10 @@ def reads_per_expert(catalog, calls: list[tuple[str, int, int]], experts: list[s
     return out
 
 
-def merge_counted(catalog, byte_reads: ReadLog, spec: dict, out: Path, budget, **kw):
-    """Plan, then merge, counting the expert bytes read at the byte store (`byte_reads`): per expert they must
-    equal the plan's bytes for that expert and the manifest's realized bytes; the base's reads are not
-    counted. Returns (merge result, plan, manifest)."""
+def merge_counted(catalog, byte_reads: ReadLog, files, spec: dict, out: Path, budget, **kw):
+    """Plan, then merge, counting the expert bytes read at the byte store (`byte_reads`; `files`:
+    `catalogued_files`): per expert they must equal the plan's bytes for that expert and the manifest's
+    realized bytes; the base's reads are not counted. Returns (merge result, plan, manifest)."""
     plan = catalog.plan(spec, budget=budget)
     byte_reads.clear()
     res = catalog.merge(spec, out=out, budget=budget, **kw)
@@ -501,7 +508,7 @@ def merge_counted(catalog, byte_reads: ReadLog, spec: dict, out: Path, budget, *
     manifest = json.loads((out / "manifest.json").read_text())["manifest"]
     assert res.plan_hash == plan.plan_hash, f"budget {budget}: planned twice, two plans"
     names = {e.position: e.checkpoint.name for e in plan.experts}
-    counted = reads_per_expert(catalog, calls, list(names.values()))
+    counted = reads_per_expert(files, calls, list(names.values()))
     planned = dict.fromkeys(counted, 0)
     realized = dict.fromkeys(counted, 0)
     for e in plan.experts:
@@ -558,19 +565,22 @@ def check_case(catalog, tmp_path: Path, seed: int, byte_reads: ReadLog, *, mixed
     merged_given = [given[index[n]] for n in draw.merged]
     spec = draw.spec
 
-    full, _plan, _m = merge_counted(catalog, byte_reads, spec, tmp_path / "full", "1.0",
+    files = catalogued_files(catalog)
+    full, _plan, _m = merge_counted(catalog, byte_reads, files, spec, tmp_path / "full", "1.0",
                                     shard_bytes=draw.out_shard_bytes)
     assert full.realized_bytes == full.planned_bytes <= full.budget_bytes
     gp = spec["parameters"]
     out_dtype = DTYPES[SPEC_DTYPES[spec["dtype"]]] if "dtype" in spec else None
+
+    expert_keys = [catalog.checkpoint_id(n) for n in draw.merged]
 
     def reference(selected_rows=None):
         return reference_merge(
             draw.method, base, merged_paths,
             [dict(m.get("parameters") or {}) for m in spec["models"] if m["model"] != "base"],
             normalize=gp.get("normalize"), lam=gp.get("lambda", 1.0), t=gp.get("t"), seed=spec["seed"],
-            expert_keys=[catalog.checkpoint_id(n) for n in draw.merged], block_bytes=draw.block_bytes,
-            out_dtype=out_dtype, expert_deltas=merged_given, selected_rows=selected_rows)
+            expert_keys=expert_keys, block_bytes=draw.block_bytes, out_dtype=out_dtype, expert_deltas=merged_given,
+            selected_rows=selected_rows)
 
     out_full = load_output(tmp_path / "full")
     assert_bytes_equal(out_full, reference())
@@ -579,7 +589,7 @@ def check_case(catalog, tmp_path: Path, seed: int, byte_reads: ReadLog, *, mixed
     slack = rounding_slack(draw, base, merged_paths, merged_given) if checks_bound else 0.0
     planned = []
     for i, budget in enumerate(draw.budgets):
-        res, plan, manifest = merge_counted(catalog, byte_reads, spec, tmp_path / f"b{i}", budget)
+        res, plan, manifest = merge_counted(catalog, byte_reads, files, spec, tmp_path / f"b{i}", budget)
         assert (res.realized_bytes, res.planned_bytes) == (plan.planned_bytes, plan.planned_bytes), f"budget {budget}"
         planned.append(plan.planned_bytes)
         out = load_output(tmp_path / f"b{i}")
@@ -654,7 +664,7 @@ def test_an_over_read_fails_the_merge_and_publishes_nothing(catalog, tiny_family
     byte_reads.clear()
     with pytest.raises(PlanExecutionMismatchError):
         catalog.merge(spec, out=tmp_path / "out", ref="r", budget=0.3)
-    counted = reads_per_expert(catalog, byte_reads.take(), names)
+    counted = reads_per_expert(catalogued_files(catalog), byte_reads.take(), names)
     assert sum(counted.values()) > plan.planned_bytes
     assert not (tmp_path / "out").exists() and staging_dirs(tmp_path) == []
     after = catalog.sql(state_sql)[1], catalog.sql("SELECT name, version, snapshot_id FROM refs ORDER BY name")[1]
