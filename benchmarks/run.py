@@ -247,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         ex.cleanup_outputs()
     if fam:
         cfg_line = ("Families: Llama-shaped BF16 via `mergepipe_db.demo.family.make_family`, "
-                    f"{fam['n_experts']} experts (smaller K = prefix); each section names the model size it was measured on (the latest run's: "
+                    f"{fam['n_experts']} experts (smaller K = prefix); each section names the model size it was "
+                    "measured on (the latest run's: "
                     f"{fam['model_bytes'] / 1e9:.2f} GB per model, shape {fam['shape']}).")
     targets()
     phases()
