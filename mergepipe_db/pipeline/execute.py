@@ -16,8 +16,9 @@ Three threads, data flowing one way:
   statistics against the base: `kernels.block_stats`, as at ingest).
 Items are one tensor of one checkpoint, so memory is a few tensors whatever the number of experts; their
 buffers come from a `BufferPool` and go back once used, so no fresh, zero-filled pages are faulted in per
-tensor (DESIGN §6). Arrays are numpy (BF16 as uint16 bits); torch is imported only for what needs it (DARE's
-masks, slerp, LoRA factors, F16 output), and then runs with one intra-op thread (`MERGEPIPE_COMPUTE_THREADS`
+tensor (on these VMs a page touched for the first time costs more than the read into it). Arrays are numpy
+(BF16 as uint16 bits); torch is imported only for what needs it (DARE's masks, slerp, LoRA factors, F16
+output), and then runs with one intra-op thread (`MERGEPIPE_COMPUTE_THREADS`
 overrides): on a 2-core machine the other core serves the reader and the output thread.
 """
 from __future__ import annotations
