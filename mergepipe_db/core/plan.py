@@ -2,7 +2,8 @@
 from the planner to the executor, with its canonical form and hash.
 
 `ExpertPlan` and `Plan` are frozen: the planner (`pipeline.plan`) computes every field — read costs, sketches,
-the plan hash (`compute_plan_hash`) — before it constructs them."""
+the plan hash (`compute_plan_hash`) — before it constructs them, and the mappings they carry are `FrozenDict`s,
+so neither a field nor an entry changes once a plan is built."""
 
 from __future__ import annotations
 
@@ -18,6 +19,30 @@ import numpy as np
 from mergepipe_db.core.hashing import canonical_json
 from mergepipe_db.core.spec import MergeSpec
 from mergepipe_db.core.version import __version__
+
+
+class FrozenDict(dict):
+    """A dict that refuses every change once built: the mappings a frozen plan carries (reads, selections,
+    sketches, an expert's tensors). Equal to the plain dict of the same items; pickles as one."""
+
+    __slots__ = ()
+
+    def _refuse(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("a plan's mappings are read-only: a plan is complete when built (dataclasses.replace "
+                        "makes a changed copy)")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _refuse  # type: ignore
+
+    def __reduce__(self) -> tuple[type[FrozenDict], tuple[dict]]:
+        return FrozenDict, (dict(self),)
+
+
+def _freeze(obj: object, *names: str) -> None:
+    """Replace the dict fields `names` of a frozen dataclass instance by `FrozenDict`s (in `__post_init__`)."""
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and not isinstance(value, FrozenDict):
+            object.__setattr__(obj, name, FrozenDict(value))
 
 
 @dataclass(frozen=True)
@@ -72,6 +97,9 @@ class ExpertPlan:
     pruned_bytes: int = 0  # TIES: bytes of nonzero-delta blocks trimmed to zero entirely (not candidates)
     blocks_pruned: int = 0
 
+    def __post_init__(self) -> None:
+        _freeze(self, "tensors")
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -93,6 +121,9 @@ class Plan:
     sources: tuple[Any, ...] = ()  # a `sources.base.ExpertSource` per expert, by position
     pruned_bytes: int = 0  # TIES: read cost of nonzero-delta blocks that trim to zero (never candidates)
     pruned_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        _freeze(self, "access", "full_selection", "bound_per_tensor", "sketches")
 
     def selected_blocks(self, position: int, tensor_idx: int) -> tuple[int, ...]:
         """The block indices expert `position` reads of base tensor `tensor_idx` (all of its blocks for a

@@ -186,8 +186,8 @@ def test_sources_state_the_form_they_read(tmp_path) -> None:
 
 
 def test_plan_is_frozen_and_carries_one_source_per_expert(catalog, tiny_family, tmp_path) -> None:
+    from builders import make_spec
     from conftest import ingest_family
-    from test_merge import make_spec
 
     names = ingest_family(catalog, tiny_family)
     plan = catalog.plan(make_spec("ties", names), budget=0.3)
@@ -199,6 +199,16 @@ def test_plan_is_frozen_and_carries_one_source_per_expert(catalog, tiny_family, 
         plan.plan_hash = ""  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.experts[0].planned_bytes = 0  # type: ignore[misc]
+    key = next(iter(plan.access))
+    for change in (lambda: plan.access.__setitem__(key, ()), lambda: plan.access.pop(key),
+                   lambda: plan.full_selection.update({key: False}), lambda: plan.sketches.clear(),
+                   lambda: plan.experts[0].tensors.popitem()):
+        with pytest.raises(TypeError, match="read-only"):
+            change()
+    import pickle
+
+    again = pickle.loads(pickle.dumps(plan.access))
+    assert again == plan.access and type(again) is type(plan.access)
     assert plan.planned_bytes == sum(e.planned_bytes for e in plan.experts) == sum(
         r.nbytes for reads in plan.access.values() for r in reads)
     assert sum(e.blocks_selected for e in plan.experts) == sum(len(reads) for reads in plan.access.values())
