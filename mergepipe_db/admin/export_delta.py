@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ def export_delta(db: Any, name: str, out: str | Path, *, dtype: str = "float32")
     from mergepipe_db.db.checkpoints import load_checkpoint_info, load_tensors
     from mergepipe_db.errors import OutputExistsError, UnknownCheckpointError
     from mergepipe_db.formats.safetensors import SafetensorsWriter
-    from mergepipe_db.io.local import RangeReader, check_fresh, fsync_dir
+    from mergepipe_db.io import check_fresh, open_store
 
     names = {"float32": "F32", "f32": "F32", "bfloat16": "BF16", "bf16": "BF16", "float16": "F16", "f16": "F16"}
     if dtype.lower() not in names:
@@ -54,8 +53,8 @@ def export_delta(db: Any, name: str, out: str | Path, *, dtype: str = "float32")
     tmp.mkdir(parents=True)
     entries = [(t.name, st_dtype, t.shape) for t in todo]
     try:
-        with RangeReader(random=False) as reader, SafetensorsWriter(tmp / "model.safetensors", entries,
-                                                                    {"format": "pt"}) as w:
+        with (open_store(info.root).range_reader(random=False) as reader,
+              SafetensorsWriter(tmp / "model.safetensors", entries, {"format": "pt"}) as w):
             for t in todo:
                 d = source.delta_tensor(t, mine[t.name], reader)
                 stored = d.to(torch_dtype(st_dtype)).contiguous().reshape(-1)  # flat: a 0-d tensor too
@@ -63,12 +62,11 @@ def export_delta(db: Any, name: str, out: str | Path, *, dtype: str = "float32")
             w.close(fsync=True)
         if binfo.config is not None:
             (tmp / "config.json").write_text(json.dumps(binfo.config, indent=2), encoding="utf-8")
-        fsync_dir(tmp)
+        open_store(tmp).sync(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written is left beside `out`
         raise
     if out.exists():
         out.rmdir()
-    os.replace(tmp, out)
-    fsync_dir(out.parent)
+    open_store(out).publish(tmp, out)  # rename, then fsync the parent
     return {"expert": name, "out": str(out), "dtype": st_dtype, "n_tensors": len(todo)}

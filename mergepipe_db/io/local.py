@@ -555,15 +555,6 @@ class ReadAhead:
         self._reader.close()
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a directory's entries (files created or renamed in it) durable."""
-    fd = os.open(str(path), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def fsync_file(path: str | Path) -> None:
     """Make a file written by other means (a copied side file), or a directory's entries, durable."""
     fd = os.open(str(path), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -589,7 +580,7 @@ def write_new(path: str | Path, data: bytes) -> None:
 def publish(staging: str | Path, final: str | Path) -> None:
     """Rename `staging` to `final` (atomic on one file system) and fsync `final`'s parent directory."""
     os.rename(staging, final)
-    fsync_dir(Path(final).parent)
+    fsync_file(Path(final).parent)
 
 
 def read_small(path: str | Path, limit: int) -> bytes:

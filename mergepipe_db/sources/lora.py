@@ -360,7 +360,6 @@ def scan_lora(layout: Any, *, block_bytes: int, base: dict[str, Any], progress: 
 
     from mergepipe_db.core.hashing import xxh3_hex
     from mergepipe_db.io import open_store
-    from mergepipe_db.io.local import RangeReader
     from mergepipe_db.kernels.block_stats import delta_block_stats, float32_delta_block_stats, zero_block_stats
 
     del block_bytes, progress, delta
@@ -381,7 +380,7 @@ def scan_lora(layout: Any, *, block_bytes: int, base: dict[str, Any], progress: 
             if bi >= len(bt.block_xxh3) or xxh3_hex(data[off0 + rel:off0 + rel + length]) != bt.block_xxh3[bi]:
                 raise LoraAdapterError(f"LoRA adapter {layout.root}: saved base layer {key!r} differs from the base's "
                                        f"{tname!r}; an adapter that also replaces the base weight is not supported")
-    base_reader = RangeReader(random=False)
+    base_reader = open_store(next(iter(base.values())).path).range_reader(random=False)  # the base's store
     try:
         for bt in sorted(base.values(), key=lambda x: x.idx):
             if bt.name not in lora and bt.name not in full:
