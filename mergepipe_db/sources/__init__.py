@@ -66,10 +66,13 @@ def source_for(info: CheckpointInfo, packed: Any = None) -> ExpertSource:
     return source_class(info.kind)(info)
 
 
-def sources_for(conn: Any, infos: list[CheckpointInfo]) -> tuple[ExpertSource, ...]:
+def sources_for(conn: Any, infos: list[CheckpointInfo], packed_ids: set[str] | None = None
+                ) -> tuple[ExpertSource, ...]:
     """One source per checkpoint of `infos`, in order; the packed store's index is loaded for packable experts
-    with blocks in it (one query, then one per such expert)."""
+    with blocks in it (`packed_ids`: those of `infos` with packed blocks, where the caller has them already;
+    else one query), then one query per such expert."""
     from mergepipe_db.sources import packed as store
 
-    with_packed = store.packed_checkpoints(conn, [i.id for i in infos if source_class(i.kind).packable])
+    packable = [i.id for i in infos if source_class(i.kind).packable]
+    with_packed = store.packed_checkpoints(conn, packable) if packed_ids is None else packed_ids & set(packable)
     return tuple(source_for(i, store.load_index(conn, i.id) if i.id in with_packed else None) for i in infos)

@@ -275,7 +275,7 @@ def _build_plan(conn: sa.Connection, spec: MergeSpec, *, base_id: str, expert_id
         conn, op, spec=spec, base=base, base_tensors=base_tensors, experts=experts, out_dtype=out_dtype,
         budget_bytes=budget_bytes, full_bytes=full_bytes, candidate_bytes=candidate_bytes,
         planned_bytes=planned_bytes, access=access, full_selection=full_selection, bound_per_tensor=per_tensor,
-        bound_total=bound_total, sketch_cache=sketch_cache)
+        bound_total=bound_total, sketch_cache=sketch_cache, packed_ids=packed)
 
 
 def _insert_plan_tensors(conn: sa.Connection, pairs: tuple[list[Any], ...], keep: list[bool] | None) -> None:

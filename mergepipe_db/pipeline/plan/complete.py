@@ -39,12 +39,14 @@ def complete_plan(
     bound_per_tensor: dict[int, float] | None,
     bound_total: float | None,
     sketch_cache: dict[int, dict[int, np.ndarray]] | None = None,
+    packed_ids: set[str] | None = None,
 ) -> Plan:
     """The plan these fields describe, with its sources, source costs, sketches and hash (`access` is taken
     over: its reads are replaced by those the sources plan).
 
-    `sketch_cache`: tensor sketches already loaded (`ties_prune_bounds`), by position and base tensor_idx."""
-    sources = sources_for(conn, [e.checkpoint for e in experts])
+    `sketch_cache`: tensor sketches already loaded (`ties_prune_bounds`), by position and base tensor_idx;
+    `packed_ids`: the experts with blocks in the packed store, where the caller has queried them."""
+    sources = sources_for(conn, [e.checkpoint for e in experts], packed_ids)
     if any(s.adjusts_reads for s in sources):  # packed costs, LoRA whole-tensor reads: bytes counted from reads
         by_idx = {t.idx: t for t in base_tensors}
         for key, reads in list(access.items()):
