@@ -21,7 +21,7 @@ from mergepipe_db.core.spec import Budget, MergeSpec, load_spec, parse_budget
 from mergepipe_db.db.engine import Database
 from mergepipe_db.db.lookup import check_family, find_models
 from mergepipe_db.errors import DuplicateNameError, SpecError, UnknownCheckpointError
-from mergepipe_db.io.local import check_fresh
+from mergepipe_db.io import check_fresh
 from mergepipe_db.pipeline import commit as cm
 from mergepipe_db.pipeline.ingest import ingest_many
 from mergepipe_db.pipeline.plan.build import build_plan
@@ -119,10 +119,15 @@ def plan_merge(db: Database, spec: str | Path | dict[str, Any] | MergeSpec, *, b
         with db.connect() as conn:
             check_family(conn, base_id, expert_ids, s)
             plan = build_plan(conn, s, base_id=base_id, expert_ids=expert_ids, budget_spec=b)
+    check_inputs(plan)
+    return plan, version
+
+
+def check_inputs(plan: Plan) -> None:
+    """StaleSourceError when an input file of `plan` changed since it was catalogued (size or version)."""
     check_fresh(plan.base.files)
     for e in plan.experts:
         check_fresh(e.checkpoint.files)
-    return plan, version
 
 
 def check_outputs(out: str | Path, ref: str | None, shard_bytes: int | None) -> tuple[Path, str]:
@@ -138,15 +143,13 @@ def check_outputs(out: str | Path, ref: str | None, shard_bytes: int | None) -> 
 def run_plan(db: Database, plan: Plan, out_path: Path, ref_name: str, *, t_start: float, t_plan: float,
              shard_bytes: int | None, progress: bool, verify_reads: bool,
              expected: int | None = None) -> MergeResult:
-    """Execute `plan` into a staging directory, commit it to the catalog, then publish it at `out_path`.
+    """Execute `plan` (its input files checked fresh by the caller: `check_inputs`) into a staging directory,
+    commit it to the catalog, then publish it at `out_path`.
 
     Whatever fails before the commit leaves the catalog and `out_path` as they were (the staging directory is
     abandoned); after the commit the output is published (`gc` rolls a crash between the two forward)."""
     from mergepipe_db.pipeline.execute import DEFAULT_SHARD_BYTES, execute
 
-    check_fresh(plan.base.files)
-    for e in plan.experts:
-        check_fresh(e.checkpoint.files)
     if expected is None:  # read with the plan when planned here (the commit's compare-and-set checks it)
         expected = cm.read_ref_version(db, ref_name)
     faults.point("planned")
@@ -214,6 +217,7 @@ def replay(db: Database, source: str | Path, *, out: str | Path, ref: str | None
     t0 = time.perf_counter()
     with db.connect() as conn:
         plan = plan_from_manifest(conn, manifest)
+    check_inputs(plan)
     res = run_plan(db, plan, out_path, ref_name, t_start=t_start, t_plan=time.perf_counter() - t0,
                    shard_bytes=shard_bytes, progress=progress, verify_reads=True)
     if verify:
