@@ -231,8 +231,7 @@ def float32_delta_block_stats(delta: Any) -> dict[str, Any]:
 
     d = torch.as_tensor(delta).reshape(-1)
     if d.numel() == 0:
-        return {"delta_l2": 0.0, "delta_l1": 0.0, "delta_max": 0.0, "pos_frac": 0.0,
-                "sketch": sketch.encode(sketch.histogram(torch.zeros(0)))}
+        return zero_block_stats(0, "F32")
     a = d.abs()
     return {
         "delta_l2": float(torch.linalg.vector_norm(d, dtype=torch.float64)),
