@@ -18,20 +18,11 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from mergepipe_db import sources
+from mergepipe_db.core.units import fmt_bytes
 from mergepipe_db.core.version import __version__
 from mergepipe_db.errors import MergePipeError
 
 EPILOG = "Catalog: --catalog URL, else $MERGEPIPE_CATALOG, else ./mergepipe.duckdb (a DuckDB file)."
-
-
-def _fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def _json_default(o: Any) -> Any:
@@ -96,7 +87,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     for res in results:
         state = "ingested" if res.created else "unchanged"
         print(f"{state} {res.name} ({res.kind}): {res.n_tensors} tensors, {res.n_blocks} blocks, "
-              f"{_fmt_bytes(res.total_bytes)}, id {res.checkpoint_id}")
+              f"{fmt_bytes(res.total_bytes)}, id {res.checkpoint_id}")
     return 0
 
 
@@ -108,11 +99,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         _print_json(summary)
         return 0
     print(f"plan {plan.plan_hash[:16]}  method {plan.spec.method}  base {plan.base.name}")
-    print(f"budget {_fmt_bytes(plan.budget_bytes)} of full read {_fmt_bytes(plan.full_bytes)} "
-          f"(non-zero deltas: {_fmt_bytes(plan.candidate_bytes)})")
-    print(f"planned expert reads {_fmt_bytes(plan.planned_bytes)}")
+    print(f"budget {fmt_bytes(plan.budget_bytes)} of full read {fmt_bytes(plan.full_bytes)} "
+          f"(non-zero deltas: {fmt_bytes(plan.candidate_bytes)})")
+    print(f"planned expert reads {fmt_bytes(plan.planned_bytes)}")
     for e in summary["experts"]:
-        print(f"  {e['name']:<24} {e['blocks_selected']:>7} blocks  {_fmt_bytes(e['planned_bytes']):>12}")
+        print(f"  {e['name']:<24} {e['blocks_selected']:>7} blocks  {fmt_bytes(e['planned_bytes']):>12}")
     bound = ("n/a (operator is not fixed-coefficient additive)" if plan.bound_total is None
              else f"{plan.bound_total:.6g}")
     print(f"omitted-update bound (L2): {bound}")
@@ -131,13 +122,13 @@ def cmd_merge(args: argparse.Namespace) -> int:
         _print_json({k: v for k, v in res.to_dict().items()})
         return 0
     print(f"committed snapshot {res.snapshot_id} as {res.checkpoint} -> {res.out}")
-    print(f"  plan {res.plan_hash[:16]}  budget {_fmt_bytes(res.budget_bytes)}  full read {_fmt_bytes(res.full_bytes)}")
-    print(f"  expert reads planned {_fmt_bytes(res.planned_bytes)}, realized {_fmt_bytes(res.realized_bytes)}"
+    print(f"  plan {res.plan_hash[:16]}  budget {fmt_bytes(res.budget_bytes)}  full read {fmt_bytes(res.full_bytes)}")
+    print(f"  expert reads planned {fmt_bytes(res.planned_bytes)}, realized {fmt_bytes(res.realized_bytes)}"
           f" ({100.0 * res.realized_bytes / max(1, res.full_bytes):.1f}% of full)")
-    print(f"  base read {_fmt_bytes(res.base_bytes)}, output written {_fmt_bytes(res.output_bytes)}, "
+    print(f"  base read {fmt_bytes(res.base_bytes)}, output written {fmt_bytes(res.output_bytes)}, "
           f"bound {res.bound if res.bound is not None else 'n/a'}, {res.seconds:.2f} s")
     if res.cached_bytes:
-        print(f"  {_fmt_bytes(res.cached_bytes)} of the reads came from the page cache")
+        print(f"  {fmt_bytes(res.cached_bytes)} of the reads came from the page cache")
     return 0
 
 
@@ -154,7 +145,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         return 0
     print(f"replayed into snapshot {res.snapshot_id} as {res.checkpoint} -> {res.out}")
     print(f"  plan {res.plan_hash[:16]}  manifest {res.manifest_hash[:16]}  "
-          f"expert reads {_fmt_bytes(res.realized_bytes)}"
+          f"expert reads {fmt_bytes(res.realized_bytes)}"
           + ("  (outputs verified against the manifest)" if args.verify else ""))
     return 0
 
@@ -295,7 +286,7 @@ def cmd_pack(args: argparse.Namespace) -> int:
         _print_json(res.to_dict())
     else:
         print(f"packed {res.blocks_packed} blocks of {res.expert} ({res.blocks_deduplicated} deduplicated): "
-              f"{_fmt_bytes(res.raw_bytes)} -> {_fmt_bytes(res.packed_bytes)} (x{res.ratio:.2f}) in {res.store}")
+              f"{fmt_bytes(res.raw_bytes)} -> {fmt_bytes(res.packed_bytes)} (x{res.ratio:.2f}) in {res.store}")
         if res.blocks_left_raw:
             print(f"left {res.blocks_left_raw} blocks unpacked: compressed, they would not be smaller")
     return 0
