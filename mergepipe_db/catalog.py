@@ -29,12 +29,16 @@ class Catalog:
         self.db = db
 
     @classmethod
-    def open(cls, url: str | None = None) -> Catalog:
+    def open(cls, url: str | None = None, *, create: bool = True) -> Catalog:
         """Open the catalog at `url` (SQLAlchemy URL or DuckDB file path; default from the environment).
 
-        A new, empty database is initialised; an out-of-date one raises CatalogOutOfDateError.
+        A new, empty database is initialised; an out-of-date one raises CatalogOutOfDateError. With
+        ``create=False`` a missing catalog (no DuckDB file; a PostgreSQL database without the schema) raises
+        CatalogNotFoundError naming where it looked, and nothing is created.
         """
         cat = cls(Database(resolve_url(url)))
+        if not create:
+            cat.db.require_existing()
         with cat.db.connect():
             pass
         return cat

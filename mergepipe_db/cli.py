@@ -41,19 +41,25 @@ def _progress(args: argparse.Namespace) -> bool:
     return not getattr(args, "quiet", False) and sys.stderr.isatty()
 
 
-def _catalog(args: argparse.Namespace):
+def _catalog(args: argparse.Namespace, *, create: bool = False):
+    """The catalog of `args`. Only `init` and `ingest` (and `demo`, `db upgrade`) create one; every other
+    command on a missing catalog fails with CatalogNotFoundError naming the path it looked at."""
     from mergepipe_db.catalog import Catalog
 
-    return Catalog.open(args.catalog)
+    return Catalog.open(args.catalog, create=create)
 
 
 def _parse_size(text: str) -> int:
     from mergepipe_db.core.spec import parse_budget
+    from mergepipe_db.errors import BudgetError, SpecError
 
-    b = parse_budget(text)
-    if b.nbytes is None:
-        from mergepipe_db.errors import SpecError
-
+    if text.strip().isdigit():  # a size (unlike a budget) may be a bare number of bytes
+        return int(text.strip())
+    try:
+        b = parse_budget(text)
+    except BudgetError:
+        b = None
+    if b is None or b.nbytes is None:
         raise SpecError(f"expected a size in bytes (e.g. 1MiB, 4GB, 123456), got {text!r}")
     return b.nbytes
 
@@ -62,7 +68,7 @@ def _parse_size(text: str) -> int:
 
 
 def cmd_init(args: argparse.Namespace) -> int:
-    cat = _catalog(args)
+    cat = _catalog(args, create=True)
     print(f"catalog ready: {cat.db.display()}")
     return 0
 
@@ -77,7 +83,7 @@ def cmd_db_upgrade(args: argparse.Namespace) -> int:
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
-    cat = _catalog(args)
+    cat = _catalog(args, create=True)
     block_bytes = _parse_size(args.block_bytes) if args.block_bytes else None
     results = cat.ingest_many(args.path, names=args.name, base=args.base, block_bytes=block_bytes,
                               progress=_progress(args), kind=args.kind)
@@ -192,7 +198,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
             print(p)
         if not problems:
             what = "; ".join(checked) if len(checked) <= 3 else f"{checked[0]} and {len(checked) - 1} snapshots"
-            print(f"ok: {what} match the record")
+            how = []
+            if any("(sources)" in c or c.startswith("sources") for c in checked):
+                how.append("source files: present, size and mtime" + (", and sha256 of every byte (--full)"
+                                                                        if args.full else " (--full also rehashes "
+                                                                        "their contents, sha256)"))
+            if any("(outputs)" in c for c in checked):
+                how.append("snapshot outputs: sha256 of every file and xxh3_128 of every tensor")
+            print(f"ok: {what} match the record ({'; '.join(how)})")
     if problems:
         from mergepipe_db.errors import VerifyError
 
@@ -344,7 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "results in their order)")
     s.set_defaults(func=cmd_ingest)
 
-    budget_help = "expert-read budget: bytes (3GiB, 500MB, 123456) or a fraction of the full read (0.25)"
+    budget_help = ("expert-read budget: a fraction in [0, 1] of the full read (0.25) or bytes with a unit (3GiB, "
+                   "500MB, 2B); default: the spec's budget, else 1 (the full read)")
     s = sub.add_parser("plan", parents=[common], help="dry run: which expert blocks a merge would read",
                        description="Plan a merge without executing it: predicted expert bytes, blocks chosen per "
                        "expert, and the omitted-update bound.", epilog=EPILOG)

@@ -1,6 +1,7 @@
 """The error hierarchy. Every failure a user can cause is a `MergePipeError` subclass.
 
-The CLI turns any `MergePipeError` into one line on stderr and exit code 1 (see `cli.main`).
+The CLI turns any `MergePipeError` into one line on stderr and exit code 1 (see `cli.main`); usage errors
+(unknown option, missing argument) are argparse's and exit 2.
 Messages are one line, say what was wrong and, where there is one, what fixes it.
 """
 
@@ -74,6 +75,23 @@ class ReadOnlySqlError(CatalogError):
     """A `mergepipe sql` query tried to write or to reach outside the catalog."""
 
 
+class SqlSyntaxError(CatalogError):
+    """A `mergepipe sql` query is not valid SQL (it does not parse)."""
+
+
+class AlreadyCataloguedError(DuplicateNameError):
+    """The content being ingested is already catalogued under another name (ingest is by content)."""
+
+
+class CatalogNotFoundError(CatalogError):
+    """A command that only reads or merges was pointed at a catalog that does not exist (only `init`,
+    `ingest`, `demo` and `db upgrade` create one)."""
+
+
+class UnsupportedCatalogUrlError(CatalogError):
+    """A catalog URL names a database scheme mergepipe does not support (e.g. ``sqlite://``)."""
+
+
 # --- sources and integrity ---------------------------------------------------------------------
 
 
@@ -124,6 +142,15 @@ class ReplayError(MergePipeError):
 
 class VerifyError(MergePipeError):
     """Verification found files or tensors that differ from the record."""
+
+
+class UnsupportedOutputFormatError(MergePipeError):
+    """An output file's extension names a format the command does not write (`report --out x.pdf`)."""
+
+
+class StaleOutputError(VerifyError):
+    """A committed snapshot's output files moved or changed since the commit (a report would show stale
+    figures)."""
 
 
 # --- safetensors format details (formats/safetensors.py, formats/hf_layout.py) ------------------

@@ -26,7 +26,7 @@ from mergepipe_db.core.units import fmt_bytes
 from mergepipe_db.db import schema
 from mergepipe_db.db.checkpoints import resolve_snapshot
 from mergepipe_db.db.engine import Database
-from mergepipe_db.errors import SpecError
+from mergepipe_db.errors import UnsupportedOutputFormatError
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -308,12 +308,12 @@ def write_report(db: Database, snapshot_ref: str, out: str | Path) -> Path:
     """Write the report of `snapshot_ref` to `out`: HTML for ``.html``/``.htm``, Markdown for ``.md`` (the
     heatmap PNG then goes beside it as ``<stem>.coverage.png``). Returns the report path.
 
-    Raises UnknownCheckpointError (not a committed snapshot) or SpecError (other extension).
+    Raises UnknownCheckpointError (not a committed snapshot) or UnsupportedOutputFormatError (other extension).
     """
     path = Path(out).expanduser()
     ext = path.suffix.lower()
     if ext not in (".html", ".htm", ".md", ".markdown"):
-        raise SpecError(f"report output must end in .html or .md, got {str(path)!r}")
+        raise UnsupportedOutputFormatError(f"report output must end in .html or .md, got {str(path)!r}")
     d = report_data(db, snapshot_ref)
     png = coverage_png(d["coverage"], title=f"{d['name']}: expert bytes read per layer")
     path.parent.mkdir(parents=True, exist_ok=True)

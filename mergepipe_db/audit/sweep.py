@@ -184,7 +184,6 @@ def run_sweep(catalog: Catalog, spec: Any, budgets: str | list[Any] | tuple[Any,
     _write_csv(csv_path, rows)
     _write_md(md_path, rows, s)
     png_path.write_bytes(frontier_png(rows, ref_norm))
-    _say(progress, f"wrote {csv_path}, {md_path}, {png_path}")
     return SweepResult(rows, csv_path, md_path, png_path)
 
 

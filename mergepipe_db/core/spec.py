@@ -9,7 +9,7 @@ Example::
         parameters: {weight: 0.5, density: 0.5}
     parameters: {normalize: true, lambda: 1.0}
     dtype: bfloat16
-    budget: 0.25                     # fraction of full-read expert bytes, or bytes: 3GiB, 500MB, 123456
+    budget: 0.25                     # fraction in [0, 1] of full-read expert bytes, or bytes: 3GiB, 500MB, 2B
     seed: 0
 """
 
@@ -60,29 +60,39 @@ class Budget:
 
 
 def parse_budget(value: Any) -> Budget:
-    """`0.25` → fraction; `123456`, `500MB`, `3GiB` → bytes. A plain number ≤ 1 is a fraction."""
+    """`0.25` → fraction of the full read; `2B`, `500MB`, `3GiB` → bytes.
+
+    A bare number is a fraction in [0, 1]; an absolute budget needs a unit (`2` is an error, not 2 bytes:
+    a budget that small selects nothing and silently commits a copy of the base). Raises BudgetError.
+    """
     if isinstance(value, Budget):
         return value
+    hint = "give a fraction in [0, 1] (0.25) or bytes with a unit (2B, 500MB, 3GiB)"
     if isinstance(value, bool) or value is None:
-        raise BudgetError(f"unparsable budget {value!r}: give bytes (3GiB, 500MB, 123456) or a fraction (0.25)")
+        raise BudgetError(f"unparsable budget {value!r}: {hint}")
     text = str(value).strip()
     m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)", text)
     if not m:
         if text.startswith("-"):
             raise BudgetError(f"budget must not be negative, got {text!r}")
-        raise BudgetError(f"unparsable budget {text!r}: give bytes (3GiB, 500MB, 123456) or a fraction (0.25)")
+        raise BudgetError(f"unparsable budget {text!r}: {hint}")
     number, unit = float(m.group(1)), m.group(2).lower()
-    if unit not in _UNITS:
+    if unit not in _UNITS or unit == "":
+        if unit == "":
+            if not math.isfinite(number):
+                raise BudgetError(f"budget must be finite, got {text!r}")
+            if number <= 1.0:
+                return Budget(fraction=number)
+            raise BudgetError(f"budget {text!r} is a bare number above 1: a bare number is a fraction in [0, 1]; "
+                              f"an absolute budget needs a unit ({m.group(1)}B, 500MB, 3GiB)")
         raise BudgetError(f"unknown budget unit {m.group(2)!r} in {text!r}; use B, KB, MB, GB, KiB, MiB, GiB")
     if not math.isfinite(number):
         raise BudgetError(f"budget must be finite, got {text!r}")
-    if unit == "" and number <= 1.0:
-        return Budget(fraction=number)
     nbytes = number * _UNITS[unit]
     if not nbytes < 2**63:  # also inf: '1e300TiB'
         raise BudgetError(f"budget {text!r} is too large: at most 2^63 - 1 bytes")
-    if unit == "" and not number.is_integer():
-        raise BudgetError(f"budget {text!r} is neither a fraction in [0, 1] nor a whole number of bytes")
+    if not float(nbytes).is_integer():
+        raise BudgetError(f"budget {text!r} is not a whole number of bytes")
     return Budget(nbytes=int(nbytes))
 
 

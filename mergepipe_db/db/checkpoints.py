@@ -117,8 +117,25 @@ def resolve(conn: sa.Connection, name: str) -> Resolved:
 
 
 def resolve_snapshot(conn: sa.Connection, name: str) -> Resolved:
-    """Like `resolve`, but the name must denote a committed merge snapshot (UnknownCheckpointError if not)."""
-    res = resolve(conn, name)
+    """Like `resolve`, but the name must denote a committed merge snapshot (UnknownCheckpointError if not,
+    listing the snapshots the catalog does have)."""
+    try:
+        res = resolve(conn, name)
+    except UnknownCheckpointError as e:
+        raise UnknownCheckpointError(f"{e}; {known_snapshots(conn)}") from e
     if res.snapshot_id is None:
-        raise UnknownCheckpointError(f"{name!r} is a {res.kind} checkpoint, not a committed merge snapshot")
+        raise UnknownCheckpointError(f"{name!r} is a {res.kind} checkpoint, not a committed merge snapshot; "
+                                     f"{known_snapshots(conn)}")
     return res
+
+
+def known_snapshots(conn: sa.Connection, limit: int = 12) -> str:
+    """One line naming the catalog's committed snapshots (newest first, at most `limit`), for error messages."""
+    c, s = schema.checkpoint, schema.snapshot
+    names = list(conn.execute(
+        sa.select(c.c.name).join(s, s.c.checkpoint_id == c.c.id).where(s.c.state == "COMMITTED")
+        .order_by(s.c.created_at.desc(), c.c.name).limit(limit + 1)).scalars())
+    if not names:
+        return "the catalog holds no committed snapshots (run `mergepipe merge` first)"
+    more = " and more" if len(names) > limit else ""
+    return "known snapshots: " + ", ".join(repr(n) for n in names[:limit]) + more

@@ -19,13 +19,23 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.pool import NullPool
 
-from mergepipe_db.errors import CatalogError, CatalogLockedError, CatalogOutOfDateError, CommitConflictError
+from mergepipe_db.errors import (
+    CatalogError,
+    CatalogLockedError,
+    CatalogNotFoundError,
+    CatalogOutOfDateError,
+    CommitConflictError,
+    UnsupportedCatalogUrlError,
+)
 
 DEFAULT_CATALOG = "./mergepipe.duckdb"
 ENV_CATALOG = "MERGEPIPE_CATALOG"
 ENV_LOCK_TIMEOUT = "MERGEPIPE_LOCK_TIMEOUT"
 #: the newest migration in migrations/versions (tests/integration/test_catalog.py checks it is alembic's only head)
 SCHEMA_HEAD = "0005"
+#: URL schemes a catalog may use (a path without ``://`` is a DuckDB file)
+SUPPORTED_SCHEMES = ("duckdb", "postgresql", "postgres")
+CREATE_HINT = "create one with `mergepipe init`, `mergepipe ingest` or `mergepipe demo`"
 
 
 def resolve_url(catalog: str | None) -> str:
@@ -35,6 +45,11 @@ def resolve_url(catalog: str | None) -> str:
     """
     value = catalog or os.environ.get(ENV_CATALOG) or DEFAULT_CATALOG
     if "://" in value:
+        scheme = value.split("://", 1)[0].split("+", 1)[0].lower()
+        if scheme not in SUPPORTED_SCHEMES:
+            raise UnsupportedCatalogUrlError(
+                f"catalog URL scheme {scheme!r} is not supported; use a DuckDB file path (or duckdb:///PATH) or "
+                f"postgresql://user:password@host/db")
         if value.startswith("postgres://"):
             value = "postgresql+psycopg://" + value[len("postgres://") :]
         elif value.startswith("postgresql://"):
@@ -61,6 +76,27 @@ class Database:
 
     def display(self) -> str:
         return str(sa.engine.make_url(self.url).render_as_string(hide_password=True))
+
+    def require_existing(self) -> None:
+        """Raise CatalogNotFoundError (naming where it looked) unless the catalog exists: the DuckDB file is
+        there, or the PostgreSQL database holds the schema. Creates nothing (no file, no directory, no lock)."""
+        path = self.duckdb_path
+        if path is not None:
+            if not path.is_file():
+                raise CatalogNotFoundError(f"no catalog at {path}; {CREATE_HINT} (or give --catalog / "
+                                           f"${ENV_CATALOG})")
+            return
+        engine = self._engine()
+        try:
+            with engine.connect() as conn:
+                revision = self.current_revision(conn)
+        except sa.exc.DBAPIError as e:
+            raise CatalogError(f"catalog {self.display()} is unavailable: {_first_line(e)}") from e
+        finally:
+            engine.dispose()
+        if revision is None:
+            raise CatalogNotFoundError(f"no catalog in {self.display()} (the database holds no mergepipe schema); "
+                                       f"{CREATE_HINT}")
 
     # -- connections --------------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ import re
 from typing import Any
 
 from mergepipe_db.db.engine import Database
-from mergepipe_db.errors import CatalogError, ReadOnlySqlError
+from mergepipe_db.errors import CatalogError, ReadOnlySqlError, SqlSyntaxError
 
 READER_ROLE = "mergepipe_sql_reader"
 
@@ -23,7 +23,7 @@ def _one_statement(query: str) -> str:
     try:
         statements = duckdb.extract_statements(query)
     except duckdb.Error as e:
-        raise ReadOnlySqlError(f"cannot parse query: {str(e).splitlines()[0]}") from e
+        raise SqlSyntaxError(f"cannot parse query: {str(e).splitlines()[0]}") from e
     if len(statements) != 1:
         raise ReadOnlySqlError(f"give exactly one SQL statement (got {len(statements)})")
     if statements[0].type not in (duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN):
@@ -58,6 +58,8 @@ def _duckdb(db: Database, query: str) -> tuple[list[str], list[tuple[Any, ...]]]
             msg = str(e).splitlines()[0]
             if "read-only" in msg.lower() or "external access" in msg.lower():
                 raise ReadOnlySqlError(f"refused: {msg}") from e
+            if isinstance(e, duckdb.ParserException):
+                raise SqlSyntaxError(f"query failed: {msg}") from e
             raise CatalogError(f"query failed: {msg}") from e
         finally:
             con.close()
@@ -137,5 +139,7 @@ def _postgres(db: Database, query: str) -> tuple[list[str], list[tuple[Any, ...]
             msg = str(getattr(e, "orig", e)).strip().splitlines()[0]
             if "read-only" in msg or "permission denied" in msg:
                 raise ReadOnlySqlError(f"refused: {msg}") from e
+            if "syntax error" in msg:
+                raise SqlSyntaxError(f"query failed: {msg}") from e
             raise CatalogError(f"query failed: {msg}") from e
     return cols, rows

@@ -37,6 +37,7 @@ from mergepipe_db.db import schema
 from mergepipe_db.db.checkpoints import now_iso, write_checkpoint
 from mergepipe_db.db.engine import Database
 from mergepipe_db.errors import (
+    AlreadyCataloguedError,
     BadCheckpointError,
     DuplicateNameError,
     StaleSourceError,
@@ -673,7 +674,8 @@ def _write(conn: sa.Connection, p: _Pending, *, base_id: str | None, block_bytes
         raise DuplicateNameError(
             f"name {p.name!r} is already used by a checkpoint with other content; choose another --name")
     if by_id is not None:
-        raise DuplicateNameError(f"this content is already catalogued as {by_id!r}")
+        raise AlreadyCataloguedError(f"this content is already catalogued as {by_id!r} (ingest is by content); "
+                                     f"use {by_id!r}")
     write_checkpoint(conn, {
         "id": cid, "name": p.name, "kind": p.kind, "base_id": base_id, "root": str(Path(p.layout.root).resolve()),
         "config": json.dumps(p.layout.config) if p.layout.config is not None else None,

@@ -12,7 +12,7 @@ from conftest import BLOCK
 
 from mergepipe_db.audit.reports import layer_group, report_data
 from mergepipe_db.cli import main
-from mergepipe_db.errors import SpecError
+from mergepipe_db.errors import UnsupportedOutputFormatError
 
 pytestmark = pytest.mark.catalog
 
@@ -140,7 +140,7 @@ def test_report_html_and_markdown(catalog, catalog_url, tiny_family, tmp_path, c
         if e != ODD:
             assert f"| {e} | {blocks} | " in text and f"| {full} | {planned} | {read} |" in text
 
-    with pytest.raises(SpecError):
+    with pytest.raises(UnsupportedOutputFormatError):
         catalog.report("audit", out=tmp_path / "report.pdf")
 
     # the heatmap's numbers: per layer group and expert, bytes read / full bytes, from the reads view

@@ -214,7 +214,7 @@ def test_plan_is_budget_sound_monotone_and_deterministic(catalog, tiny_family) -
         # a prefix of one ranking: every access set contains the smaller budgets' sets
     assert planned == sorted(planned) and planned[0] == 0
     assert planned[-1] == catalog.plan(spec, budget=1.0).candidate_bytes
-    absolute = catalog.plan(spec, budget="20000")
+    absolute = catalog.plan(spec, budget="20000B")
     assert absolute.budget_bytes == 20000 and absolute.planned_bytes <= 20000
 
 
