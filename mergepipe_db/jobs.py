@@ -158,25 +158,29 @@ def run_plan(db: Database, plan: Plan, out_path: Path, ref_name: str, *, t_start
     committed = False
     try:
         t0 = time.perf_counter()
+        t_start_up = t0 - t_start - t_plan  # before and after planning: outputs checked, ref read, staging made
         result = execute(plan, staging, shard_bytes=shard_bytes or DEFAULT_SHARD_BYTES, progress=progress,
                          verify_reads=verify_reads)
         t_exec = time.perf_counter() - t0
         faults.point("shards_written")
         parents = [plan.base.id] + [e.checkpoint.id for e in plan.experts]
         manifest = build_manifest(plan, result, parents=parents)
-        timings = {"plan": t_plan, "execute": t_exec, **result.timings}
+        timings = {"start_up": t_start_up, "plan": t_plan, "execute": t_exec, **result.timings}
         t0 = time.perf_counter()
         mhash = cm.finish_staging(plan, result, staging, manifest, timings)
         timings["finalize"] = time.perf_counter() - t0  # index, side files, header re-check, manifest
+        t0 = time.perf_counter()
         commit = cm.commit(db, plan, result, manifest=manifest, mhash=mhash, timings=timings,
                            intent=intent, staging=staging, out=out_path, ref=ref_name, expected_version=expected)
         committed = True
         cm.publish(staging, out_path)
-        timings["commit"] = time.perf_counter() - t0
+        timings["commit"] = time.perf_counter() - t0  # catalog transaction + publish (rename)
     except BaseException:
         if not committed:
             cm.abandon_staging(db, intent, staging)
         raise
+    timings["wall"] = time.perf_counter() - t_start
+    cm.record_timings(db, commit.snapshot_id, timings)
     return MergeResult(
         snapshot_id=commit.snapshot_id, checkpoint=commit.checkpoint_name, ref=commit.ref,
         version=commit.version, out=str(out_path), plan_hash=plan.plan_hash, manifest_hash=mhash,
@@ -184,7 +188,7 @@ def run_plan(db: Database, plan: Plan, out_path: Path, ref_name: str, *, t_start
         realized_bytes=result.realized_bytes, realized_per_expert=result.realized_per_expert,
         base_bytes=result.base_bytes, output_bytes=result.output_bytes, cached_bytes=result.cached_bytes,
         bound=plan.bound_total,
-        seconds=time.perf_counter() - t_start, timings=timings,
+        seconds=timings["wall"], timings=timings,
     )
 
 

@@ -57,9 +57,10 @@ def lineage_graph(db: Database, snapshot_ref: str) -> dict[str, Any]:
 
     Returns ``{"root": id, "nodes": [...], "edges": [...]}``. A node is a checkpoint: id, name, kind and,
     for merge outputs, ``snapshot`` (method, plan hash, budget/planned/realized/full expert bytes, bound, …;
-    bytes are bytes). An edge is (child, parent, role ``base``/``expert``, position, and the child's merge:
-    method, budget_bytes, plan_hash). Nodes are sorted root first, then by name; edges by child, role,
-    position. A checkpoint that is not a merge output yields one node and no edges.
+    bytes are bytes). An edge is (child, parent, role ``base``/``expert``, position, ``bytes_read``: the bytes
+    the child's merge read from that input, and the child's merge: method, budget_bytes, plan_hash). Nodes are
+    sorted root first, then by name; edges by child, role, position. A checkpoint that is not a merge output
+    yields one node and no edges.
     Raises UnknownCheckpointError for an unknown name.
     """
     c, s = schema.checkpoint, schema.snapshot
@@ -70,6 +71,11 @@ def lineage_graph(db: Database, snapshot_ref: str) -> dict[str, Any]:
         cps = {r.id: r for r in conn.execute(sa.select(c.c.id, c.c.name, c.c.kind).where(c.c.id.in_(ids)))}
         snaps = {r.checkpoint_id: r for r in conn.execute(
             sa.select(s).where(s.c.checkpoint_id.in_(ids), s.c.state == "COMMITTED"))}
+        rd = schema.read_stat
+        read = {(r.snapshot_id, int(r.position)): int(r.bytes_read) for r in conn.execute(
+            sa.select(rd.c.snapshot_id, rd.c.position, sa.func.sum(rd.c.bytes_read).label("bytes_read"))
+            .where(rd.c.snapshot_id.in_([sn.id for sn in snaps.values()]))
+            .group_by(rd.c.snapshot_id, rd.c.position))}
     nodes = []
     for cid in ids:
         cp = cps.get(cid)
@@ -90,6 +96,9 @@ def lineage_graph(db: Database, snapshot_ref: str) -> dict[str, Any]:
             "method": snap.method if snap is not None else None,
             "budget_bytes": int(snap.budget_bytes) if snap is not None else None,
             "plan_hash": snap.plan_hash if snap is not None else None,
+            # bytes the child's merge read from this input: the base's (boundary cost) or this expert's
+            "bytes_read": None if snap is None else (int(snap.base_bytes) if e.role == "base"
+                                                     else read.get((snap.id, int(e.position)), 0)),
         })
     out_edges.sort(key=lambda e: (names[e["child"]], e["role"] != "base", e["position"], e["parent_name"]))
     return {"root": root.checkpoint_id, "nodes": nodes, "edges": out_edges}
@@ -130,7 +139,8 @@ def render_text(graph: dict[str, Any]) -> str:
             role = "base" if e["role"] == "base" else f"expert {e['position']}"
             seen = e["parent"] in expanded and e["parent"] in parents
             more = " … (parents listed above)" if seen else ""
-            lines.append(f"{prefix}{'└── ' if last else '├── '}{role}: {_describe(nodes[e['parent']])}{more}")
+            read = "" if e.get("bytes_read") is None else f" [read {fmt_bytes(e['bytes_read'])}]"
+            lines.append(f"{prefix}{'└── ' if last else '├── '}{role}{read}: {_describe(nodes[e['parent']])}{more}")
             if not seen and depth < MAX_DEPTH:
                 expanded.add(e["parent"])
                 walk(e["parent"], prefix + ("    " if last else "│   "), depth + 1)
@@ -148,8 +158,9 @@ def mermaid_escape(text: str) -> str:
 
 
 def render_mermaid(graph: dict[str, Any]) -> str:
-    """A Mermaid flowchart: one node per checkpoint, an arrow parent → child per lineage edge, labelled with
-    the role, operator, budget bytes and plan hash prefix of the child's merge."""
+    """A Mermaid flowchart: one node per checkpoint (a merge output with its operator, budget, bytes read and
+    plan hash prefix), an arrow parent → child per lineage edge, labelled with the role and the bytes the
+    child's merge read from that parent."""
     ids = {n["id"]: f"n{i}" for i, n in enumerate(graph["nodes"])}
     lines = ["flowchart BT"]
     for n in graph["nodes"]:
@@ -158,13 +169,14 @@ def render_mermaid(graph: dict[str, Any]) -> str:
             label = f"{mermaid_escape(n['name'])}<br/>{mermaid_escape(n['kind'])}"
             lines.append(f'    {ids[n["id"]]}["{label}"]')
         else:
-            label = (f"{mermaid_escape(n['name'])}<br/>snapshot {s['id'][:12]}<br/>"
-                     f"read {mermaid_escape(fmt_bytes(s['realized_bytes']))}")
+            label = (f"{mermaid_escape(n['name'])}<br/>snapshot {s['id'][:12]}: {mermaid_escape(s['method'])}<br/>"
+                     f"read {mermaid_escape(fmt_bytes(s['realized_bytes']))} of budget "
+                     f"{mermaid_escape(fmt_bytes(s['budget_bytes']))}, plan {s['plan_hash'][:8]}")
             lines.append(f'    {ids[n["id"]]}(["{label}"])')
     for e in graph["edges"]:
         role = "base" if e["role"] == "base" else f"expert {e['position']}"
-        label = (f"{role}, {mermaid_escape(e['method'] or '?')}, budget {mermaid_escape(fmt_bytes(e['budget_bytes']))}"
-                 f", plan {(e['plan_hash'] or '')[:8]}")
+        read = "" if e.get("bytes_read") is None else f", read {mermaid_escape(fmt_bytes(e['bytes_read']))}"
+        label = f"{role}{read}"
         lines.append(f'    {ids[e["parent"]]} -->|"{label}"| {ids[e["child"]]}')
     root = ids[graph["root"]]
     lines.append("    classDef root stroke-width:3px")

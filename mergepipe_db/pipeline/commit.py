@@ -246,6 +246,20 @@ def commit(
     return CommitResult(snapshot_id, snapshot_id, cp_name, ref, version, mhash)
 
 
+def record_timings(db: Database, snapshot_id: str, timings: dict[str, float]) -> None:
+    """Store the merge's final timings (with the commit's own time and the wall time, known only after the
+    commit) in the catalog's manifest row. Timings are outside the manifest hash; a failure here leaves the
+    committed snapshot as it is, with the timings written at commit."""
+    from mergepipe_db.errors import MergePipeError
+
+    try:
+        with db.connect() as conn:
+            conn.execute(schema.manifest.update().where(schema.manifest.c.snapshot_id == snapshot_id)
+                         .values(timings=json.dumps(timings)))
+    except MergePipeError:
+        pass
+
+
 def _claim_out(conn: sa.Connection, out: Path) -> None:
     """Refuse to commit a second snapshot to `out` while another one waits there to be published (a merge
     killed between commit and rename, not yet rolled forward by gc), or when `out` filled up meanwhile:

@@ -12,6 +12,7 @@ from conftest import ingest_family
 
 from mergepipe_db.audit.lineage import render
 from mergepipe_db.cli import main
+from mergepipe_db.core.units import fmt_bytes
 from mergepipe_db.errors import UnknownCheckpointError
 from mergepipe_db.formats.safetensors import read_header
 
@@ -48,15 +49,19 @@ def test_lineage_two_levels_audit_sql_and_verify(catalog, catalog_url, tiny_fami
     for e in g["edges"]:
         src = gen1 if e["child"] == gen1.snapshot_id else gen2
         assert e["plan_hash"] == src.plan_hash and e["budget_bytes"] == src.budget_bytes
+        # bytes read along the edge: the merge's per-expert reads (its result), or its base read
+        assert e["bytes_read"] == (src.base_bytes if e["role"] == "base" else src.realized_per_expert[e["position"]])
 
     text = render(g, "text").splitlines()
     assert text[0].startswith("gen2@1 (snapshot") and "task_arithmetic" in text[0]
-    i = next(k for k, line in enumerate(text) if "expert 0: gen1@1" in line)
+    i = next(k for k, line in enumerate(text) if "expert 0" in line and ": gen1@1" in line)
+    assert f"expert 0 [read {fmt_bytes(gen2.realized_per_expert[0])}]: gen1@1" in text[i]
     nested = text[i + 1:i + 4]
-    assert [re.sub(r"^[│ ]+[├└]── ", "", ln).split(" (")[0] for ln in nested] == ["base: base", "expert 0: e0",
-                                                                                 "expert 1: e1"]
+    assert [re.sub(r"^[│ ]+[├└]── ", "", ln).split(" (")[0] for ln in nested] == [
+        f"base [read {fmt_bytes(gen1.base_bytes)}]: base", f"expert 0 [read {fmt_bytes(gen1.realized_per_expert[0])}]"
+        f": e0", f"expert 1 [read {fmt_bytes(gen1.realized_per_expert[1])}]: e1"]
     assert all(ln.startswith("│   ") for ln in nested)  # one level deeper than gen1@1
-    assert any(ln.startswith("└── expert 1: e2") for ln in text)
+    assert any(ln.startswith(f"└── expert 1 [read {fmt_bytes(gen2.realized_per_expert[1])}]: e2") for ln in text)
 
     mer = render(g, "mermaid").splitlines()
     assert mer[0] == "flowchart BT"
@@ -71,9 +76,14 @@ def test_lineage_two_levels_audit_sql_and_verify(catalog, catalog_url, tiny_fami
             assert re.fullmatch(r"    classDef root .*|    class n\d+ root", line), line
     assert len(node_ids) == 6 and len(edge_lines) == 6
     assert all(a in node_ids and b in node_ids for a, _label, b in edge_lines)
-    labels = [lab for _a, lab, _b in edge_lines]
-    assert sum(f"plan {gen2.plan_hash[:8]}" in lab and "task_arithmetic" in lab for lab in labels) == 3
-    assert sum(f"plan {gen1.plan_hash[:8]}" in lab and "linear" in lab for lab in labels) == 3
+    labels = sorted(lab for _a, lab, _b in edge_lines)
+    # edges carry what was read from that input, not the whole merge's budget and plan hash again
+    want = [f"base, read {fmt_bytes(r.base_bytes)}" for r in (gen1, gen2)]
+    want += [f"expert {i}, read {fmt_bytes(b)}" for r in (gen1, gen2) for i, b in enumerate(r.realized_per_expert)]
+    assert labels == sorted(w.replace(" ", " ") for w in want)
+    nodes = [ln for ln in mer if "snapshot " in ln]
+    assert sum(f"plan {gen2.plan_hash[:8]}" in ln and "task_arithmetic" in ln for ln in nodes) == 1
+    assert sum(f"plan {gen1.plan_hash[:8]}" in ln and "linear" in ln for ln in nodes) == 1
 
     assert json.loads(render(g, "json")) == g
 
