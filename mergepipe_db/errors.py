@@ -148,6 +148,10 @@ class UnsupportedOutputFormatError(MergePipeError):
     """An output file's extension names a format the command does not write (`report --out x.pdf`)."""
 
 
+class ReportPathError(MergePipeError):
+    """A report's output path cannot be written (its directory does not exist)."""
+
+
 class StaleOutputError(VerifyError):
     """A committed snapshot's output files moved or changed since the commit (a report would show stale
     figures)."""

@@ -179,7 +179,7 @@ def run_sweep(catalog: Catalog, spec: Any, budgets: str | list[Any] | tuple[Any,
         del r["_full"]
     rows.sort(key=lambda r: (r["budget_bytes"], r["expert_bytes"], r["budget"]))
 
-    ref_norm = _norm(reference["out"]) if any(r["bound"] not in (None, math.inf) for r in rows) else None
+    ref_norm = l2_norm(reference["out"]) if any(r["bound"] not in (None, math.inf) for r in rows) else None
     csv_path, md_path, png_path = root / "frontier.csv", root / "frontier.md", root / "frontier.png"
     _write_csv(csv_path, rows)
     _write_md(md_path, rows, s)
@@ -187,7 +187,7 @@ def run_sweep(catalog: Catalog, spec: Any, budgets: str | list[Any] | tuple[Any,
     return SweepResult(rows, csv_path, md_path, png_path)
 
 
-def _norm(out_dir: str | Path) -> float:
+def l2_norm(out_dir: str | Path) -> float:
     """‖out‖₂ over the floating-point tensors (for plotting the bound relative to the output)."""
     import torch
 
