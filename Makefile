@@ -20,7 +20,9 @@ demo: install
 # (installed from Debian's packages and started by .ci/start-postgres.sh; needs root, as on CI).
 test: install test-duckdb test-postgres
 
+# Chromium (Debian's package) for the audit report's browser test, installed like PostgreSQL below.
 test-duckdb:
+	bash .ci/install-chromium.sh
 	$(BIN)/python -m pytest -q -n 2 -m "not fuzz and not slow"
 
 # Fails when the server does not start or no URL comes back: no silent fall-back to DuckDB

@@ -100,13 +100,18 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     cat = _catalog(args)
     plan = cat.plan(args.spec, budget=args.budget, seed=args.seed, progress=_progress(args))
+    from mergepipe_db.jobs import budget_warnings
+
     summary = plan.summary()
+    warnings = budget_warnings(plan)
+    for w in warnings:
+        print(f"mergepipe: warning: {w}", file=sys.stderr)
     if args.json:
-        _print_json(summary)
+        _print_json({**summary, "warnings": warnings})
         return 0
     print(f"plan {plan.plan_hash[:16]}  method {plan.spec.method}  base {plan.base.name}")
-    print(f"budget {fmt_bytes(plan.budget_bytes)} of full read {fmt_bytes(plan.full_bytes)} "
-          f"(non-zero deltas: {fmt_bytes(plan.candidate_bytes)})")
+    print(f"expert bytes: candidates (non-zero delta) {fmt_bytes(plan.candidate_bytes)}, all (full read) "
+          f"{fmt_bytes(plan.full_bytes)}; budget {fmt_bytes(plan.budget_bytes)}")
     print(f"planned expert reads {fmt_bytes(plan.planned_bytes)}")
     for e in summary["experts"]:
         print(f"  {e['name']:<24} {e['blocks_selected']:>7} blocks  {fmt_bytes(e['planned_bytes']):>12}")
@@ -124,11 +129,14 @@ def cmd_merge(args: argparse.Namespace) -> int:
     shard = _parse_size(args.shard_size) if args.shard_size else None
     res = cat.merge(args.spec, out=args.out, budget=args.budget, seed=args.seed, ref=args.ref, shard_bytes=shard,
                     progress=_progress(args), verify_reads=args.verify_reads)
+    for w in res.warnings:
+        print(f"mergepipe: warning: {w}", file=sys.stderr)
     if args.json:
         _print_json({k: v for k, v in res.to_dict().items()})
         return 0
     print(f"committed snapshot {res.snapshot_id} as {res.checkpoint} -> {res.out}")
-    print(f"  plan {res.plan_hash[:16]}  budget {fmt_bytes(res.budget_bytes)}  full read {fmt_bytes(res.full_bytes)}")
+    print(f"  plan {res.plan_hash[:16]}  budget {fmt_bytes(res.budget_bytes)}  expert bytes: candidates "
+          f"(non-zero delta) {fmt_bytes(res.candidate_bytes)}, all (full read) {fmt_bytes(res.full_bytes)}")
     print(f"  expert reads planned {fmt_bytes(res.planned_bytes)}, realized {fmt_bytes(res.realized_bytes)}"
           f" ({100.0 * res.realized_bytes / max(1, res.full_bytes):.1f}% of full)")
     print(f"  base read {fmt_bytes(res.base_bytes)}, output written {fmt_bytes(res.output_bytes)}, "

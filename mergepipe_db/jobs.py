@@ -9,7 +9,7 @@ the plan's rows are read, the connection closed, the merge runs, and commit open
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +49,21 @@ class MergeResult:
     bound: float | None
     seconds: float
     timings: dict[str, float]
+    candidate_bytes: int = 0  # expert bytes of blocks with a non-zero delta (what a full-budget merge reads)
+    warnings: list[str] = field(default_factory=list)  # e.g. `budget_warnings`; the CLI prints them on stderr
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+
+def budget_warnings(plan: Plan) -> list[str]:
+    """Warnings about a plan's budget a user should see: one that selects no expert block while candidates
+    exist (the merge is then a copy of the base)."""
+    if plan.planned_bytes == 0 and plan.candidate_bytes > 0:
+        return [f"the budget ({plan.budget_bytes} bytes) selects no expert block although "
+                f"{plan.candidate_bytes} candidate bytes exist: the output is the base unchanged; raise the "
+                f"budget (a fraction such as 0.25, or bytes with a unit such as 500MB)"]
+    return []
 
 
 def default_name(path: str | Path) -> str:
@@ -188,7 +200,8 @@ def run_plan(db: Database, plan: Plan, out_path: Path, ref_name: str, *, t_start
         realized_bytes=result.realized_bytes, realized_per_expert=result.realized_per_expert,
         base_bytes=result.base_bytes, output_bytes=result.output_bytes, cached_bytes=result.cached_bytes,
         bound=plan.bound_total,
-        seconds=timings["wall"], timings=timings,
+        seconds=timings["wall"], timings=timings, candidate_bytes=plan.candidate_bytes,
+        warnings=budget_warnings(plan),
     )
 
 

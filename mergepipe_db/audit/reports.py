@@ -484,7 +484,7 @@ def render_html(d: dict[str, Any], png: bytes) -> str:
            f"<title>mergepipe report: {_h(d['name'])}</title>", f"<style>{_CSS}</style></head><body>",
            f"<h1>Merge report: {_h(d['name'])}</h1>"]
 
-    out.append('<h2>Identity</h2><div class="box"><table id="identity">')
+    out.append('<h2>Identity</h2><div class="box"><table id="identity"><tr><th>field</th><th>value</th></tr>')
     for k, v in (("snapshot", d["name"]), ("snapshot id", snap["id"]), ("method", snap["method"]),
                  ("manifest hash (sha256)", d["manifest_hash"]), ("plan hash", snap["plan_hash"]),
                  ("seed", snap["seed"]), ("output directory", snap["out_path"]), ("created", snap["created_at"]),
@@ -497,7 +497,8 @@ def render_html(d: dict[str, Any], png: bytes) -> str:
     total = sum(f["size"] for f in d["outputs"])
     out.append(f'<tr class="total"><td>{len(d["outputs"])} file(s)</td>{_b(total)}<td></td></tr></table></div>')
 
-    out.append('<h2>Distance from the full-budget output</h2><div class="box"><table id="error">')
+    out.append('<h2>Distance from the full-budget output</h2><div class="box"><table id="error"><tr><th>quantity</th>'
+               "<th>value</th></tr>")
     for k, v in error_lines(d):
         out.append(f"<tr><th>{_h(k)}</th><td>{_h(v)}</td></tr>")
     out.append("</table></div>")

@@ -123,3 +123,40 @@ def test_verify_full_says_what_it_checked_beyond_verify(catalog, catalog_url, ti
     assert main(["verify", "--full", "--catalog", catalog_url]) == 0
     full = capsys.readouterr().out
     assert plain != full and "sha256" in full and "(--full)" in full
+
+
+@pytest.mark.catalog
+def test_a_budget_that_selects_nothing_is_warned_about(catalog, catalog_url, tiny_family, tmp_path,
+                                                      capsys) -> None:
+    import json
+
+    import yaml
+
+    from mergepipe_db.core.units import fmt_bytes
+
+    names = ingest_family(catalog, tiny_family)
+    spec = tmp_path / "m.yml"
+    spec.write_text(yaml.safe_dump({"merge_method": "task_arithmetic", "base_model": "base",
+                                    "models": [{"model": n, "parameters": {"weight": 0.5}} for n in names]}))
+    assert main(["plan", str(spec), "--budget", "2B", "--json", "--catalog", catalog_url]) == 0
+    cap = capsys.readouterr()
+    doc = json.loads(cap.out)
+    assert doc["planned_bytes"] == 0 and doc["candidate_bytes"] > 0 and len(doc["warnings"]) == 1
+    assert "selects no expert block" in cap.err
+    assert main(["merge", str(spec), "--out", str(tmp_path / "o"), "--budget", "2B", "--json",
+                 "--catalog", catalog_url]) == 0
+    cap = capsys.readouterr()
+    doc = json.loads(cap.out)
+    assert doc["realized_bytes"] == 0 and doc["warnings"] and "selects no expert block" in cap.err
+    # a budget that selects something: no warning; plan, merge --json and the report agree on the split
+    assert main(["plan", str(spec), "--budget", "0.5", "--catalog", catalog_url]) == 0
+    cap = capsys.readouterr()
+    assert cap.err == ""
+    plan = catalog.plan(str(spec), budget="0.5")
+    assert (f"candidates (non-zero delta) {fmt_bytes(plan.candidate_bytes)}, all (full read) "
+            f"{fmt_bytes(plan.full_bytes)}") in cap.out
+    assert main(["merge", str(spec), "--out", str(tmp_path / "h"), "--budget", "0.5", "--json",
+                 "--catalog", catalog_url]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["candidate_bytes"], doc["full_bytes"], doc["warnings"]) == (plan.candidate_bytes, plan.full_bytes,
+                                                                            [])

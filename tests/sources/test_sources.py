@@ -259,7 +259,7 @@ def test_pack_costs_compressed_bytes_and_merges_identically(catalog, fam, tmp_pa
     assert out.realized_bytes == out.planned_bytes == after.planned_bytes
     assert_bytes_equal(load_output(tmp_path / "packed"), load_output(tmp_path / "plain"))
     catalog.replay(tmp_path / "packed", out=tmp_path / "replayed", verify=True)
-    small = catalog.merge(spec, out=tmp_path / "small", budget=str(after.planned_bytes // 3))
+    small = catalog.merge(spec, out=tmp_path / "small", budget=f"{after.planned_bytes // 3}B")
     assert small.realized_bytes == small.planned_bytes <= after.planned_bytes // 3
 
 
@@ -294,7 +294,7 @@ def test_pack_leaves_incompressible_blocks_and_full_budget_reads_everything(cata
         conn.execute(sa.update(schema.packed_block).values(clen=8192))
     plans.append(catalog.plan(spec, budget="1.0"))
     assert plans[0].planned_bytes < full.planned_bytes == plans[1].planned_bytes
-    for i, budget in enumerate(("1.0", str(full.full_bytes))):
+    for i, budget in enumerate(("1.0", f"{full.full_bytes}B")):
         plan = catalog.plan(spec, budget=budget)
         assert plan.planned_bytes <= plan.budget_bytes == full.full_bytes
         assert plan.selected_blocks(0, 0) == full.selected_blocks(0, 0)
@@ -356,5 +356,5 @@ def test_lora_fan_in_fan_out_full_budget(catalog, fam, tmp_path) -> None:
     expected = reference_merge("task_arithmetic", Path(fam.base), [Path(fam.base)], [{"weight": 0.5}],
                                expert_deltas=[materialize_lora(cfg, f)])
     assert_bytes_equal(load_output(tmp_path / "o"), expected)
-    part = catalog.plan(spec, budget=str(res.planned_bytes // 2))
+    part = catalog.plan(spec, budget=f"{res.planned_bytes // 2}B")
     assert part.planned_bytes <= res.planned_bytes // 2
