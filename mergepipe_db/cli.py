@@ -251,11 +251,13 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(res.to_dict())
         return 0
-    print(f"{'budget':>8} {'budget bytes':>14} {'expert bytes':>14} {'seconds':>8} {'rel. L2 dev.':>12} bound")
+    print(f"{'budget':>8} {'budget bytes':>12} {'expert bytes':>12} {'seconds':>8} {'deviation rel.':>14} "
+          f"{'bound rel.':>10} {'bound abs.':>10}")
     for r in res.rows:
-        bound = "n/a" if r["bound"] is None else f"{r['bound']:.4g}"
-        print(f"{r['budget']:>8} {r['budget_bytes']:>14} {r['expert_bytes']:>14} {r['seconds']:>8.2f} "
-              f"{r['rel_l2_deviation']:>12.4g} {bound}")
+        brel = "n/a" if r["bound_rel_l2"] is None else f"{r['bound_rel_l2']:.4g}"
+        babs = "n/a" if r["bound_abs_l2"] is None else f"{r['bound_abs_l2']:.4g}"
+        print(f"{r['budget']:>8} {fmt_bytes(r['budget_bytes']):>12} {fmt_bytes(r['expert_bytes']):>12} "
+              f"{r['seconds']:>8.2f} {r['deviation_rel_l2']:>14.4g} {brel:>10} {babs:>10}")
     print(f"wrote {res.csv}, {res.md}, {res.png}")
     return 0
 
@@ -449,8 +451,10 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run the merge in SPEC once per budget into DIR/budget-<b>/ (ref <DIR name>-b<b>"
                        "), always including the full budget 1 as the reference, then write DIR/frontier.csv, "
                        "DIR/frontier.md and DIR/frontier.png: budget, budget bytes, realized expert bytes, total "
-                       "bytes (expert + base + output), seconds, relative L2 deviation from the full-budget output "
-                       "(float64) and the omitted-update bound. Progress lines go to stderr.", epilog=EPILOG)
+                       "bytes (expert + base + output), seconds, the L2 deviation from the full-budget output "
+                       "(float64; deviation_rel_l2 relative to its norm, deviation_abs_l2 absolute) and the "
+                       "omitted-update bound (bound_rel_l2, bound_abs_l2). The CSV keeps exact integers; the "
+                       "table and frontier.md show human units. Progress lines go to stderr.", epilog=EPILOG)
     s.add_argument("spec", help="merge spec (MergeKit-compatible YAML; its own budget is ignored)")
     s.add_argument("--budgets", default="0.05,0.1,0.25,0.5,1",
                    help="comma-separated budgets, fractions or bytes (default 0.05,0.1,0.25,0.5,1)")

@@ -24,7 +24,10 @@ from mergepipe_db.io import RangeSource, open_store
 if TYPE_CHECKING:
     from mergepipe_db.catalog import Catalog
 
-COLUMNS = ("budget", "budget_bytes", "expert_bytes", "total_bytes", "seconds", "rel_l2_deviation", "bound")
+#: frontier columns; bytes are exact integers, deviations and bounds are L2 norms: ``*_rel`` relative to
+#: ‖out_full‖₂, ``*_abs`` absolute (the bound is empty where the operator has none)
+COLUMNS = ("budget", "budget_bytes", "expert_bytes", "total_bytes", "seconds", "deviation_rel_l2",
+           "deviation_abs_l2", "bound_rel_l2", "bound_abs_l2")
 FULL = Budget(fraction=1.0)
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
@@ -166,24 +169,30 @@ def run_sweep(catalog: Catalog, spec: Any, budgets: str | list[Any] | tuple[Any,
         rows.append({
             "budget": label, "budget_bytes": res.budget_bytes, "expert_bytes": res.realized_bytes,
             "total_bytes": res.realized_bytes + res.base_bytes + res.output_bytes, "seconds": res.seconds,
-            "rel_l2_deviation": None, "bound": res.bound, "out": res.out, "ref": res.ref,
-            "snapshot_id": res.snapshot_id, "checkpoint": res.checkpoint, "_full": b == FULL,
+            "deviation_rel_l2": None, "deviation_abs_l2": None, "bound_rel_l2": None, "bound_abs_l2": res.bound,
+            "out": res.out, "ref": res.ref, "snapshot_id": res.snapshot_id, "checkpoint": res.checkpoint,
+            "_full": b == FULL,
         })
     reference = next(r for r in rows if r["_full"])
+    ref_norm = l2_norm(reference["out"])
     for r in rows:
         if r is reference:
-            r["rel_l2_deviation"] = 0.0
+            r["deviation_rel_l2"] = 0.0
         else:
             _say(progress, f"deviation of budget {r['budget']} from the full-budget output")
-            r["rel_l2_deviation"] = rel_l2_deviation(r["out"], reference["out"])
+            r["deviation_rel_l2"] = rel_l2_deviation(r["out"], reference["out"])
+        r["deviation_abs_l2"] = r["deviation_rel_l2"] * ref_norm
+        if r["bound_abs_l2"] is not None:
+            r["bound_rel_l2"] = r["bound_abs_l2"] / ref_norm if ref_norm else math.inf
         del r["_full"]
     rows.sort(key=lambda r: (r["budget_bytes"], r["expert_bytes"], r["budget"]))
 
-    ref_norm = l2_norm(reference["out"]) if any(r["bound"] not in (None, math.inf) for r in rows) else None
     csv_path, md_path, png_path = root / "frontier.csv", root / "frontier.md", root / "frontier.png"
+    named = bool(s.source) and not str(s.source).startswith("<")
+    title = f"{s.method}, {len(s.models)} expert(s)" + (f", {Path(str(s.source)).name}" if named else "")
     _write_csv(csv_path, rows)
-    _write_md(md_path, rows, s)
-    png_path.write_bytes(frontier_png(rows, ref_norm))
+    _write_md(md_path, rows, title, ref_norm)
+    png_path.write_bytes(frontier_png(rows, title))
     return SweepResult(rows, csv_path, md_path, png_path)
 
 
@@ -219,53 +228,68 @@ def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
             w.writerow([_cell(r[c]) for c in COLUMNS])
 
 
-def _write_md(path: Path, rows: list[dict[str, Any]], spec: Any) -> None:
-    lines = [f"# Budget sweep: {spec.method}, {len(spec.models)} expert(s)", "",
-             "Bytes are bytes; `expert_bytes` is the realized expert read, `total_bytes` adds base reads and "
-             "output writes; `rel_l2_deviation` is ‖out_b − out_full‖₂ / ‖out_full‖₂ (float64); `bound` is the "
-             "omitted-update bound (absolute L2), empty where the operator has none.", "",
-             "| " + " | ".join(COLUMNS) + " |", "|" + "---:|" * len(COLUMNS)]
+def _write_md(path: Path, rows: list[dict[str, Any]], title: str, ref_norm: float) -> None:
+    lines = [f"# Budget sweep: {title}", "",
+             "Bytes in human units (exact integers in frontier.csv); `expert` is the realized expert read, `total` "
+             "adds base reads and output writes. Deviation: ‖out_b − out_full‖₂ (float64), relative to "
+             f"‖out_full‖₂ = {ref_norm:.6g} and absolute; bound: the omitted-update bound (an upper bound on the "
+             "absolute deviation), relative and absolute, empty where the operator has none.", "",
+             "| budget | budget bytes | expert | total | seconds | deviation (rel.) | deviation (abs.) | "
+             "bound (rel.) | bound (abs.) |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        cells = [r["budget"], str(r["budget_bytes"]), str(r["expert_bytes"]), str(r["total_bytes"]),
-                 f"{r['seconds']:.3f}", f"{r['rel_l2_deviation']:.6g}",
-                 "" if r["bound"] is None else f"{r['bound']:.6g}"]
+        cells = [r["budget"], fmt_bytes(r["budget_bytes"]), fmt_bytes(r["expert_bytes"]), fmt_bytes(r["total_bytes"]),
+                 f"{r['seconds']:.3f}", f"{r['deviation_rel_l2']:.4g}", f"{r['deviation_abs_l2']:.4g}",
+                 _g(r["bound_rel_l2"]), _g(r["bound_abs_l2"])]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "![frontier](frontier.png)", ""]
     path.write_text("\n".join(lines), encoding="utf-8")
 
 
-def frontier_png(rows: list[dict[str, Any]], ref_norm: float | None = None) -> bytes:
-    """Two panels against expert bytes read: relative L2 deviation (and the relative bound), and seconds."""
+def _g(x: float | None) -> str:
+    return "" if x is None else f"{x:.4g}"
+
+
+def frontier_png(rows: list[dict[str, Any]], title: str = "") -> bytes:
+    """Two panels against expert bytes read: the relative L2 deviation (and the relative bound, where there is
+    one) on a log axis, and seconds. The full-budget point (deviation 0) has no place on a log axis."""
     import io
 
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     mib = float(1 << 20)
-    x = [r["expert_bytes"] / mib for r in rows]
-    fig = Figure(figsize=(11, 4.2), dpi=100)
+    fig = Figure(figsize=(11, 4.4), dpi=100)
     FigureCanvasAgg(fig)
     ax1, ax2 = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
-    ax1.plot(x, [r["rel_l2_deviation"] for r in rows], "o-", label="measured ‖out−full‖/‖full‖")
-    if ref_norm:
-        pts = [(xi, r["bound"] / ref_norm) for xi, r in zip(x, rows)
-               if r["bound"] is not None and math.isfinite(r["bound"])]
-        if pts:
-            ax1.plot([p[0] for p in pts], [p[1] for p in pts], "s--", alpha=0.7, label="bound / ‖full‖")
-    for xi, r in zip(x, rows):
-        ax1.annotate(str(r["budget"]).replace("$", r"\$"), (xi, r["rel_l2_deviation"]), fontsize=7,
-                     textcoords="offset points", xytext=(3, 3))
+    pts = [(r["expert_bytes"] / mib, r["deviation_rel_l2"], r["budget"]) for r in rows if r["deviation_rel_l2"] > 0]
+    if pts:
+        ax1.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label="measured ‖out−full‖/‖full‖")
+        for xi, yi, lab in pts:
+            ax1.annotate(str(lab).replace("$", r"\$"), (xi, yi), fontsize=7, textcoords="offset points",
+                         xytext=(3, 3))
+    bnd = [(r["expert_bytes"] / mib, r["bound_rel_l2"]) for r in rows
+           if r["bound_rel_l2"] is not None and math.isfinite(r["bound_rel_l2"]) and r["bound_rel_l2"] > 0]
+    if bnd:
+        ax1.plot([p[0] for p in bnd], [p[1] for p in bnd], "s--", alpha=0.7, label="bound / ‖full‖")
+    if pts or bnd:
+        ax1.set_yscale("log")
+        ax1.legend(fontsize=8)
+    else:
+        ax1.text(0.5, 0.5, "every budget read the full output (deviation 0)", ha="center", va="center",
+                 transform=ax1.transAxes, fontsize=8)
     ax1.set_xlabel("expert bytes read (MiB)")
-    ax1.set_ylabel("relative L2 deviation from full budget")
-    ax1.set_title("error vs bytes read", fontsize=10)
-    ax1.grid(True, alpha=0.3)
-    ax1.legend(fontsize=8)
+    ax1.set_ylabel("relative L2 deviation from full budget (log)")
+    ax1.set_title("error vs bytes read (full budget: 0, not drawn)", fontsize=10)
+    ax1.grid(True, which="both", alpha=0.3)
+    x = [r["expert_bytes"] / mib for r in rows]
     ax2.plot(x, [r["seconds"] for r in rows], "o-", color="tab:orange")
     ax2.set_xlabel("expert bytes read (MiB)")
     ax2.set_ylabel("merge wall time (s)")
     ax2.set_title("time vs bytes read", fontsize=10)
     ax2.grid(True, alpha=0.3)
     ax2.set_ylim(bottom=0)
+    if title:
+        fig.suptitle(f"Budget sweep: {title}".replace("$", r"\$"), fontsize=11)
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png")

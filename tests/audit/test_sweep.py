@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import math
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from conftest import ingest_family
 from mergepipe_db.audit.sweep import parse_budgets, rel_l2_deviation
 from mergepipe_db.cli import main
 from mergepipe_db.core.spec import Budget
+from mergepipe_db.core.units import fmt_bytes
 from mergepipe_db.errors import BudgetError, OutputExistsError
 
 pytestmark = pytest.mark.catalog
@@ -40,15 +42,32 @@ def test_sweep_writes_the_frontier(catalog, catalog_url, tiny_family, tmp_path, 
     with open(out / "frontier.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))
     assert list(rows[0]) == ["budget", "budget_bytes", "expert_bytes", "total_bytes", "seconds",
-                             "rel_l2_deviation", "bound"]
+                             "deviation_rel_l2", "deviation_abs_l2", "bound_rel_l2", "bound_abs_l2"]
     assert [r["budget"] for r in rows] == ["0.1", "0.5", "1"]  # the full budget was added, rows by bytes
     expert = [int(r["expert_bytes"]) for r in rows]
     budget = [int(r["budget_bytes"]) for r in rows]
     assert expert == sorted(expert) and all(e <= b for e, b in zip(expert, budget)) and expert[0] > 0
     assert all(int(r["total_bytes"]) > int(r["expert_bytes"]) for r in rows)
-    dev = [float(r["rel_l2_deviation"]) for r in rows]
+    dev = [float(r["deviation_rel_l2"]) for r in rows]
     assert dev[-1] == 0.0 and dev[0] >= dev[1] >= 0.0 and dev[0] > 0.0
-    assert all(float(r["bound"]) >= 0.0 for r in rows) and float(rows[-1]["bound"]) == 0.0
+    assert all(float(r["bound_abs_l2"]) >= 0.0 for r in rows) and float(rows[-1]["bound_abs_l2"]) == 0.0
+    # absolute and relative columns agree through ‖out_full‖ (the naive norm, computed here)
+    import torch
+    from safetensors.torch import load_file
+
+    full = {}
+    for f in sorted((out / "budget-1").glob("*.safetensors")):
+        full.update(load_file(str(f)))
+    norm = math.sqrt(sum(float(torch.sum(v.double() ** 2)) for v in full.values() if v.is_floating_point()))
+    for r in rows:
+        assert math.isclose(float(r["deviation_abs_l2"]), float(r["deviation_rel_l2"]) * norm, rel_tol=1e-6,
+                            abs_tol=1e-12)
+        assert math.isclose(float(r["bound_rel_l2"]), float(r["bound_abs_l2"]) / norm, rel_tol=1e-6, abs_tol=1e-12)
+        assert float(r["deviation_abs_l2"]) <= float(r["bound_abs_l2"]) * (1 + 1e-6) + 1e-6  # the bound holds
+    # a person reads human units: the terminal table and frontier.md; the CSV keeps exact integers
+    assert all(fmt_bytes(int(r["expert_bytes"])) in cap.out for r in rows)
+    assert all(r["expert_bytes"] not in cap.out.split() for r in rows if int(r["expert_bytes"]) >= 1024)
+    assert (cap.out + cap.err).count("wrote ") == 1
     assert all(float(r["seconds"]) > 0 for r in rows)
 
     for r in rows:
@@ -62,7 +81,8 @@ def test_sweep_writes_the_frontier(catalog, catalog_url, tiny_family, tmp_path, 
 
     md = (out / "frontier.md").read_text(encoding="utf-8")
     table = [ln for ln in md.splitlines() if ln.startswith("| ") and not ln.startswith("| budget ")]
-    assert len(table) == 3 and "![frontier](frontier.png)" in md
+    assert len(table) == 3 and "![frontier](frontier.png)" in md and "Budget sweep: task_arithmetic" in md
+    assert all(fmt_bytes(int(r["expert_bytes"])) in md for r in rows)
     assert (out / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # a second sweep into the same directory is refused before any merge runs
