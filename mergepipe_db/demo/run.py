@@ -62,6 +62,28 @@ def run_demo(workdir: Path, *, catalog: str | None, method: str, budget: str, ex
     for i, b in enumerate(m.realized_per_expert):
         print(f"        expert_{i:02d}: {b / mib:.2f} MiB read")
     print(f"      base read {m.base_bytes / mib:.2f} MiB, output {m.output_bytes / mib:.2f} MiB, {m.seconds:.2f} s")
-    print(f"\nspec: {spec_path}\ncatalog: {url}\ntry: mergepipe sql --catalog {url} "
-          f"\"SELECT expert, SUM(bytes_read) AS bytes FROM reads GROUP BY expert ORDER BY expert\"")
+    print(f"\nspec: {spec_path}\ncatalog: {url}")
+    print("\nnext (copy and paste; these are the README's next commands):")
+    for line in next_steps(url, out.name):
+        print(f"  {line}")
     return 0
+
+
+def next_steps(catalog: str, snapshot: str) -> list[str]:
+    """The commands to run after the demo, exactly as they work from the current directory: the activation
+    line when `mergepipe` is not on PATH (make demo installs it into .venv), the demo's catalog as
+    $MERGEPIPE_CATALOG (every command finds it there), then a report, the lineage and a query."""
+    import shlex
+    import shutil
+    import sys
+
+    lines = []
+    if shutil.which("mergepipe") is None and sys.prefix != sys.base_prefix:
+        venv = os.path.relpath(sys.prefix) if not os.path.relpath(sys.prefix).startswith("..") else sys.prefix
+        lines.append(f"source {shlex.quote(venv)}/bin/activate   # puts mergepipe on PATH")
+    shown = catalog if "://" in catalog or os.path.isabs(catalog) else os.path.normpath(catalog)
+    lines += [f"export MERGEPIPE_CATALOG={shlex.quote(shown)}   # the demo's catalog",
+              f"mergepipe report {shlex.quote(snapshot)} --out report.html",
+              f"mergepipe lineage {shlex.quote(snapshot)}",
+              'mergepipe sql "SELECT expert, SUM(bytes_read) AS bytes FROM reads GROUP BY expert ORDER BY expert"']
+    return lines
