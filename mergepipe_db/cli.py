@@ -428,22 +428,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("lineage", parents=[common], help="show what a snapshot was merged from, recursively",
                        description="Walk a snapshot's lineage back to the original checkpoints: every merge on the "
-                       "way with its operator, expert-read budget and plan hash. SNAPSHOT is a snapshot checkpoint "
+                       "way with its operator, expert-read budget and plan hash, and the bytes read along each edge. "
+                       "SNAPSHOT is a snapshot checkpoint "
                        "name (ref@version), a ref (its current version) or a snapshot id.", epilog=EPILOG)
     s.add_argument("snapshot", metavar="SNAPSHOT", help="snapshot name (ref@version), ref or snapshot id")
     s.add_argument("--format", choices=("text", "mermaid", "json"), default="text",
-                   help="text: indented tree (default); mermaid: flowchart with edges labelled operator, budget "
-                   "and plan hash prefix; json: nodes and edges")
+                   help="text: indented tree (default); mermaid: flowchart, merges labelled with operator, budget "
+                   "and plan hash prefix, edges with the bytes read from that input; json: nodes and edges")
     s.set_defaults(func=cmd_lineage)
 
     s = sub.add_parser("report", parents=[common], help="write an audit report (HTML or Markdown) of a snapshot",
-                       description="Write an audit report of a committed merge: inputs with file hashes, operator "
-                       "and parameters, budget vs realized expert reads per expert, a per-layer x per-expert "
-                       "coverage heatmap, the omitted-update bound and the time breakdown. The format follows the "
+                       description="Write an audit report of a committed merge: its identity (manifest hash, plan "
+                       "hash, output shards' sha256 and size, the verify command), the distance from the "
+                       "full-budget output (bound or estimate, absolute and relative; measured when a full-budget "
+                       "merge of the same spec is catalogued), candidate/all/planned/realized expert bytes per "
+                       "expert, a time table adding up to the wall time, a byte-weighted per-layer x per-expert "
+                       "coverage heatmap, inputs per checkpoint, operator, parameters and lineage. The output files "
+                       "are checked first (StaleOutputError when one moved or changed). The format follows the "
                        "extension of --out: .html is self-contained (heatmap embedded); .md writes the heatmap "
                        "PNG beside the report.", epilog=EPILOG)
     s.add_argument("snapshot", metavar="SNAPSHOT", help="snapshot name (ref@version), ref or snapshot id")
-    s.add_argument("--out", required=True, help="report file: report.html or report.md")
+    s.add_argument("--out", required=True, help="report file: report.html or report.md (its directory must exist)")
     s.add_argument("--json", action="store_true", help="print the report path as JSON")
     s.set_defaults(func=cmd_report)
 
