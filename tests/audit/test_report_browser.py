@@ -94,6 +94,12 @@ def eight_expert_report(tmp_path_factory):
     res = cat.merge(spec, out=root / "merged", budget=0.25, ref="audit-8", shard_bytes=48_000)
     html_path = cat.report("audit-8", out=root / "report.html")
     md_path = cat.report("audit-8", out=root / "report.md")
+    # a merge of merges: its lineage tree is wider than the page
+    gen2 = {"merge_method": "task_arithmetic", "base_model": "base",
+            "models": [{"model": "audit-8", "parameters": {"weight": 0.7}},
+                       {"model": names[1], "parameters": {"weight": 0.3}}]}
+    cat.merge(gen2, out=root / "gen2", budget=0.5, ref="gen2 of a merge with a long name", shard_bytes=48_000)
+    cat.report("gen2 of a merge with a long name", out=root / "gen2.html")
     return root, res, html_path, md_path
 
 
@@ -114,29 +120,37 @@ def test_report_in_headless_chromium(eight_expert_report, tmp_path) -> None:
             page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
             page.on("request", lambda r: console.append(f"network: {r.url}")
                     if not r.url.startswith(("file:", "data:")) else None)
-            page.goto(html_path.as_uri())
-            page.wait_for_load_state("load")
-            wide = page.evaluate(f"""() => {{
-                const out = [];
-                for (const el of document.querySelectorAll('body *')) {{
-                    const r = el.getBoundingClientRect();
-                    if (r.width > {VIEWPORT} || r.right > {VIEWPORT} + 0.5)
-                        out.push(el.tagName + (el.id ? '#' + el.id : '') + ' ' + Math.round(r.width));
-                }}
-                return out;
-            }}""")
-            scroll_w = page.evaluate("() => document.documentElement.scrollWidth")
-            img_ok = page.evaluate("() => { const i = document.getElementById('coverage');"
-                                   " return i.complete && i.naturalWidth > 0 && i.getBoundingClientRect().width > 0 }")
-            text = page.inner_text("body")
-            shot = tmp_path / "report-1280.png"
-            page.screenshot(path=str(shot), full_page=True)
+            pages = {}
+            for path in (html_path, root / "gen2.html"):
+                page.goto(path.as_uri())
+                page.wait_for_load_state("load")
+                wide = page.evaluate(f"""() => {{
+                    const out = [];
+                    for (const el of document.querySelectorAll('body *')) {{
+                        const r = el.getBoundingClientRect();
+                        if (r.width > {VIEWPORT} || r.right > {VIEWPORT} + 0.5)
+                            out.push(el.tagName + (el.id ? '#' + el.id : '') + ' ' + Math.round(r.width));
+                    }}
+                    return out;
+                }}""")
+                lineage_overflows = page.evaluate(
+                    "() => { const p = document.getElementById('lineage'); return p.scrollWidth > p.clientWidth }")
+                pages[path.name] = {
+                    "wide": wide, "scroll_w": page.evaluate("() => document.documentElement.scrollWidth"),
+                    "img_ok": page.evaluate("() => { const i = document.getElementById('coverage'); return i.complete"
+                                            " && i.naturalWidth > 0 && i.getBoundingClientRect().width > 0 }"),
+                    "lineage_scrolls": lineage_overflows, "text": page.inner_text("body")}
+                shot = tmp_path / f"{path.stem}-1280.png"
+                page.screenshot(path=str(shot), full_page=True)
+                assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         finally:
             browser.close()
-    assert wide == [] and scroll_w <= VIEWPORT, (wide, scroll_w)
+    for name, pg in pages.items():
+        assert pg["wide"] == [] and pg["scroll_w"] <= VIEWPORT, (name, pg["wide"], pg["scroll_w"])
+        assert pg["img_ok"], name
     assert console == []
-    assert img_ok
-    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert pages["gen2.html"]["lineage_scrolls"]  # the wide tree scrolls inside its box, not the page
+    text = pages["report.html"]["text"]
     # the figures an auditor signs, as a reader sees them
     assert res.manifest_hash in text and res.plan_hash in text and "mergepipe verify audit-8@1" in text
     for s in shards:

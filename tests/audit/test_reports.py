@@ -251,6 +251,14 @@ def test_report_bound_and_bad_input(catalog, catalog_url, tiny_family, tmp_path,
     norm, _ = _naive_norms(tmp_path / "ta")
     assert d["error"]["kind"] == "bound" and d["error"]["absolute"] == res.bound
     assert math.isclose(d["error"]["relative"], res.bound / norm, rel_tol=1e-6)
+    # the estimate other methods get is the same sum: on an additive merge it equals the planner's bound
+    from mergepipe_db.audit.reports import _omitted_estimate
+
+    ids = {int(e["position"]): e["id"] for e in d["manifest"]["inputs"]["experts"]}
+    _, tensors = catalog.sql(f"SELECT DISTINCT tensor FROM reads WHERE snapshot_id = '{res.snapshot_id}'")
+    with catalog.db.connect() as conn:
+        est = _omitted_estimate(conn, d["manifest"], ids, {t for (t,) in tensors})
+    assert math.isclose(est, res.bound, rel_tol=1e-9)
 
     def refused(argv, name):
         assert main([*argv, "--catalog", catalog_url]) == 1
