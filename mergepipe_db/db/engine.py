@@ -90,11 +90,12 @@ class Database:
         try:
             with engine.connect() as conn:
                 revision = self.current_revision(conn)
+                empty = revision is None and not sa.inspect(conn).get_table_names()
         except sa.exc.DBAPIError as e:
             raise CatalogError(f"catalog {self.display()} is unavailable: {_first_line(e)}") from e
         finally:
             engine.dispose()
-        if revision is None:
+        if empty:  # tables without a schema revision: `connect` says it is out of date
             raise CatalogNotFoundError(f"no catalog in {self.display()} (the database holds no mergepipe schema); "
                                        f"{CREATE_HINT}")
 
