@@ -26,7 +26,7 @@ def test_demo_runs_and_upgrades_its_own_older_catalog(tmp_path, monkeypatch, cap
         assert conn.execute(sa.text("SELECT COUNT(*) FROM mp_tensor_sketch")).scalar_one() > 0
 
 
-def test_the_demos_next_commands_work_as_printed(tmp_path) -> None:
+def test_the_demos_next_commands_work_as_printed(tmp_path, monkeypatch, capsys) -> None:
     """`make demo`'s hints, run exactly as printed by bash from the same directory, with `mergepipe` not on
     PATH (as after `make demo`): the activation line puts it there, the exported catalog is the demo's."""
     import os
@@ -40,10 +40,14 @@ def test_the_demos_next_commands_work_as_printed(tmp_path) -> None:
                            if p and p != venv_bin and not Path(p, "mergepipe").exists())
     env = {**{k: v for k, v in os.environ.items() if k != "MERGEPIPE_CATALOG"}, "PATH": path,
            "PYTHONPATH": str(repo)}
-    r = subprocess.run([sys.executable, "-m", "mergepipe_db.cli", "demo", "--dir", "mergepipe-demo", "--preset",
-                        "tiny", "--experts", "2"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
-    lines = r.stdout.split("next (copy and paste; these are the README's next commands):\n", 1)[1].splitlines()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", path)  # as after `make demo`: mergepipe is not on PATH
+    monkeypatch.delenv("MERGEPIPE_CATALOG", raising=False)
+    from mergepipe_db.cli import main
+
+    assert main(["demo", "--dir", "mergepipe-demo", "--preset", "tiny", "--experts", "2"]) == 0
+    out = capsys.readouterr().out
+    lines = out.split("next (copy and paste; these are the README's next commands):\n", 1)[1].splitlines()
     steps = [ln.strip() for ln in lines if ln.startswith("  ")]
     assert steps[0].startswith("source ") and steps[1].startswith("export MERGEPIPE_CATALOG=")
     script = "set -euo pipefail\n" + "\n".join(steps) + "\n"
