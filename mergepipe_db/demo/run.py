@@ -12,6 +12,7 @@ def run_demo(workdir: Path, *, catalog: str | None, method: str, budget: str, ex
              progress: bool) -> int:
     from mergepipe_db.catalog import Catalog
     from mergepipe_db.core.spec import METHODS
+    from mergepipe_db.core.units import fmt_bytes
     from mergepipe_db.demo.family import PRESETS, make_demo_spec, make_family
     from mergepipe_db.errors import SpecError
 
@@ -54,14 +55,15 @@ def run_demo(workdir: Path, *, catalog: str | None, method: str, budget: str, ex
     out = workdir / f"merged-{method}-{n}"
     print(f"[3/3] merging ({method}, budget {budget}) -> {out}")
     m = cat.merge(spec_path, out=out, progress=progress)
-    mib = 1 << 20
     print(f"      snapshot {m.snapshot_id}  plan {m.plan_hash[:16]}")
-    print(f"      expert bytes: full read {m.full_bytes / mib:.2f} MiB, budget {m.budget_bytes / mib:.2f} MiB, "
-          f"planned {m.planned_bytes / mib:.2f} MiB, read {m.realized_bytes / mib:.2f} MiB "
-          f"({100 * m.realized_bytes / max(1, m.full_bytes):.1f}% of full)")
+    print(f"      expert bytes: candidates (non-zero delta) {fmt_bytes(m.candidate_bytes)}, all (full read) "
+          f"{fmt_bytes(m.full_bytes)}; budget {fmt_bytes(m.budget_bytes)}, planned {fmt_bytes(m.planned_bytes)}, "
+          f"read {fmt_bytes(m.realized_bytes)} ({100 * m.realized_bytes / max(1, m.full_bytes):.1f}% of all)")
     for i, b in enumerate(m.realized_per_expert):
-        print(f"        expert_{i:02d}: {b / mib:.2f} MiB read")
-    print(f"      base read {m.base_bytes / mib:.2f} MiB, output {m.output_bytes / mib:.2f} MiB, {m.seconds:.2f} s")
+        print(f"        expert_{i:02d}: {fmt_bytes(b)} read")
+    print(f"      base read {fmt_bytes(m.base_bytes)}, output {fmt_bytes(m.output_bytes)}, {m.seconds:.2f} s")
+    for w in m.warnings:
+        print(f"      warning: {w}")
     print(f"\nspec: {spec_path}\ncatalog: {url}")
     print("\nnext (copy and paste; these are the README's next commands):")
     for line in next_steps(url, out.name):
