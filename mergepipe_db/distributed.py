@@ -78,10 +78,12 @@ def run_shard_task(plan: Plan, layout: tuple[list[OutTensor], list[str]], shards
     """On a worker: execute `shards` of `plan` into a new attempt directory in `staging`. Returns (shards,
     attempt directory, result). The attempt directory's parent must exist (the coordinator made it): once the
     merge is abandoned, a late attempt fails instead of re-creating staging."""
+    from mergepipe_db.core import faults
     from mergepipe_db.pipeline.execute import execute_shards
 
     attempt = Path(staging) / ATTEMPTS_DIR / f"{shards[0]:05d}-{uuid.uuid4().hex[:12]}"
     attempt.mkdir()
+    faults.point("task_started")
     return shards, str(attempt), execute_shards(plan, attempt, layout, shards, verify_reads=verify_reads)
 
 
@@ -118,7 +120,7 @@ class DaskExecutor:
         t_dispatch = time.perf_counter() - t0
         parts: list[tuple[list[int], ExecutionResult]] = []
         attempts: dict[int, str] = {}
-        bar = tqdm(total=len(names), unit="shard", desc="merge", disable=not progress, leave=False)
+        bar = tqdm(total=len(names), unit="shard", desc="merge", disable=not progress, leave=False, mininterval=0)
         t0 = time.perf_counter()
         try:
             for fut in as_completed(futures):
