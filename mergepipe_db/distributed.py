@@ -39,7 +39,7 @@ from mergepipe_db.jobs import MergeResult, check_outputs, plan_merge, run_plan
 ATTEMPTS_DIR = ".attempts"
 #: tasks per worker a merge is cut into at most (more tasks: finer balance and retries; fewer: less overhead)
 TASKS_PER_WORKER = 4
-#: seconds to wait for a scheduler given by address
+#: seconds to wait for a scheduler given by address, and for a first worker
 CONNECT_TIMEOUT_S = 10
 
 
@@ -207,6 +207,11 @@ def merge(db: Database, spec: str | Path | dict[str, Any] | MergeSpec, *, out: s
     t_start = time.perf_counter()
     out_path, ref_name = check_outputs(out, ref, shard_bytes)
     with open_client(client, workers=workers, scheduler=scheduler) as c:
+        try:
+            c.wait_for_workers(1, timeout=CONNECT_TIMEOUT_S)
+        except TimeoutError as e:
+            raise DistributedError(f"the Dask scheduler has no workers (waited {CONNECT_TIMEOUT_S} s): nothing "
+                                   f"was written") from e
         t0 = time.perf_counter()
         plan, expected = plan_merge(db, spec, budget=budget, seed=seed, progress=progress, ref=ref_name)
         t_plan = time.perf_counter() - t0

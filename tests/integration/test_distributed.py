@@ -203,6 +203,11 @@ def test_bad_distributed_arguments_are_typed(catalog, tiny_family, tmp_path, mon
     monkeypatch.setattr(distributed, "CONNECT_TIMEOUT_S", 1)
     with pytest.raises(DistributedError, match="cannot reach the Dask scheduler"):
         catalog.merge(spec, out=tmp_path / "o", scheduler="tcp://127.0.0.1:9")
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=0, processes=False, dashboard_address=None) as empty, Client(empty) as c, \
+            pytest.raises(DistributedError, match="no workers"):
+        catalog.merge(spec, out=tmp_path / "o", client=c)
     assert not (tmp_path / "o").exists()
     assert _table_counts(catalog) == before
     assert _leftovers(tmp_path) == []
