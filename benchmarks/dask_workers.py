@@ -12,9 +12,9 @@ worker processes (one thread each; its start-up timed apart, then one untimed me
 workers), then `--reps` timed merges, each after `drop_caches` (root) into a fresh output. Every merge's
 manifest hash must equal the single-process one (checked; a difference aborts the run). Coordinator overhead
 = plan + dispatch (cutting the plan, submitting tasks) + gather (combining the per-shard results, the realized
-== planned check, moving the shards to their names) + finalize (index, side files, manifest) + commit (catalog
-transaction, publish): everything but the tasks themselves. Writes `benchmarks/results/dask.md` (a section of
-RESULTS.md) and `results/raw/dask.json`, except with --quick.
+== planned check, moving the shards to their names) + commit (index, side files, manifest — the "finalize"
+part of it —, catalog transaction, publish): everything but the tasks themselves. Writes
+`benchmarks/results/dask.md` (a section of RESULTS.md) and `results/raw/dask.json`, except with --quick.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from typing import Any
 
 from benchmarks.common import MiB, config, drop_caches, machine_line, md_table, save_raw, write_section
 
-COORDINATOR = ("plan", "dispatch", "gather", "finalize", "commit")
+#: the coordinator's phases (`MergeResult.timings`; "commit" counts from the start of "finalize" to the publish)
+COORDINATOR = ("plan", "dispatch", "gather", "commit")
 
 
 def _merge(cat: Any, spec: Any, out: Path, budget: str, shard: int, client: Any = None) -> dict[str, Any]:
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         ensure_catalog(cfg)
         cat, spec = Catalog.open(str(cfg.catalog)), family_spec(cfg, args.method, args.k)
         where = Path(args.out_dir or cfg.family_dir)
-        family = f"{args.method}, K={args.k}, models of {info['model_bytes'] / 1e9:.2f} GB (BF16)"
+        family = f"{args.method}, K={args.k}, models of {info['model_bytes'] / 1e6:,.0f} MB (BF16)"
     shard = args.shard_bytes or (4 * MiB if args.quick else 256 * MiB)
     work = Path(tempfile.mkdtemp(prefix="dask-bench-", dir=where))
     counts = [int(x) for x in args.workers.split(",")]
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{'cold cache (drop_caches before each)' if cold else 'WARM cache (not root)'}; {machine_line()}.\n"
             f"Every distributed merge's manifest hash equals the single-process one (checked by the script).\n\n"
             + md_table(["budget", "execution", "wall s", "coordinator s",
-                        "plan, dispatch, gather, finalize, commit (s)", "tasks", "cluster start s"], rows)
+                        "plan, dispatch, gather, commit (s)", "tasks", "cluster start s"], rows)
             + "\n\nCoordinator overhead is everything but the tasks: target < 1 s at K = 8. Cluster start-up "
               "(worker processes, imports) is outside the merge's wall time; one untimed merge per cluster loads "
               "the kernels in its workers first.\n")
