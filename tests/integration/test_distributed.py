@@ -3,8 +3,9 @@ single-process merge, a worker killed mid-task (the task runs again, or the merg
 visible), shard tasks of balanced bytes, the per-expert realized == planned check, the progress bar, the CLI.
 
 One `LocalCluster` of 2 worker processes serves the module (its start-up costs seconds), created with
-`distributed.scheduler.allowed-failures` = 1: a task is run again after one worker death, and a second death
-gives up. The catalog is DuckDB, or PostgreSQL under `MERGEPIPE_TEST_CATALOG` (`make test` runs both)."""
+`distributed.scheduler.allowed-failures` = 1: a task is run again after one worker death (one test sets it to
+0: the first death gives up). The catalog is DuckDB, or PostgreSQL under `MERGEPIPE_TEST_CATALOG` (`make test`
+runs both)."""
 
 from __future__ import annotations
 
@@ -65,6 +66,26 @@ def _set_fault(value: str | None) -> None:
         os.environ["MERGEPIPE_FAULT"] = value
 
 
+def _forbid_catalog() -> None:
+    """In a worker: any catalog connection or database engine made from now on raises."""
+    import sqlalchemy
+
+    from mergepipe_db.db import engine
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a worker touched the catalog")
+
+    engine.Database.connect = refuse
+    sqlalchemy.create_engine = refuse
+
+
+def _allowed_failures(value: int, dask_scheduler=None) -> int:
+    """On the scheduler: set how often a task may lose its worker before it fails; returns the old value."""
+    old = dask_scheduler.allowed_failures
+    dask_scheduler.allowed_failures = value
+    return old
+
+
 def _leftovers(tmp_path: Path) -> list[str]:
     return sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".mergepipe-staging-"))
 
@@ -72,8 +93,10 @@ def _leftovers(tmp_path: Path) -> list[str]:
 def test_dask_merge_is_byte_identical_to_single_process(catalog, tiny_family, tmp_path, client, capsys) -> None:
     """Two methods (TIES at a partial budget, DARE at full): every output file, the manifest and its hash, the
     plan and the realized reads per expert as the single-process merge's; the catalog's block rows of both
-    snapshots equal; several tasks ran; nothing of the attempts left; the progress bar counted the shards."""
+    snapshots equal; several tasks ran; nothing of the attempts left; the progress bar counted the shards; the
+    workers could not have opened a catalog connection."""
     names = ingest_family(catalog, tiny_family)
+    client.run(_forbid_catalog)  # workers never touch the catalog
     for method, budget in (("ties", "0.3"), ("dare_linear", "1.0")):
         spec = make_spec(method, names)
         one = catalog.merge(spec, out=tmp_path / f"{method}-one", budget=budget, shard_bytes=SHARD)
@@ -117,29 +140,6 @@ def test_worker_killed_mid_task_task_runs_again(catalog, tiny_family, tmp_path, 
     assert many.manifest_hash == one.manifest_hash
     assert _files(tmp_path / "dask") == _files(tmp_path / "one")
     assert _leftovers(tmp_path) == []
-
-
-def test_workers_killed_past_retries_fail_typed_with_nothing_visible(catalog, tiny_family, tmp_path, client
-                                                                     ) -> None:
-    """Every worker process (the ones the nannies start again too) dies as it starts a task: past the
-    scheduler's retries the merge is WorkerLostError; the output directory, the catalog and the staging area
-    are as before."""
-    names = ingest_family(catalog, tiny_family)
-    before = _table_counts(catalog)
-    client.run(_set_fault, "task_started", nanny=True)
-    client.run(_set_fault, "task_started")
-    try:
-        with pytest.raises(WorkerLostError, match="nothing was published"):
-            catalog.merge(make_spec("ties", names), out=tmp_path / "dask", budget="0.5", shard_bytes=SHARD,
-                          client=client)
-    finally:
-        client.run(_set_fault, None, nanny=True)
-        client.wait_for_workers(2)
-        client.run(_set_fault, None)
-    assert not (tmp_path / "dask").exists()
-    assert _table_counts(catalog) == before
-    assert _leftovers(tmp_path) == []
-    assert catalog.gc(dry_run=True) == []
 
 
 def test_shard_tasks_have_balanced_bytes() -> None:
@@ -248,3 +248,25 @@ def test_cli_scheduler(catalog, catalog_url, tiny_family, tmp_path, client) -> N
     bad = cli(["merge", str(spec_path), "--out", str(tmp_path / "bad"), "--catalog", catalog_url, "--workers", "0"])
     assert bad.returncode == 1 and one_line_error(bad.stderr, "DistributedError"), bad.stderr
     assert not (tmp_path / "bad").exists() and _table_counts(catalog) == before
+
+
+def test_workers_killed_past_retries_fail_typed_with_nothing_visible(catalog, tiny_family, tmp_path, client
+                                                                     ) -> None:
+    """The scheduler set to retry no task (`allowed_failures` 0) and both workers dying as they start a task:
+    the merge is WorkerLostError; the output directory, the catalog and the staging area are as before.
+    (Last in the module: the nannies start fresh, cold workers.)"""
+    names = ingest_family(catalog, tiny_family)
+    before = _table_counts(catalog)
+    retries = client.run_on_scheduler(_allowed_failures, 0)
+    client.run(_set_fault, "task_started")
+    try:
+        with pytest.raises(WorkerLostError, match="nothing was published"):
+            catalog.merge(make_spec("ties", names), out=tmp_path / "dask", budget="0.5", shard_bytes=SHARD,
+                          client=client)
+    finally:
+        client.run_on_scheduler(_allowed_failures, retries)
+        client.run(_set_fault, None)  # a worker the merge did not kill
+    assert not (tmp_path / "dask").exists()
+    assert _table_counts(catalog) == before
+    assert _leftovers(tmp_path) == []
+    assert catalog.gc(dry_run=True) == []
