@@ -33,6 +33,7 @@ from mergepipe_db.core.results import ExecutionResult, OutTensor
 from mergepipe_db.core.spec import MergeSpec
 from mergepipe_db.db.engine import Database
 from mergepipe_db.errors import DistributedError, MergePipeError, WorkerLostError
+from mergepipe_db.io import open_store
 from mergepipe_db.jobs import MergeResult, check_outputs, plan_merge, run_plan
 
 #: the directory inside staging that holds one subdirectory per task attempt
@@ -136,10 +137,11 @@ class DaskExecutor:
         t_tasks = time.perf_counter() - t0
         t0 = time.perf_counter()
         result = combine_shard_results(plan, layout, parts)
-        for shards, _res in parts:
+        store = open_store(staging)
+        for shards, _res in parts:  # the attempts that returned: their shards under their final names
             src = Path(attempts[shards[0]])
             for s in shards:
-                (src / names[s]).replace(staging / names[s])
+                store.publish(src / names[s], staging / names[s])
         shutil.rmtree(staging / ATTEMPTS_DIR)  # and what killed attempts left
         result.timings.update({"dispatch": t_dispatch, "tasks": t_tasks, "gather": time.perf_counter() - t0,
                                "n_tasks": float(len(groups)), "n_workers": float(n_workers)})
