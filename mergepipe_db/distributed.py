@@ -150,8 +150,12 @@ class DaskExecutor:
 
 def _task_result(fut: Any) -> tuple[list[int], str, ExecutionResult]:
     """A finished task's result; a worker lost past the scheduler's retries is `WorkerLostError`, a lost
-    scheduler `DistributedError`; errors the task raised (typed ones included) are re-raised as they are."""
+    scheduler or a task cancelled from outside `DistributedError`; errors the task raised (typed ones
+    included) are re-raised as they are."""
+    from concurrent.futures import CancelledError
+
     from distributed import KilledWorker
+    from distributed.comm.core import CommClosedError
 
     try:
         return fut.result()
@@ -160,12 +164,9 @@ def _task_result(fut: Any) -> tuple[list[int], str, ExecutionResult]:
     except KilledWorker as e:
         raise WorkerLostError(f"a Dask worker died executing part of the merge ({e}); the scheduler gave up "
                               f"retrying it: nothing was published") from e
-    except (OSError, TimeoutError) as e:
-        from distributed.comm.core import CommClosedError
-
-        if isinstance(e, CommClosedError | TimeoutError) or "scheduler" in str(e).lower():
-            raise DistributedError(f"lost the Dask scheduler during the merge ({e}): nothing was published") from e
-        raise
+    except (CommClosedError, TimeoutError, CancelledError) as e:  # the scheduler or the client went away
+        raise DistributedError(f"lost the Dask cluster during the merge ({type(e).__name__}: {e}): nothing was "
+                               f"published") from e
 
 
 @contextlib.contextmanager
