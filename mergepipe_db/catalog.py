@@ -119,8 +119,19 @@ class Catalog:
 
     def merge(self, spec: str | Path | dict[str, Any] | MergeSpec, *, out: str | Path, budget: Any = None,
               seed: int | None = None, ref: str | None = None, shard_bytes: int | None = None,
-              progress: bool = False, verify_reads: bool = False) -> MergeResult:
-        """Plan, execute and commit a merge; the output appears at `out` only once committed."""
+              progress: bool = False, verify_reads: bool = False, client: Any = None, workers: int | None = None,
+              scheduler: str | None = None) -> MergeResult:
+        """Plan, execute and commit a merge; the output appears at `out` only once committed.
+
+        Distributed on Dask with one of `client` (a `distributed.Client`), `workers` (a local cluster of that
+        many worker processes) or `scheduler` (an address, tcp://host:8786): planned and committed here, the
+        output shards computed on the workers; the same output and manifest (`mergepipe_db.distributed`)."""
+        if client is not None or workers is not None or scheduler is not None:
+            from mergepipe_db.distributed import merge as dask_merge
+
+            return dask_merge(self.db, spec, out=out, budget=budget, seed=seed, ref=ref, shard_bytes=shard_bytes,
+                              progress=progress, verify_reads=verify_reads, client=client, workers=workers,
+                              scheduler=scheduler)
         from mergepipe_db.jobs import merge
 
         return merge(self.db, spec, out=out, budget=budget, seed=seed, ref=ref, shard_bytes=shard_bytes,

@@ -124,11 +124,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_merge(args: argparse.Namespace) -> int:
     from mergepipe_db.kernels import warmup
 
-    warmup.start(own_process=True)  # the merge kernels load while the catalog is imported, opened and planned
+    distributed = args.workers is not None or args.scheduler is not None
+    if not distributed:  # (on Dask the workers load them)
+        warmup.start(own_process=True)  # the merge kernels load while the catalog is imported, opened and planned
     cat = _catalog(args)
     shard = _parse_size(args.shard_size) if args.shard_size else None
     res = cat.merge(args.spec, out=args.out, budget=args.budget, seed=args.seed, ref=args.ref, shard_bytes=shard,
-                    progress=_progress(args), verify_reads=args.verify_reads)
+                    progress=_progress(args), verify_reads=args.verify_reads, workers=args.workers,
+                    scheduler=args.scheduler)
     for w in res.warnings:
         print(f"mergepipe: warning: {w}", file=sys.stderr)
     if args.json:
@@ -143,6 +146,8 @@ def cmd_merge(args: argparse.Namespace) -> int:
           f"bound {res.bound if res.bound is not None else 'n/a'}, {res.seconds:.2f} s")
     if res.cached_bytes:
         print(f"  {fmt_bytes(res.cached_bytes)} of the reads came from the page cache")
+    if distributed:
+        print(f"  on Dask: {int(res.timings['n_tasks'])} task(s) over {int(res.timings['n_workers'])} worker(s)")
     return 0
 
 
@@ -388,6 +393,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ref", help="ref to move to the new snapshot (default: the output directory's name)")
     s.add_argument("--shard-size", metavar="N", help="maximum output shard size (default 4GiB)")
     s.add_argument("--verify-reads", action="store_true", help="check the xxh3 of every expert range read")
+    dask = s.add_mutually_exclusive_group()
+    dask.add_argument("--workers", type=int, metavar="N",
+                      help="execute on a local Dask cluster of N worker processes (planned and committed here; "
+                      "the same output)")
+    dask.add_argument("--scheduler", metavar="ADDR",
+                      help="execute on the workers of an existing Dask scheduler, e.g. tcp://host:8786 (inputs "
+                      "and --out on paths every worker sees, or in object storage)")
     s.add_argument("--json", action="store_true", help="print the result as JSON")
     s.set_defaults(func=cmd_merge)
 

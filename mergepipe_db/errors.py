@@ -132,6 +132,15 @@ class CommitConflictError(MergePipeError):
     retryable = True
 
 
+class DistributedError(MergePipeError):
+    """A distributed merge cannot run: no such Dask scheduler, a bad worker count, the cluster went away."""
+
+
+class WorkerLostError(DistributedError):
+    """A Dask worker died while executing a part of a merge more often than the scheduler retries it
+    (`distributed.scheduler.allowed-failures`); nothing was published."""
+
+
 class OutOfSpaceError(MergePipeError):
     """The output filesystem ran out of space; nothing was published."""
 

@@ -154,12 +154,14 @@ def check_outputs(out: str | Path, ref: str | None, shard_bytes: int | None) -> 
 
 def run_plan(db: Database, plan: Plan, out_path: Path, ref_name: str, *, t_start: float, t_plan: float,
              shard_bytes: int | None, progress: bool, verify_reads: bool,
-             expected: int | None = None) -> MergeResult:
+             expected: int | None = None, executor: Any = None) -> MergeResult:
     """Execute `plan` (its input files checked fresh by the caller: `check_inputs`) into a staging directory,
     commit it to the catalog, then publish it at `out_path`.
 
     Whatever fails before the commit leaves the catalog and `out_path` as they were (the staging directory is
-    abandoned); after the commit the output is published (`gc` rolls a crash between the two forward)."""
+    abandoned); after the commit the output is published (`gc` rolls a crash between the two forward).
+    `executor` replaces `pipeline.execute.execute` (same arguments and result: `distributed` runs the plan's
+    shards on Dask workers)."""
     from mergepipe_db.pipeline.execute import DEFAULT_SHARD_BYTES, execute
 
     if expected is None:  # read with the plan when planned here (the commit's compare-and-set checks it)
@@ -171,8 +173,8 @@ def run_plan(db: Database, plan: Plan, out_path: Path, ref_name: str, *, t_start
     try:
         t0 = time.perf_counter()
         t_start_up = t0 - t_start - t_plan  # before and after planning: outputs checked, ref read, staging made
-        result = execute(plan, staging, shard_bytes=shard_bytes or DEFAULT_SHARD_BYTES, progress=progress,
-                         verify_reads=verify_reads)
+        result = (executor or execute)(plan, staging, shard_bytes=shard_bytes or DEFAULT_SHARD_BYTES,
+                                       progress=progress, verify_reads=verify_reads)
         t_exec = time.perf_counter() - t0
         faults.point("shards_written")
         parents = [plan.base.id] + [e.checkpoint.id for e in plan.experts]

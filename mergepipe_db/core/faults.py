@@ -5,6 +5,8 @@ Points of a merge, in commit order: planned, tensor_written, shards_written, man
 catalog_committed, published. Points of an ingest (`INGEST_POINTS`): ingest_scanned (every file read and
 hashed, the catalog not yet touched), ingest_rows_written (one checkpoint's rows written, the transaction
 still open; reached once per checkpoint the call writes), ingest_committed (the transaction committed).
+Point of a distributed merge's worker (`DASK_POINTS`): task_started (a shard task's attempt directory made,
+nothing executed yet; `tensor_written` is reached on workers too).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import signal
 ENV = "MERGEPIPE_FAULT"
 MERGE_POINTS = ("planned", "tensor_written", "shards_written", "manifest_written", "catalog_committed", "published")
 INGEST_POINTS = ("ingest_scanned", "ingest_rows_written", "ingest_committed")
-POINTS = MERGE_POINTS + INGEST_POINTS
+DASK_POINTS = ("task_started",)
+POINTS = MERGE_POINTS + INGEST_POINTS + DASK_POINTS
 _hits: dict[str, int] = {}
 
 

@@ -233,9 +233,14 @@ def execute(
     on_tensor: Any = None,
 ) -> ExecutionResult:
     """Run `plan`, writing output shards into the (existing, empty) `staging` directory."""
+    layout = output_layout(plan, shard_bytes)
+    return _execute_layout(plan, staging, layout, progress=progress, verify_reads=verify_reads, on_tensor=on_tensor)
+
+
+def _execute_layout(plan: Plan, staging: Path, layout: tuple[list[OutTensor], list[str]], *, progress: bool,
+                    verify_reads: bool, on_tensor: Any) -> ExecutionResult:
     from mergepipe_db.operators import operator_class
 
-    layout = output_layout(plan, shard_bytes)
     needs_torch = (operator_class(plan.spec.method).uses_torch or any(s.needs_torch for s in plan.sources)
                    or any(ot.dtype == "F16" for ot in layout[0]))  # `cast_into`
     torch = sys.modules.get("torch")
@@ -678,8 +683,8 @@ def _execute(
     timings["output_stats"] = output.stats_busy
     timings["read_ahead_full"] = q.full_s
 
-    for name in shard_names:
-        shard_sizes.append((staging / name).stat().st_size)
+    for shard in sorted(by_shard):  # a part of the layout (`execute_shards`) writes only its own shards
+        shard_sizes.append((staging / shard_names[shard]).stat().st_size)
     offsets, header_lens = _shard_offsets(out_tensors, by_shard)
     if counters.get("expert", -1) != plan.planned_bytes or sum(realized) != plan.planned_bytes:
         raise PlanExecutionMismatchError(
@@ -750,3 +755,87 @@ def out_block_rows(ot: OutTensor, data: memoryview, block_bytes: int, base: memo
         tensor_hash.reset()
         tensor_hash.update(data)
 
+
+
+# -- a part of a merge, executed elsewhere (`mergepipe_db.distributed`) -----------------------------------------
+
+
+def restrict_plan(plan: Plan, tensor_idxs: set[int]) -> Plan:
+    """The part of `plan` that computes base tensors `tensor_idxs`: the same plan with only their tensors,
+    reads, selections and sketches, and `planned_bytes` the bytes of those reads (what its execution must
+    realize). Not a plan to hash or record: its `plan_hash` is the whole plan's."""
+    import dataclasses
+
+    access = {k: v for k, v in plan.access.items() if k[1] in tensor_idxs}
+    return dataclasses.replace(
+        plan, base_tensors=[t for t in plan.base_tensors if t.idx in tensor_idxs], access=access,
+        full_selection={k: v for k, v in plan.full_selection.items() if k[1] in tensor_idxs},
+        sketches={k: v for k, v in plan.sketches.items() if k[1] in tensor_idxs},
+        planned_bytes=sum(r.nbytes for reads in access.values() for r in reads))
+
+
+def execute_shards(plan: Plan, staging: Path, layout: tuple[list[OutTensor], list[str]], shards: list[int], *,
+                   verify_reads: bool = False) -> ExecutionResult:
+    """Execute the output shards `shards` (ascending indices into `layout`, the whole merge's
+    `output_layout`) of `plan` into `staging`, under their final names. Its result covers only those shards
+    and their tensors (`realized_per_expert` counts their reads; `tensor_offsets`/`header_lens` are left
+    empty): `combine_shard_results` assembles the whole merge's result from the parts."""
+    out_tensors, names = layout
+    wanted = set(shards)
+    part = [ot for ot in out_tensors if ot.shard in wanted]
+    sub = restrict_plan(plan, {ot.idx for ot in part})
+    res = _execute_layout(sub, staging, (part, names), progress=False, verify_reads=verify_reads, on_tensor=None)
+    res.shard_names = [names[i] for i in sorted(wanted)]
+    res.tensor_offsets, res.header_lens = [], []
+    return res
+
+
+def combine_shard_results(plan: Plan, layout: tuple[list[OutTensor], list[str]],
+                          parts: list[tuple[list[int], ExecutionResult]]) -> ExecutionResult:
+    """The whole merge's `ExecutionResult` from the results of `execute_shards` (with the shards each
+    covered), every shard of `layout` exactly once; the same result a single `execute` returns. Realized
+    expert bytes must equal the plan's per expert (`ExpertPlan.planned_bytes`) and in total, or
+    `PlanExecutionMismatchError`."""
+    out_tensors, names = layout
+    parts = sorted(parts, key=lambda p: p[0][0])
+    covered = [s for shards, _ in parts for s in shards]
+    if covered != list(range(len(names))):
+        raise PlanExecutionMismatchError(f"shard results cover shards {covered}, expected each of "
+                                         f"0..{len(names) - 1} once")
+    realized = [0] * len(plan.experts)
+    sha: list[str] = []
+    sizes: list[int] = []
+    xxh3: list[str] = []
+    rows: list[dict[str, Any]] = []
+    reads: dict[tuple[int, int], int] = {}
+    base_bytes = cached = 0
+    timings: dict[str, float] = {}
+    for _shards, r in parts:
+        if len(r.realized_per_expert) != len(realized):
+            raise PlanExecutionMismatchError("a shard result counts reads for another number of experts")
+        realized = [a + b for a, b in zip(realized, r.realized_per_expert)]
+        sha += r.shard_sha256
+        sizes += r.shard_sizes
+        xxh3 += r.tensor_xxh3
+        rows += r.block_rows
+        reads.update(r.reads)
+        base_bytes += r.base_bytes
+        cached += r.cached_bytes
+        for k, v in r.timings.items():  # summed over the parts: worker time, not wall time
+            timings[k] = timings.get(k, 0.0) + v
+    planned = [e.planned_bytes for e in plan.experts]
+    if realized != planned or sum(realized) != plan.planned_bytes:
+        raise PlanExecutionMismatchError(
+            f"realized expert bytes per expert {realized} != planned {planned}: budget-soundness invariant "
+            f"violated")
+    if len(xxh3) != len(out_tensors) or len(sha) != len(names):
+        raise PlanExecutionMismatchError("shard results do not cover every output tensor and shard")
+    by_shard: dict[int, list[OutTensor]] = {}
+    for ot in out_tensors:
+        by_shard.setdefault(ot.shard, []).append(ot)
+    offsets, header_lens = _shard_offsets(out_tensors, by_shard)
+    return ExecutionResult(
+        shard_names=names, shard_sha256=sha, shard_sizes=sizes, out_tensors=out_tensors, tensor_xxh3=xxh3,
+        block_rows=rows, realized_per_expert=realized, reads=reads, base_bytes=base_bytes,
+        output_bytes=sum(sizes), cached_bytes=cached, timings=timings, tensor_offsets=offsets,
+        header_lens=header_lens)
