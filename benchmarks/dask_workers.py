@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             for n in counts:
                 t0 = time.perf_counter()
                 with LocalCluster(n_workers=n, threads_per_worker=1, processes=True,
-                                  dashboard_address=None) as cluster, Client(cluster) as client:
+                                  dashboard_address=":0") as cluster, Client(cluster) as client:
                     start_s = time.perf_counter() - t0
                     _merge(cat, spec, work / "warm", budget, shard, client)  # kernels load in the workers
                     runs = [_merge(cat, spec, work / f"w{n}", budget, shard, client) for _ in range(args.reps)]

@@ -196,7 +196,7 @@ def open_client(client: Any = None, *, workers: int | None = None, scheduler: st
                                        f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
         else:
             cluster = stack.enter_context(LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
-                                                       dashboard_address=None))
+                                                       dashboard_address=":0"))
             c = Client(cluster)
         stack.enter_context(c)
         yield c

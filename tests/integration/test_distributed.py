@@ -34,7 +34,7 @@ def client():
     from distributed import Client, LocalCluster
 
     with dask.config.set({"distributed.scheduler.allowed-failures": 1}), \
-            LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
+            LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster, \
             Client(cluster) as c:
         yield c
 
@@ -205,7 +205,7 @@ def test_bad_distributed_arguments_are_typed(catalog, tiny_family, tmp_path, mon
         catalog.merge(spec, out=tmp_path / "o", scheduler="tcp://127.0.0.1:9")
     from distributed import Client, LocalCluster
 
-    with LocalCluster(n_workers=0, processes=False, dashboard_address=None) as empty, Client(empty) as c, \
+    with LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as empty, Client(empty) as c, \
             pytest.raises(DistributedError, match="no workers"):
         catalog.merge(spec, out=tmp_path / "o", client=c)
     assert not (tmp_path / "o").exists()
@@ -265,7 +265,8 @@ def test_workers_killed_past_retries_fail_typed_with_nothing_visible(catalog, ti
                           client=client)
     finally:
         client.run_on_scheduler(_allowed_failures, retries)
-        client.run(_set_fault, None)  # a worker the merge did not kill
+        client.run(_set_fault, None, on_error="ignore")  # a worker the merge did not kill (a dead one: ignored)
+        client.wait_for_workers(2)
     assert not (tmp_path / "dask").exists()
     assert _table_counts(catalog) == before
     assert _leftovers(tmp_path) == []
