@@ -291,18 +291,21 @@ PHASES = (
     ("finalize", "finalize (index, side files, manifest)"),
     ("commit", "commit (catalog transaction, publish)"),
 )
-#: background threads: they overlap the phases above (shares of the execution phase, not added)
+#: background threads: they overlap the phases above, so they are not added; (key, label, parent key, depth),
+#: each shown as a share of its parent (``execute``: reads + compute + writes + other execution)
 BACKGROUND = (
-    ("output", "output writer thread busy"),
-    ("output_stats", "output block statistics (in the writer thread)"),
-    ("read_ahead_full", "read-ahead thread stalled on a full queue"),
+    ("output", "output writer thread busy", "execute", 1),
+    ("output_stats", "block statistics of the output (in the writer thread)", "output", 2),
+    ("read_ahead_full", "read-ahead thread stalled on a full queue", "execute", 1),
 )
+_PARENT_LABEL = {"execute": "execution", "output": "writer busy"}
 
 
-def time_rows(t: dict[str, float]) -> tuple[list[tuple[str, float, float]], float, list[tuple[str, float, float]],
-                                            list[str]]:
-    """(top-level rows (label, seconds, share of wall), wall seconds, background rows (label, seconds, share of
-    execution), notes). Top-level rows add up to the wall time: a remainder is its own row."""
+def time_rows(t: dict[str, float]) -> tuple[list[tuple[str, float, float]], float,
+                                            list[tuple[str, float, str, int]], list[str]]:
+    """(top-level rows (label, seconds, share of wall), wall seconds, nested background rows (label, seconds,
+    share of their parent as text, depth), notes). Top-level rows add up to the wall time: a remainder is its
+    own row."""
     t = dict(t)
     notes = []
     if "execute" in t:
@@ -318,8 +321,12 @@ def time_rows(t: dict[str, float]) -> tuple[list[tuple[str, float, float]], floa
     elif wall - attributed > 1e-9:
         top.append(("manifest building and gaps between phases", wall - attributed))
     rows = [(label, v, v / wall if wall else 0.0) for label, v in top]
-    execute = t.get("execute", 0.0)
-    bg = [(label, t[k], t[k] / execute if execute else 0.0) for k, label in BACKGROUND if k in t]
+    bg = []
+    for k, label, parent, depth in BACKGROUND:
+        if k in t:
+            den = t.get(parent, 0.0)
+            share = f"{100 * t[k] / den:.1f}% of {_PARENT_LABEL[parent]}" if den else "-"
+            bg.append((label, t[k], share, depth))
     return rows, wall, bg, notes
 
 
@@ -530,9 +537,9 @@ def render_html(d: dict[str, Any], png: bytes) -> str:
                f'<td class="num">100.0%</td></tr>')
     if bg:
         out.append('<tr><th colspan="3">background threads (overlap the phases above; not added)</th></tr>')
-        for label, v, share in bg:
-            out.append(f'<tr><td class="nest">{_h(label)}</td><td class="num">{v:.4f}</td>'
-                       f'<td class="num">{100 * share:.1f}% of execution</td></tr>')
+        for label, v, share, depth in bg:
+            out.append(f'<tr><td class="nest" style="padding-left:{1.5 * depth:g}em">{_h(label)}</td>'
+                       f'<td class="num">{v:.4f}</td><td class="num">{_h(share)}</td></tr>')
     out.append("</table></div>")
     for n in notes:
         out.append(f'<p class="note">{_h(n)}</p>')
@@ -605,9 +612,9 @@ def render_markdown(d: dict[str, Any], png_name: str) -> str:
     out.append(f"| **total (wall time)** | **{wall:.4f}** | **100.0%** |")
     if bg:
         out += ["", "Background threads (overlap the phases above; not added):", "",
-                "| thread | seconds | share of execution |", "|---|---:|---:|"]
-        for label, v, share in bg:
-            out.append(f"| {_md(label)} | {v:.4f} | {100 * share:.1f}% of execution |")
+                "| thread | seconds | share of its parent |", "|---|---:|---:|"]
+        for label, v, share, depth in bg:
+            out.append(f"| {'↳ ' * (depth - 1)}{_md(label)} | {v:.4f} | {share} |")
     for n in notes:
         out += ["", _md(n)]
     out += ["", "## Coverage: fraction of each layer's expert bytes read", "",

@@ -187,6 +187,12 @@ def test_report_html_and_markdown(catalog, catalog_url, tiny_family, tmp_path, c
     assert math.isclose(sum(float(r[1]) for r in top), float(t[total_i][1]), abs_tol=1e-3 * len(top))
     assert math.isclose(float(t[total_i][1]), res.timings["wall"], abs_tol=1e-4)
     assert math.isclose(sum(float(r[2].rstrip("%")) for r in top), 100.0, abs_tol=0.1 * len(top))
+    # nested (background) phases: shares of their parent, not of the wall time
+    nested = {r[0]: r[2] for r in t[total_i + 2:]}
+    tm = res.timings
+    assert nested["block statistics of the output (in the writer thread)"] == \
+        f"{100 * tm['output_stats'] / tm['output']:.1f}% of writer busy"
+    assert nested["output writer thread busy"] == f"{100 * tm['output'] / tm['execute']:.1f}% of execution"
 
     # error of a TIES merge: an estimate, absolute and relative to ‖output‖ (computed here independently)
     err = {r[0].split(":")[0]: r[1] for r in doc.tables["error"]}
