@@ -44,6 +44,11 @@ def _progress(args: argparse.Namespace) -> bool:
 def _catalog(args: argparse.Namespace):
     from mergepipe_db.catalog import Catalog
 
+    options = getattr(args, "storage_option", None)
+    if options:
+        from mergepipe_db.io.s3 import parse_options
+
+        return Catalog.open(args.catalog, storage_options=parse_options(options))
     return Catalog.open(args.catalog)
 
 
@@ -313,6 +318,10 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--catalog", metavar="URL", help="catalog URL or DuckDB file (default: $MERGEPIPE_CATALOG "
                         "or ./mergepipe.duckdb)")
     common.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    common.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
+                        help="setting of the s3:// object store, over the AWS_* environment (repeatable): "
+                        "endpoint, access_key_id, secret_access_key, session_token, region, max_retries, "
+                        "retry_timeout (seconds), allow_http")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     s = sub.add_parser("init", parents=[common], help="create the catalog (or check it is current)",

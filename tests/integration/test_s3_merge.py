@@ -154,3 +154,29 @@ def test_bad_remote_inputs_are_typed(s3_server, s3_env, catalog: Catalog, tmp_pa
     with pytest.raises(StoreNotFoundError):
         catalog.ingest("s3://no-such-bucket-xyz/fam/base", name="x")
     assert catalog.sql("SELECT COUNT(*) FROM checkpoints")[1] == [(0,)]
+
+
+def test_cli_ingest_from_s3_with_storage_options_and_errors(s3_server, s3_family, s3_env, catalog_url: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from crashkit import cli, one_line_error
+
+    fam, prefix = s3_family
+    env = {"AWS_ENDPOINT_URL": "", "AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": ""}  # options only
+    opts = ["--storage-option", f"endpoint={s3_server.endpoint}",
+            "--storage-option", f"access_key_id={s3_server.env()['AWS_ACCESS_KEY_ID']}",
+            "--storage-option", f"secret_access_key={s3_server.env()['AWS_SECRET_ACCESS_KEY']}"]
+    r = cli(["ingest", f"{prefix}/base", "--name", "base", "--catalog", catalog_url, "--json", *opts], env=env)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["n_tensors"] > 0
+    bad = {
+        "StorageConfigError": [f"{prefix}/base", *opts[:2]],  # no credentials
+        "StoreNotFoundError": ["s3://no-such-bucket-cli/base", *opts],
+        "UnsupportedStorageError": ["gs://bucket/base", *opts],
+    }
+    for err, args in bad.items():
+        r = cli(["ingest", *args, "--name", "x", "--catalog", catalog_url], env=env)
+        assert r.returncode == 1 and one_line_error(r.stderr, err), (err, r.stderr)
+    r = cli(["ingest", "s3://Bad_Bucket/x", "--name", "x", "--catalog", catalog_url, *opts], env=env)
+    assert r.returncode == 1 and one_line_error(r.stderr, "StorageConfigError") and "malformed" in r.stderr
+    r = cli(["sql", "SELECT COUNT(*) AS n FROM checkpoints WHERE name <> 'base'", "--catalog", catalog_url])
+    assert r.returncode == 0 and r.stdout.split()[:3] == ["n", "-", "0"], r.stdout  # nothing else was written
