@@ -367,7 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run a merge: read only the planned expert byte ranges, write a Hugging Face "
                        "model directory with a manifest, and commit it atomically.", epilog=EPILOG)
     s.add_argument("spec", help="merge spec (MergeKit-compatible YAML plus budget and seed)")
-    s.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    s.add_argument("--out", required=True, help="output directory (must not exist or be empty), or s3://bucket/prefix "
+                   "(nothing stored under it yet)")
     s.add_argument("--budget", help=budget_help)
     s.add_argument("--seed", type=int, help="seed for random operators (DARE)")
     s.add_argument("--ref", help="ref to move to the new snapshot (default: the output directory's name)")
@@ -381,7 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "same output tensor hashes, same manifest hash. Refuses when an input changed.",
                        epilog=EPILOG)
     s.add_argument("source", help="snapshot id, ref, snapshot checkpoint name, or path to a manifest.json")
-    s.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    s.add_argument("--out", required=True, help="output directory (must not exist or be empty), or s3://bucket/prefix "
+                   "(nothing stored under it yet)")
     s.add_argument("--ref", help="ref to move to the new snapshot (default: the output directory's name)")
     s.add_argument("--shard-size", metavar="N", help="maximum output shard size (default 4GiB)")
     s.add_argument("--verify", action="store_true", help="compare output tensor hashes with the manifest and "
@@ -467,7 +469,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "every tensor the expert covers to a new Hugging Face directory (model.safetensors + the "
                        "base's config.json); ingest it back with --kind delta.", epilog=EPILOG)
     s.add_argument("expert", help="catalogued expert name")
-    s.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    s.add_argument("--out", required=True, help="output directory (must not exist or be empty), or s3://bucket/prefix "
+                   "(nothing stored under it yet)")
     s.add_argument("--dtype", default="float32", help="float32 (default, exact for bf16/f16), bfloat16 or float16")
     s.add_argument("--json", action="store_true", help="print the result as JSON")
     s.set_defaults(func=cmd_export_delta)

@@ -640,3 +640,238 @@ def local_path_or_object(location: Location) -> Path | ObjectPath:
     if text[:5].lower() == "s3://":
         return object_path(text)
     return Path(location)
+
+
+# -- outputs: attempt-unique keys, the index as the claim, manifest.json last ------------------------------
+
+#: marks the objects of one merge attempt that are not shards (its staged manifest), and its staging record
+ATTEMPT_MARK = ".mergepipe-attempt-"
+_ST = ".safetensors"
+
+
+class AttemptPrefix:
+    """Where one merge attempt writes its output in an object store: `prefix`/NAME, where a shard's NAME carries
+    the attempt (``model-00001-of-00002.<attempt>.safetensors``: keys unique to the attempt, so an attempt never
+    overwrites another's objects) and ``manifest.json`` is staged under a hidden key until the catalog has
+    committed (`publish_attempt` writes ``prefix/manifest.json`` last). The index and the base's side files
+    keep their names: the index is created with ``If-None-Match: *`` and so claims the prefix (a second merge
+    racing for it fails there, before its commit). Used in place of a staging directory: ``/`` gives the
+    object's location; `str` is the record of the attempt (``prefix/.mergepipe-attempt-<id>``)."""
+
+    def __init__(self, prefix: Location, attempt: str) -> None:
+        self.prefix = object_path(prefix)
+        self.attempt = attempt
+
+    def object_name(self, name: str) -> str:
+        """The name under the prefix of the output file called `name`."""
+        if name.endswith(_ST):
+            return f"{name[:-len(_ST)]}.{self.attempt}{_ST}"
+        if name == "manifest.json":
+            return f"{ATTEMPT_MARK}{self.attempt}.manifest.json"
+        return name
+
+    def __truediv__(self, name: str) -> ObjectPath:
+        return self.prefix / self.object_name(str(name))
+
+    @property
+    def parent(self) -> ObjectPath:
+        return self.prefix
+
+    @property
+    def name(self) -> str:
+        return f"{ATTEMPT_MARK}{self.attempt}"
+
+    def __str__(self) -> str:
+        return f"{self.prefix}/{ATTEMPT_MARK}{self.attempt}"
+
+    def __fspath__(self) -> str:
+        return str(self)
+
+    def owns(self, name: str) -> bool:
+        """Whether the object `name` (under the prefix) is one of this attempt's shards or staged files."""
+        return f".{self.attempt}{_ST}" in name or name.startswith(f"{ATTEMPT_MARK}{self.attempt}")
+
+    @classmethod
+    def parse(cls, record: str) -> AttemptPrefix | None:
+        """The attempt a staging record (`str` of one) names; None for a local staging path."""
+        if not record.lower().startswith("s3://") or f"/{ATTEMPT_MARK}" not in record:
+            return None
+        prefix, _, attempt = record.rpartition(f"/{ATTEMPT_MARK}")
+        return cls(prefix, attempt)
+
+
+def _names(prefix: ObjectPath) -> dict[str, dict[str, Any]]:
+    base = str(prefix) + "/"
+    return {o["path"][len(base):]: o for o in store().list(prefix)}
+
+
+def check_output_prefix(out: Location) -> ObjectPath:
+    """`--out` in an object store: a prefix (not a whole bucket) under which nothing is stored yet (else
+    OutputExistsError: objects cannot be replaced atomically, so an output never shares a prefix)."""
+    from mergepipe_db.errors import OutputExistsError
+
+    p = object_path(out)
+    if not p.key:
+        raise StorageConfigError(f"--out {p}: give a prefix inside the bucket (s3://bucket/prefix)")
+    n = len(store().list(p))
+    if n:
+        raise OutputExistsError(f"output prefix {p} is not empty ({n} objects); choose a new --out")
+    return p
+
+
+def write_index(staging: AttemptPrefix, data: bytes) -> None:
+    """Create ``prefix/model.safetensors.index.json`` (create-only): the attempt's claim on the prefix.
+    OutputExistsError where another merge got there first."""
+    from mergepipe_db.errors import OutputExistsError
+
+    try:
+        store().write_new(staging / "model.safetensors.index.json", data)
+    except FileExistsError:
+        raise OutputExistsError(f"output prefix {staging.prefix} was taken by another merge while this one ran; "
+                                "choose another --out") from None
+
+
+def _index_is_mine(staging: AttemptPrefix, names: dict[str, Any]) -> bool:
+    import json
+
+    if "model.safetensors.index.json" not in names:
+        return False
+    try:
+        doc = json.loads(store().read_small(staging / "model.safetensors.index.json", 64 << 20))
+        return any(staging.owns(str(v)) for v in doc.get("weight_map", {}).values())
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def attempt_objects(staging: AttemptPrefix) -> list[str]:
+    """Every object of `staging`'s attempt under its prefix: its shards and staged manifest, and, where its
+    index holds the prefix (the index names its shards), the index and the side files beside it (never a
+    published ``manifest.json``)."""
+    names = _names(staging.prefix)
+    mine = [n for n in names if staging.owns(n)]
+    if _index_is_mine(staging, names):
+        mine += [n for n in names if "/" not in n and not n.endswith(_ST) and n != "manifest.json"
+                 and not n.startswith(ATTEMPT_MARK)]
+    return sorted(set(mine))
+
+
+def abandon_attempt(staging: AttemptPrefix) -> list[str]:
+    """Remove what `attempt_objects` lists (an attempt that will not commit); returns their URIs."""
+    gone = []
+    for n in attempt_objects(staging):
+        store().delete(staging.prefix / n)
+        gone.append(str(staging.prefix / n))
+    return gone
+
+
+def publish_attempt(staging: AttemptPrefix) -> bool:
+    """After the catalog commit: write ``prefix/manifest.json`` (create-only) from the attempt's staged manifest,
+    then drop the staged copy. False where there is nothing to do (already published); idempotent, so `gc` can
+    roll an interrupted publish forward."""
+    st = store()
+    staged, final = staging / "manifest.json", staging.prefix / "manifest.json"
+    try:
+        data = st.read_small(staged, 1 << 30)
+    except FileNotFoundError:
+        return False
+    try:
+        st.write_new(final, data)
+    except FileExistsError:
+        if st.read_small(final, 1 << 30) != data:
+            raise
+    st.delete(staged)
+    return True
+
+
+def published(prefix: Location) -> bool:
+    """Whether ``prefix/manifest.json`` exists (the output is complete for readers of the prefix)."""
+    return store().exists(object_path(prefix) / "manifest.json")
+
+
+def stray_attempts(prefix: Location, owned: set[str]) -> list[AttemptPrefix]:
+    """Attempts with objects under `prefix` that no record in `owned` (staging records) names."""
+    seen: set[str] = set()
+    for n in _names(object_path(prefix)):
+        if n.startswith(ATTEMPT_MARK):
+            seen.add(n[len(ATTEMPT_MARK):].split(".", 1)[0])
+        elif n.endswith(_ST) and n.count(".") >= 2:
+            seen.add(n[:-len(_ST)].rsplit(".", 1)[1])
+    out = [AttemptPrefix(prefix, a) for a in sorted(seen)]
+    return [a for a in out if str(a) not in owned]
+
+
+# -- multipart uploads left behind (gc): obstore does not list them, so two plain SigV4-signed requests -------
+
+
+def signed_request(method: str, location: Location, query: dict[str, str]) -> tuple[int, bytes]:
+    """A SigV4-signed request on `location` (``s3://bucket[/key]``) with `query` and no body: (status, body).
+    For the bucket operations obstore has no call for (listing and aborting multipart uploads)."""
+    import hmac
+    import http.client
+    import urllib.parse
+
+    cfg, client_opts, _retry = _config()
+    bucket, key = parse_uri(location)
+    region = cfg.get("region", "us-east-1")
+    endpoint = cfg.get("endpoint") or f"https://s3.{region}.amazonaws.com"
+    parts = urllib.parse.urlsplit(endpoint)
+    host = parts.netloc
+    path = "/" + bucket + ("/" + urllib.parse.quote(key, safe="/~") if key else "")
+    canon_query = "&".join(f"{urllib.parse.quote(k, safe='~')}={urllib.parse.quote(v, safe='~')}"
+                           for k, v in sorted(query.items()))
+    now = datetime.datetime.now(datetime.timezone.utc)
+    amz_date, day = now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d")
+    payload = hashlib.sha256(b"").hexdigest()
+    headers = {"host": host, "x-amz-content-sha256": payload, "x-amz-date": amz_date}
+    if cfg.get("session_token"):
+        headers["x-amz-security-token"] = cfg["session_token"]
+    signed = ";".join(sorted(headers))
+    canonical = "\n".join([method, path, canon_query, "".join(f"{k}:{headers[k]}\n" for k in sorted(headers)),
+                           signed, payload])
+    scope = f"{day}/{region}/s3/aws4_request"
+    to_sign = "\n".join(["AWS4-HMAC-SHA256", amz_date, scope, hashlib.sha256(canonical.encode()).hexdigest()])
+    k = ("AWS4" + cfg["secret_access_key"]).encode()
+    for part in (day, region, "s3", "aws4_request"):
+        k = hmac.new(k, part.encode(), hashlib.sha256).digest()
+    sig = hmac.new(k, to_sign.encode(), hashlib.sha256).hexdigest()
+    headers["Authorization"] = (f"AWS4-HMAC-SHA256 Credential={cfg['access_key_id']}/{scope}, "
+                                f"SignedHeaders={signed}, Signature={sig}")
+    conn_cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    try:
+        conn = conn_cls(host, timeout=30)
+        conn.request(method, path + ("?" + canon_query if canon_query else ""), headers=headers)
+        resp = conn.getresponse()
+        body = resp.read()
+        conn.close()
+    except OSError:
+        raise StoreUnreachableError(f"{location}: endpoint unreachable ({endpoint})") from None
+    if resp.status == 404 and b"NoSuchBucket" in body:
+        raise StoreNotFoundError(f"s3://{bucket}: no such bucket")
+    if resp.status in (401, 403):
+        raise StoreAccessDeniedError(f"{location}: access denied (check the credentials and the bucket's policy)")
+    return resp.status, body
+
+
+def incomplete_uploads(prefix: Location) -> list[tuple[str, str]]:
+    """Multipart uploads begun and never completed or aborted under `prefix`: [(object URI, upload id)]."""
+    import xml.etree.ElementTree as ET
+
+    bucket, key = parse_uri(prefix)
+    status, body = signed_request("GET", f"s3://{bucket}", {"uploads": "", "prefix": key + "/" if key else ""})
+    if status != 200:
+        raise StoreError(f"{prefix}: listing multipart uploads failed (HTTP {status})")
+    out = []
+    for up in ET.fromstring(body).iter():
+        if up.tag.rsplit("}", 1)[-1] != "Upload":
+            continue
+        fields = {c.tag.rsplit("}", 1)[-1]: (c.text or "") for c in up}
+        if fields.get("Key", "").startswith(key + "/" if key else ""):
+            out.append((f"s3://{bucket}/{fields['Key']}", fields.get("UploadId", "")))
+    return sorted(out)
+
+
+def abort_upload(location: Location, upload_id: str) -> None:
+    """Abort the multipart upload `upload_id` of `location` (its parts are freed)."""
+    status, _body = signed_request("DELETE", location, {"uploadId": upload_id})
+    if status not in (200, 204, 404):
+        raise StoreError(f"{location}: aborting multipart upload failed (HTTP {status})")

@@ -44,7 +44,7 @@ from mergepipe_db.core.hashing import xxh3_hex, xxh3_stream
 from mergepipe_db.core.plan import Plan, TensorInfo
 from mergepipe_db.core.results import ExecutionResult, OutTensor
 from mergepipe_db.errors import OutOfSpaceError, PlanExecutionMismatchError
-from mergepipe_db.io import range_reader
+from mergepipe_db.io import open_store, range_reader
 from mergepipe_db.io.buffers import BufferPool
 
 DEFAULT_SHARD_BYTES = 4 << 30
@@ -679,7 +679,7 @@ def _execute(
     timings["read_ahead_full"] = q.full_s
 
     for name in shard_names:
-        shard_sizes.append((staging / name).stat().st_size)
+        shard_sizes.append(open_store(staging / name).stat(staging / name).size)
     offsets, header_lens = _shard_offsets(out_tensors, by_shard)
     if counters.get("expert", -1) != plan.planned_bytes or sum(realized) != plan.planned_bytes:
         raise PlanExecutionMismatchError(
