@@ -223,11 +223,13 @@ def markdown(res: dict[str, Any], model: dict[str, Any]) -> str:
         f"{100 * res['range_read_gbps']['ranged'] / res['range_read_gbps']['plain']:.0f} % (target ≥ 80 %) |",
         f"| coordinator (plan + commit), full budget | {f['coordinator_s']:.3f} s (target < 1 s) |",
         "", "Cost model (K = 16, 70B BF16 experts, 8 nodes; assumptions in `benchmarks/s3.py: cost_model`):", "",
-        "| budget | bytes per node | requests per node | read | merge | write | coordinator |", "|---|---|---|---|---|---|---|",
+        "| budget | bytes per node | requests per node | read | merge | write | coordinator |",
+        "|---|---|---|---|---|---|---|",
     ]
     for b, m in model.items():
         lines.append(f"| {b} | {m['bytes_per_node'] / 1e9:.0f} GB | {m['requests_per_node']:.0f} | "
-                     f"{m['read_s']:.0f} s | {m['merge_s']:.0f} s | {m['write_s']:.0f} s | {m['coordinator_s']:.2f} s |")
+                     f"{m['read_s']:.0f} s | {m['merge_s']:.0f} s | {m['write_s']:.0f} s | "
+                     f"{m['coordinator_s']:.2f} s |")
     return "\n".join(lines) + "\n"
 
 
