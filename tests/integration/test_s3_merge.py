@@ -180,3 +180,15 @@ def test_cli_ingest_from_s3_with_storage_options_and_errors(s3_server, s3_family
     assert r.returncode == 1 and one_line_error(r.stderr, "StorageConfigError") and "malformed" in r.stderr
     r = cli(["sql", "SELECT COUNT(*) AS n FROM checkpoints WHERE name <> 'base'", "--catalog", catalog_url])
     assert r.returncode == 0 and r.stdout.split()[:3] == ["n", "-", "0"], r.stdout  # nothing else was written
+
+
+def test_spec_names_s3_paths(s3_family, s3_env, catalog: Catalog, tmp_path: Path) -> None:
+    """`base_model:`/`model:` may be s3:// URIs: they are ingested (default names: the prefixes' names), then
+    merged like catalogued models."""
+    fam, prefix = s3_family
+    spec = {"merge_method": "linear", "base_model": f"{prefix}/base",
+            "models": [{"model": f"{prefix}/{Path(e).name}", "parameters": {"weight": 0.5}} for e in fam.experts[:2]]}
+    res = catalog.merge(spec, out=tmp_path / "out", budget=0.5)
+    assert res.realized_bytes == res.planned_bytes > 0
+    names = {r[0] for r in catalog.sql("SELECT name FROM checkpoints")[1]}
+    assert {"base", Path(fam.experts[0]).name, Path(fam.experts[1]).name} <= names
