@@ -171,13 +171,10 @@ def test_cli_ingest_from_s3_with_storage_options_and_errors(s3_server, s3_family
     bad = {
         "StorageConfigError": [f"{prefix}/base", *opts[:2]],  # no credentials
         "StoreNotFoundError": ["s3://no-such-bucket-cli/base", *opts],
-        "UnsupportedStorageError": ["gs://bucket/base", *opts],
-    }
+    }  # (malformed URIs and unknown schemes: the same one-line path, tested in-process in tests/io)
     for err, args in bad.items():
         r = cli(["ingest", *args, "--name", "x", "--catalog", catalog_url], env=env)
         assert r.returncode == 1 and one_line_error(r.stderr, err), (err, r.stderr)
-    r = cli(["ingest", "s3://Bad_Bucket/x", "--name", "x", "--catalog", catalog_url, *opts], env=env)
-    assert r.returncode == 1 and one_line_error(r.stderr, "StorageConfigError") and "malformed" in r.stderr
     r = cli(["sql", "SELECT COUNT(*) AS n FROM checkpoints WHERE name <> 'base'", "--catalog", catalog_url])
     assert r.returncode == 0 and r.stdout.split()[:3] == ["n", "-", "0"], r.stdout  # nothing else was written
 
