@@ -156,6 +156,8 @@ class CountingProxy:
         self.upstream = (host, int(port or 80))
         self.records: list[dict] = []
         self.status_override: int | None = None
+        self.in_flight = 0
+        self.max_in_flight = 0  # the most requests the server was answering at once
         self._lock = threading.Lock()
         proxy = self
 
@@ -179,6 +181,16 @@ class CountingProxy:
                     self.end_headers()
                     self.wfile.write(msg)
                     return
+                with proxy._lock:
+                    proxy.in_flight += 1
+                    proxy.max_in_flight = max(proxy.max_in_flight, proxy.in_flight)
+                try:
+                    self._forward(body)
+                finally:
+                    with proxy._lock:
+                        proxy.in_flight -= 1
+
+            def _forward(self, body: bytes) -> None:
                 conn = http.client.HTTPConnection(*proxy.upstream, timeout=60)
                 headers = {k: v for k, v in self.headers.items()}
                 conn.request(self.command, self.path, body=body or None, headers=headers)
@@ -215,6 +227,7 @@ class CountingProxy:
     def reset(self) -> None:
         with self._lock:
             self.records.clear()
+            self.max_in_flight = 0
 
     def body_bytes(self, *, method: str = "GET", path_contains: str = "") -> int:
         with self._lock:

@@ -215,6 +215,17 @@ class MultiReader:
     def read_into(self, path: str, offset: int, buf: memoryview) -> None:
         self._reader(path).read_into(path, offset, buf)
 
+    def read_aligned_many(self, path: str, ranges: list[tuple[int, Any, int, int]]) -> None:
+        """`read_aligned` of each (offset, arr, pos, n) of `path`: all at once where its store can (S3: the
+        requests in flight together), else one after another."""
+        r = self._reader(path)
+        many = getattr(r, "read_aligned_many", None)
+        if many is not None:
+            many(path, ranges)
+            return
+        for off, arr, pos, n in ranges:
+            r.read_aligned(path, off, arr, pos, n)
+
     def read(self, path: str, offset: int, length: int) -> bytearray:
         return self._reader(path).read(path, offset, length)
 

@@ -269,6 +269,18 @@ class S3RangeReader:
         asked for; `arr`'s neighbouring bytes are left as they are)."""
         self.read_into(path, offset, memoryview(arr[pos:pos + n]))  # type: ignore[arg-type]
 
+    def read_aligned_many(self, path: str, ranges: list[tuple[int, np.ndarray, int, int]]) -> None:
+        """`read_aligned` of each (offset, arr, pos, n): every part of every range requested at once (up to
+        `IN_FLIGHT` in flight), e.g. the scattered blocks a plan selects in one tensor."""
+        futures = []
+        for offset, arr, pos, n in ranges:
+            buf = memoryview(arr[pos:pos + n])  # type: ignore[arg-type]
+            for a in range(0, n, PART_BYTES):
+                k = min(PART_BYTES, n - a)
+                futures.append(self._store.pool.submit(self._get, path, offset + a, k, buf[a:a + k]))
+        for f in futures:
+            f.result()
+
     def read(self, path: str, offset: int, length: int) -> bytearray:
         buf = bytearray(length)
         self.read_into(path, offset, memoryview(buf))

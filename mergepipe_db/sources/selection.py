@@ -34,9 +34,13 @@ def read_selected_into(reader: RangeSource, et: TensorInfo, reads: tuple[Read, .
     arr, pos = (pool or BufferPool()).take(et.offset, et.nbytes)  # no pool: a fresh buffer
     view = memoryview(arr[pos:pos + et.nbytes])
     n_read = 0
-    for off, n, members in coalesce(reads):
-        rel = off - et.offset
-        reader.read_aligned(et.path, off, arr, pos + rel, n)
+    runs = coalesce(reads)
+    many = getattr(reader, "read_aligned_many", None)
+    if many is not None and len(runs) > 1:  # a store that serves them all at once (S3: requests in flight)
+        many(et.path, [(off, arr, pos + off - et.offset, n) for off, n, _m in runs])
+    for off, n, members in runs:
+        if many is None or len(runs) == 1:
+            reader.read_aligned(et.path, off, arr, pos + off - et.offset, n)
         n_read += n
         if verify:
             verify_members(view, et, members, expert)
