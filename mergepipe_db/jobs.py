@@ -225,5 +225,5 @@ def replay(db: Database, source: str | Path, *, out: str | Path, ref: str | None
     res = run_plan(db, plan, out_path, ref_name, t_start=t_start, t_plan=time.perf_counter() - t0,
                    shard_bytes=shard_bytes, progress=progress, verify_reads=True)
     if verify:
-        verify_outputs(manifest, Path(res.out))
+        verify_outputs(manifest, as_path(res.out))
     return res

@@ -82,6 +82,8 @@ def test_output_to_s3_equals_local_and_manifest_comes_last(s3_server, s3_env, ca
                            "models": [{"model": "remote", "parameters": {"weight": 1.0}}]},
                           out=tmp_path / "from-s3", budget=1.0)
     assert again.realized_bytes == again.planned_bytes > 0  # an S3 snapshot is an input like any other
+    replayed = catalog.replay("remote", out=f"{s3_env}/replayed", verify=True, shard_bytes=60_000)  # checked
+    assert replayed.manifest_hash == res.manifest_hash
 
 
 def test_non_empty_prefix_is_refused_before_anything_is_written(s3_server, s3_env, catalog: Catalog, fam,
