@@ -37,7 +37,8 @@ _stores_lock = threading.Lock()
 
 class Stat(NamedTuple):
     """A stored object's size in bytes and its version: what changes when its content may have (the
-    modification time in ns for a local file; an ETag for an object store)."""
+    modification time in ns for a local file; for an object store an integer derived from its ETag,
+    `io.s3.etag_version`, so that the catalog's integer column holds either)."""
 
     size: int
     version: int | str
@@ -295,7 +296,8 @@ def open_store(location: Location) -> ByteStore:
 
 
 def check_fresh(stamps: Iterable[FileStamp]) -> None:
-    """Raise StaleSourceError for the first file whose size or version (mtime) changed since ingest."""
+    """Raise StaleSourceError for the first file whose size or version (mtime; an object's ETag) changed since
+    ingest."""
     for s in stamps:
         try:
             st = open_store(s.path).stat(s.path)
