@@ -48,6 +48,7 @@ def check_out_dir(out: str | Path) -> Path:
     """`--out` must not exist, or be an empty directory. Returns its absolute path. In an object store
     (``s3://bucket/prefix``): nothing may be stored under the prefix (`io.s3.check_output_prefix`)."""
     if is_remote(out):
+        open_store(out)  # UnsupportedStorageError for a scheme no store implements
         from mergepipe_db.io.s3 import check_output_prefix
 
         return check_output_prefix(out)  # type: ignore[return-value]  # an ObjectPath: a path's operations

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from mergepipe_db import Catalog
-from mergepipe_db.errors import OutputExistsError
+from mergepipe_db.errors import OutputExistsError, StorageConfigError, UnsupportedStorageError
 from mergepipe_db.io import s3 as s3io
 
 pytestmark = pytest.mark.catalog
@@ -95,6 +95,12 @@ def test_non_empty_prefix_is_refused_before_anything_is_written(s3_server, s3_en
     put_object(s3_server, f"{out}/README.md", b"someone's")
     with pytest.raises(OutputExistsError, match="not empty"):
         catalog.merge(_spec(fam), out=out, budget=0.5)
+    with pytest.raises(UnsupportedStorageError):
+        catalog.merge(_spec(fam), out="gs://bucket/out", budget=0.5)
+    with pytest.raises(StorageConfigError, match="malformed"):
+        catalog.merge(_spec(fam), out="s3://bucket/a/../b", budget=0.5)
+    with pytest.raises(StorageConfigError, match="prefix inside the bucket"):
+        catalog.merge(_spec(fam), out=f"s3://{out.split('/')[2]}", budget=0.5)
     assert list_keys(s3_server, out) == [out.split("/", 3)[3] + "/README.md"]
     assert _snapshots(catalog) == [] and catalog.sql("SELECT COUNT(*) FROM mp_staging")[1] == [(0,)]
 
