@@ -79,6 +79,8 @@ def test_ingest_and_merges_from_s3_equal_local(s3_server, s3_family, s3_env, cat
     assert s3_blocks == local_blocks  # same checkpoint ids, offsets, hashes and statistics
     assert sorted(f[1:] for f in s3_files) == sorted(f[1:] for f in local_files)  # same sha256 and sizes
     assert all(f[0].startswith(prefix + "/") for f in s3_files)
+    again = catalog.ingest(f"{prefix}/base", name="base")  # the same objects (size and ETag): not read again
+    assert not again.created and again.bytes_read == 0
 
     # every request goes through a proxy that counts what the server sends
     proxy = CountingProxy(s3_server.endpoint)
