@@ -210,6 +210,7 @@ def markdown(res: dict[str, Any], model: dict[str, Any]) -> str:
     lines = [
         f"## Object storage (S3: SeaweedFS weed mini, K = {res['k']}, {res['method']})", "",
         "| measurement | value |", "|---|---|",
+        f"| ingest base + {res['k']} experts from S3 (one call for the experts) | {res['ingest_from_s3_s']:.2f} s |",
         f"| full budget from S3: wall | {f['seconds']:.2f} s |",
         f"| full budget from S3: server sent for the experts | {f['server_sent_expert_bytes'] / 1e9:.3f} GB "
         f"(planned {f['planned_bytes'] / 1e9:.3f} GB; headers {f['server_sent_header_bytes'] / 1e6:.2f} MB in "

@@ -185,3 +185,25 @@ def test_gc_aborts_incomplete_multipart_uploads(s3_server, s3_env, catalog: Cata
     assert s3io.incomplete_uploads(out) == left  # a dry run changes nothing
     catalog.gc(dry_run=False)
     assert s3io.incomplete_uploads(out) == []
+
+
+@pytest.mark.slow
+def test_two_processes_racing_for_one_prefix(s3_server, s3_env, catalog_url: str, fam, tmp_path: Path) -> None:
+    """The race of two real `mergepipe merge` processes started together: whichever way it goes, one
+    commits and the other ends with a one-line typed error, and the prefix holds the winner's output."""
+    from crashkit import one_line_error, popen_cli, write_spec
+
+    cat = Catalog.open(catalog_url)
+    _ingest(cat, fam)
+    spec = write_spec(tmp_path / "spec.yml", [Path(e).name for e in fam.experts], budget=0.5)
+    out = f"{s3_env}/race"
+    procs = [popen_cli(["merge", str(spec), "--out", out, "--ref", f"r{i}", "--catalog", catalog_url],
+                       env=s3_server.env()) for i in range(2)]
+    results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]  # type: ignore[union-attr]
+    codes = sorted(rc for rc, _err in results)
+    assert codes == [0, 1], results
+    loser = next(err for rc, err in results if rc == 1)
+    assert one_line_error(loser, "OutputExistsError", "CommitConflictError"), loser
+    assert len(_snapshots(cat)) == 1 and s3io.published(out)
+    cat.gc(dry_run=False)
+    assert [f for f in cat.fsck() if f.kind != "ok"] == []
