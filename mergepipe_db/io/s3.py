@@ -448,7 +448,9 @@ class S3OutputFile:
         if self._hasher is not None:
             self._hasher.update(mv)
         try:
-            self._w.write(bytes(mv) if not isinstance(mv, (bytes, bytearray)) else mv)
+            # a copy: obstore's writer keeps a reference to the buffer it is given until it uploads it (measured:
+            # a buffer changed after `write` returned changed the object), and the caller reuses its buffers
+            self._w.write(bytes(mv))
         except Exception as e:  # noqa: BLE001 - translated
             raise translate(e, self.path) from None
 
