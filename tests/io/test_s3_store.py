@@ -171,3 +171,17 @@ def test_throttling_after_retries(s3_server, s3_env: str) -> None:
         assert len(proxy.records) >= 3  # the client retried (twice) before giving up
     finally:
         proxy.close()
+
+
+def test_writer_takes_its_bytes_when_written(s3_env: str) -> None:
+    """The caller reuses its buffers once `write` returns (the executor's pools): what was written then is what
+    the object holds, whatever the buffer holds later."""
+    store = io.open_store(s3_env)
+    buf = bytearray(b"a" * 1000)
+    w = store.writer(f"{s3_env}/reused.bin")
+    w.write(memoryview(buf))
+    buf[:] = b"b" * 1000
+    w.write(memoryview(buf))
+    buf[:] = b"c" * 1000
+    w.finish()
+    assert store.read_small(f"{s3_env}/reused.bin", 1 << 20) == b"a" * 1000 + b"b" * 1000
