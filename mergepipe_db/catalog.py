@@ -29,13 +29,21 @@ class Catalog:
         self.db = db
 
     @classmethod
-    def open(cls, url: str | None = None, *, create: bool = True) -> Catalog:
+    def open(cls, url: str | None = None, *, create: bool = True,
+             storage_options: dict[str, str] | None = None) -> Catalog:
         """Open the catalog at `url` (SQLAlchemy URL or DuckDB file path; default from the environment).
 
         A new, empty database is initialised; an out-of-date one raises CatalogOutOfDateError. With
         ``create=False`` a missing catalog (no DuckDB file; a PostgreSQL database without the schema) raises
         CatalogNotFoundError naming where it looked, and nothing is created.
+        `storage_options`: settings of the ``s3://`` object store over the ``AWS_*`` environment (``endpoint``,
+        ``access_key_id``, ``secret_access_key``, ``session_token``, ``region``, ``max_retries``,
+        ``retry_timeout``, ``allow_http``), for this process from now on.
         """
+        if storage_options is not None:
+            from mergepipe_db.io.s3 import set_storage_options
+
+            set_storage_options(storage_options)
         cat = cls(Database(resolve_url(url)))
         if not create:
             cat.db.require_existing()

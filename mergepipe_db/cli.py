@@ -46,6 +46,11 @@ def _catalog(args: argparse.Namespace, *, create: bool = False):
     command on a missing catalog fails with CatalogNotFoundError naming the path it looked at."""
     from mergepipe_db.catalog import Catalog
 
+    options = getattr(args, "storage_option", None)
+    if options:
+        from mergepipe_db.io.s3 import parse_options
+
+        return Catalog.open(args.catalog, create=create, storage_options=parse_options(options))
     return Catalog.open(args.catalog, create=create)
 
 
@@ -341,6 +346,10 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--catalog", metavar="URL", help="catalog URL or DuckDB file (default: $MERGEPIPE_CATALOG "
                         "or ./mergepipe.duckdb)")
     common.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    common.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
+                        help="setting of the s3:// object store, over the AWS_* environment (repeatable): "
+                        "endpoint, access_key_id, secret_access_key, session_token, region, max_retries, "
+                        "retry_timeout (seconds), allow_http")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     s = sub.add_parser("init", parents=[common], help="create the catalog (or check it is current)",
@@ -387,7 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run a merge: read only the planned expert byte ranges, write a Hugging Face "
                        "model directory with a manifest, and commit it atomically.", epilog=EPILOG)
     s.add_argument("spec", help="merge spec (MergeKit-compatible YAML plus budget and seed)")
-    s.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    s.add_argument("--out", required=True, help="output directory (must not exist or be empty), or s3://bucket/prefix "
+                   "(nothing stored under it yet)")
     s.add_argument("--budget", help=budget_help)
     s.add_argument("--seed", type=int, help="seed for random operators (DARE)")
     s.add_argument("--ref", help="ref to move to the new snapshot (default: the output directory's name)")
@@ -408,7 +418,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "same output tensor hashes, same manifest hash. Refuses when an input changed.",
                        epilog=EPILOG)
     s.add_argument("source", help="snapshot id, ref, snapshot checkpoint name, or path to a manifest.json")
-    s.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    s.add_argument("--out", required=True, help="output directory (must not exist or be empty), or s3://bucket/prefix "
+                   "(nothing stored under it yet)")
     s.add_argument("--ref", help="ref to move to the new snapshot (default: the output directory's name)")
     s.add_argument("--shard-size", metavar="N", help="maximum output shard size (default 4GiB)")
     s.add_argument("--verify", action="store_true", help="compare output tensor hashes with the manifest and "
@@ -501,7 +512,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "every tensor the expert covers to a new Hugging Face directory (model.safetensors + the "
                        "base's config.json); ingest it back with --kind delta.", epilog=EPILOG)
     s.add_argument("expert", help="catalogued expert name")
-    s.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    s.add_argument("--out", required=True, help="output directory (must not exist or be empty), or s3://bucket/prefix "
+                   "(nothing stored under it yet)")
     s.add_argument("--dtype", default="float32", help="float32 (default, exact for bf16/f16), bfloat16 or float16")
     s.add_argument("--json", action="store_true", help="print the result as JSON")
     s.set_defaults(func=cmd_export_delta)

@@ -103,6 +103,31 @@ class UnsupportedStorageError(MergePipeError):
     """A location names a storage scheme (``s3://``, ...) that no byte store implements (`io.SCHEMES`)."""
 
 
+class StoreError(MergePipeError):
+    """An object store (``s3://``) refused or failed a request; nothing was made visible."""
+
+
+class StorageConfigError(StoreError):
+    """A storage location or its settings are unusable: a malformed ``s3://`` URI, missing credentials, an
+    unknown ``--storage-option``."""
+
+
+class StoreNotFoundError(StoreError):
+    """The bucket or the object does not exist."""
+
+
+class StoreAccessDeniedError(StoreError):
+    """The store refused the credentials or the request (403/401)."""
+
+
+class StoreUnreachableError(StoreError):
+    """The store's endpoint could not be reached (connection refused, DNS, timeout) after retries."""
+
+
+class StoreThrottledError(StoreError):
+    """The store kept answering "slow down" (503/429) after retries."""
+
+
 class IntegrityError(MergePipeError):
     """Bytes read do not match the hashes recorded in the catalog or a manifest."""
 

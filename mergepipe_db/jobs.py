@@ -21,7 +21,7 @@ from mergepipe_db.core.spec import Budget, MergeSpec, load_spec, parse_budget
 from mergepipe_db.db.engine import Database
 from mergepipe_db.db.lookup import check_family, find_models
 from mergepipe_db.errors import DuplicateNameError, SpecError, UnknownCheckpointError
-from mergepipe_db.io import check_fresh
+from mergepipe_db.io import as_path, check_fresh, is_remote
 from mergepipe_db.pipeline import commit as cm
 from mergepipe_db.pipeline.ingest import ingest_many
 from mergepipe_db.pipeline.plan.build import build_plan
@@ -67,7 +67,11 @@ def budget_warnings(plan: Plan) -> list[str]:
 
 
 def default_name(path: str | Path) -> str:
-    """The name a checkpoint gets when none is given: its file's stem or its directory's name."""
+    """The name a checkpoint gets when none is given: its file's stem or its directory's name (an object's or
+    a prefix's, for an ``s3://`` URI)."""
+    if is_remote(path):
+        q = as_path(path)
+        return q.stem if q.suffix == ".safetensors" else q.name
     p = Path(path).resolve()
     return p.stem if p.is_file() else p.name
 
@@ -92,7 +96,7 @@ def resolve_models(db: Database, refs: list[str], *, base: str | None, progress:
         found = find_models(conn, refs)
     new = list(dict.fromkeys(ref for ref, f in zip(refs, found) if f is None))  # a path given twice: once
     for ref in new:
-        if not Path(ref).exists():
+        if not is_remote(ref) and not Path(ref).exists():
             raise UnknownCheckpointError(
                 f"unknown model {ref!r}: not a catalogued checkpoint or ref, and no such path")
     ingested: dict[str, tuple[str, str]] = {}
@@ -240,5 +244,5 @@ def replay(db: Database, source: str | Path, *, out: str | Path, ref: str | None
     res = run_plan(db, plan, out_path, ref_name, t_start=t_start, t_plan=time.perf_counter() - t0,
                    shard_bytes=shard_bytes, progress=progress, verify_reads=True)
     if verify:
-        verify_outputs(manifest, Path(res.out))
+        verify_outputs(manifest, as_path(res.out))
     return res

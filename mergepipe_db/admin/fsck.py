@@ -31,7 +31,8 @@ from mergepipe_db.admin.maintenance import pid_alive
 from mergepipe_db.core import sketch
 from mergepipe_db.db import rank_tables, schema
 from mergepipe_db.db.engine import Database
-from mergepipe_db.io import open_store
+from mergepipe_db.errors import MergePipeError
+from mergepipe_db.io import as_path, is_remote, open_store
 from mergepipe_db.sources import kinds
 
 KINDS = ("ok", "leftover", "missing", "corrupt")
@@ -59,7 +60,7 @@ def problems(findings: list[Finding]) -> list[Finding]:
     return [f for f in findings if f.kind not in CLEAN_KINDS]
 
 
-def _sha256_or_none(path: Path) -> str | None:
+def _sha256_or_none(path: Any) -> str | None:
     try:
         return open_store(path).sha256(path)
     except OSError:
@@ -71,11 +72,11 @@ def _files_state(root: Path, files: list[Any], *, full: bool) -> tuple[str, str]
     for f in files:
         p = root / f.relpath
         try:
-            st = p.stat()
+            size = open_store(p).stat(p).size
         except OSError:
             return "missing", f"file {f.relpath} is missing"
-        if st.st_size != f.size:
-            return "missing", f"file {f.relpath} has {st.st_size} bytes, catalog says {f.size}"
+        if size != f.size:
+            return "missing", f"file {f.relpath} has {size} bytes, catalog says {f.size}"
     if full:
         for f in files:
             try:
@@ -93,7 +94,7 @@ def _manifest_state(root: Path, expected_hash: str) -> tuple[str, str]:
 
     path = root / "manifest.json"
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = json.loads(open_store(path).read_small(path, 1 << 30).decode("utf-8"))
         recorded = doc["manifest_hash"]
         actual = manifest_hash(doc["manifest"])
     except FileNotFoundError:
@@ -197,7 +198,33 @@ def _check_snapshots(state: _State, *, full: bool) -> list[Finding]:
     return out
 
 
+def _snapshot_in_store(label: str, sn: Any, files: list[Any], mhash: str, *, full: bool) -> Finding:
+    """`_snapshot_on_disk` of an output in an object store: its objects (the keys of the attempt that wrote
+    them) and ``manifest.json``, written last; committed with no manifest.json yet but its attempt's staged
+    one present: a leftover that `gc --apply` rolls forward."""
+    from mergepipe_db.io.s3 import AttemptPrefix
+
+    out = as_path(sn.out_path)
+    state, detail = _files_state(out, files, full=full)
+    if state == "ok":
+        state, detail = _manifest_state(out, mhash)
+    if state == "ok":
+        return Finding("ok", f"{label} at {out}: {len(files)} file(s), manifest matches", str(out))
+    attempt = AttemptPrefix.parse(sn.staging_path or "")
+    if detail == "manifest.json is missing" and attempt is not None:
+        staged = attempt / "manifest.json"
+        try:
+            open_store(staged).stat(staged)
+            return Finding("leftover", f"{label} is committed but its manifest.json is not yet written at {out}: "
+                                       "`mergepipe gc --apply` writes it", str(out))
+        except FileNotFoundError:
+            pass
+    return Finding(state, f"{label} at {out}: {detail}", str(out))
+
+
 def _snapshot_on_disk(label: str, sn: Any, files: list[Any], mhash: str, *, full: bool) -> Finding:
+    if is_remote(sn.out_path):
+        return _snapshot_in_store(label, sn, files, mhash, full=full)
     out_dir, staging = Path(sn.out_path), Path(sn.staging_path)
     for _attempt in range(2):
         if out_dir.is_dir():
@@ -250,7 +277,7 @@ def _check_sources(state: _State, *, full: bool) -> list[Finding]:
             if stt.size != r.size or stt.version != r.mtime_ns:
                 bad.append(Finding("corrupt", f"checkpoint {name!r}: source file {r.path} changed since ingest "
                                               f"(size {r.size} -> {stt.size}, or mtime)", r.path))
-            elif full and _sha256_or_none(Path(r.path)) != r.sha256:
+            elif full and _sha256_or_none(r.path) != r.sha256:
                 bad.append(Finding("corrupt", f"checkpoint {name!r}: source file {r.path} content changed "
                                               f"(sha256 differs from ingest)", r.path))
         out.extend(bad or [Finding("ok", f"checkpoint {name!r}: {len(files)} source file(s) as ingested")])
@@ -297,11 +324,29 @@ def _check_summaries(conn: sa.Connection) -> list[Finding]:
     return out or [Finding("ok", f"ranking summaries of {n_ok} checkpoint(s) agree with their blocks")]
 
 
+def _stray_attempts(state: _State, owned: set[str]) -> list[Finding]:
+    """Objects of merge attempts under the object-store outputs the catalog knows that no intent or snapshot
+    owns (an attempt that lost a race, or was killed and its intent collected)."""
+    from mergepipe_db.io.s3 import stray_attempts
+
+    prefixes = {sn.out_path for sn in state.snapshots} | {it["out_path"] for it in state.intents}
+    out = []
+    for prefix in sorted(p for p in prefixes if is_remote(p)):
+        try:
+            strays = stray_attempts(prefix, owned)
+        except MergePipeError as e:
+            out.append(Finding("missing", f"output prefix {prefix}: cannot be listed ({e})", prefix))
+            continue
+        out += [Finding("leftover", f"stray objects of merge attempt {a.attempt} under {prefix}: "
+                                    "`mergepipe gc --apply` removes them", str(a)) for a in strays]
+    return out
+
+
 def _known_parents(conn: sa.Connection) -> set[Path]:
     s, st = schema.snapshot, schema.staging
     outs = list(conn.execute(sa.select(s.c.out_path)).scalars()) + list(
         conn.execute(sa.select(st.c.out_path)).scalars())
-    return {Path(o).parent for o in outs}
+    return {Path(o).parent for o in outs if not is_remote(o)}
 
 
 def fsck(db: Database, *, full: bool = False) -> list[Finding]:
@@ -324,6 +369,7 @@ def fsck(db: Database, *, full: bool = False) -> list[Finding]:
     found = _check_refs(state) + _check_snapshots(state, full=full) + _check_intents(state)
     found += [Finding("leftover", f"stray staging directory {p}: `mergepipe gc --apply` removes it", str(p))
               for p in dirs if str(p) not in owned and p.is_dir()]
+    found += _stray_attempts(state, owned)
     found += _check_sources(state, full=full) + _check_stores(state) + summaries
     # An intent that looked interrupted may belong to a merge that finished while we looked.
     if any(f.kind == "leftover" and f.text.startswith("staging ") for f in found):

@@ -7,12 +7,13 @@ import os
 import shutil
 import socket
 from pathlib import Path
+from typing import Any
 
 import sqlalchemy as sa
 
 from mergepipe_db.db import schema
 from mergepipe_db.db.engine import Database
-from mergepipe_db.io import open_store
+from mergepipe_db.io import as_path, is_remote, open_store
 from mergepipe_db.pipeline.commit import STAGING_PREFIX
 
 
@@ -56,8 +57,9 @@ def gc(db: Database, *, dry_run: bool = True) -> list[str]:
     actions: list[str] = []
     host = socket.gethostname()
     with db.connect() as conn:
-        parents = {Path(o).parent for o in conn.execute(sa.select(schema.snapshot.c.out_path)).scalars()}
-        parents |= {Path(o).parent for o in conn.execute(sa.select(schema.staging.c.out_path)).scalars()}
+        outs = set(conn.execute(sa.select(schema.snapshot.c.out_path)).scalars())
+        outs |= set(conn.execute(sa.select(schema.staging.c.out_path)).scalars())
+    parents = {Path(o).parent for o in outs if not is_remote(o)}
     listed = sorted(p for parent in sorted(parents) if parent.is_dir() for p in parent.glob(f"{STAGING_PREFIX}*"))
     with db.connect() as conn:  # intents before snapshots: a commit moves ownership from one to the other
         intents = conn.execute(sa.select(schema.staging)).mappings().all()
@@ -76,9 +78,11 @@ def gc(db: Database, *, dry_run: bool = True) -> list[str]:
             with db.connect() as conn:
                 gone = conn.execute(schema.staging.delete().where(schema.staging.c.id == it["id"])).rowcount
             if gone:
-                shutil.rmtree(it["staging_path"], ignore_errors=True)
+                _remove_staging(it["staging_path"])
     owned = {s.staging_path for s in snaps} | {it["staging_path"] for it in intents}
     for sid, out, staging in snaps:
+        if is_remote(out):
+            continue
         if not Path(out).exists() and Path(staging).is_dir() and (Path(staging) / "manifest.json").is_file():
             actions.append(f"publish committed snapshot {sid} at {out}")
             if not dry_run:
@@ -89,6 +93,50 @@ def gc(db: Database, *, dry_run: bool = True) -> list[str]:
         actions.append(f"remove stray staging {p}")
         if not dry_run:
             shutil.rmtree(p, ignore_errors=True)
+    remote = sorted(o for o in outs if is_remote(o))
+    if remote:
+        actions += _gc_remote(remote, snaps, owned, dry_run=dry_run)
+    return actions
+
+
+def _remove_staging(record: str) -> None:
+    """Remove an abandoned staging directory, or an object-store attempt's objects (`io.s3.abandon_attempt`)."""
+    if is_remote(record):
+        from mergepipe_db.io.s3 import AttemptPrefix, abandon_attempt
+
+        attempt = AttemptPrefix.parse(record)
+        if attempt is not None:
+            abandon_attempt(attempt)
+        return
+    shutil.rmtree(record, ignore_errors=True)
+
+
+def _gc_remote(prefixes: list[str], snaps: Any, owned: set[str], *, dry_run: bool) -> list[str]:
+    """`gc` of outputs in an object store: a committed snapshot whose manifest.json was not written yet gets it
+    (its attempt's staged copy; the catalog already made it visible); the objects of attempts that no intent
+    or snapshot owns are removed; incomplete multipart uploads under the prefixes are aborted."""
+    from mergepipe_db.io.s3 import AttemptPrefix, incomplete_uploads, publish_attempt, published, stray_attempts
+
+    actions: list[str] = []
+    for sid, out, staging in snaps:
+        attempt = AttemptPrefix.parse(staging or "")
+        if is_remote(out) and attempt is not None and not published(out) and _is_file(attempt / "manifest.json"):
+            actions.append(f"publish committed snapshot {sid} at {out} (write manifest.json)")
+            if not dry_run:
+                publish_attempt(attempt)
+    for prefix in prefixes:
+        for attempt in stray_attempts(prefix, owned):
+            actions.append(f"remove stray objects of merge attempt {attempt.attempt} under {prefix}")
+            if not dry_run:
+                from mergepipe_db.io.s3 import abandon_attempt
+
+                abandon_attempt(attempt)
+        for key, upload_id in incomplete_uploads(prefix):
+            actions.append(f"abort incomplete multipart upload of {key}")
+            if not dry_run:
+                from mergepipe_db.io.s3 import abort_upload
+
+                abort_upload(key, upload_id)
     return actions
 
 
@@ -143,17 +191,18 @@ def verify_snapshot(db: Database, snapshot_ref: str) -> list[str]:
     s, m = schema.snapshot, schema.manifest
     with db.connect() as conn:
         res = resolve_snapshot(conn, snapshot_ref)
-        out_path, text = conn.execute(sa.select(s.c.out_path, m.c.manifest).join(m, m.c.snapshot_id == s.c.id)
-                                      .where(s.c.id == res.snapshot_id)).one()
+        out_path, staging_path, text = conn.execute(
+            sa.select(s.c.out_path, s.c.staging_path, m.c.manifest).join(m, m.c.snapshot_id == s.c.id)
+            .where(s.c.id == res.snapshot_id)).one()
     label = f"snapshot {res.name}"
-    out = Path(out_path)
-    if not out.is_dir():
+    out, where = _output_location(out_path, staging_path)
+    if not is_remote(out_path) and not out.is_dir():
         return [f"{label}: output directory {out} is missing"]
     manifest = json.loads(text)
     problems: list[str] = []
     mhash = hashlib.sha256(text.encode("utf-8")).hexdigest()
     try:
-        doc = json.loads((out / "manifest.json").read_text(encoding="utf-8"))
+        doc = json.loads(open_store(out).read_small(out / "manifest.json", 1 << 30).decode("utf-8"))
         if doc.get("manifest_hash") != mhash or _canonical_sha256(doc.get("manifest")) != mhash:
             problems.append(f"{label}: manifest.json differs from the catalog's manifest {mhash[:16]}…")
     except (OSError, ValueError, AttributeError) as e:
@@ -164,8 +213,8 @@ def verify_snapshot(db: Database, snapshot_ref: str) -> list[str]:
     seen: set[str] = set()
     all_headers_read = True
     for rel, sha in outputs.get("files", []):
-        path = out / rel
-        if not path.is_file():
+        path = where(rel)
+        if not _is_file(path):
             problems.append(f"{label}: file {rel} is missing")
             all_headers_read = False
             continue
@@ -202,6 +251,29 @@ def verify_snapshot(db: Database, snapshot_ref: str) -> list[str]:
         for name in sorted(set(expected) - seen):
             problems.append(f"{label}: tensor {name!r} is missing from the output files")
     return problems
+
+
+def _output_location(out_path: str, staging_path: str | None) -> tuple[Any, Any]:
+    """(the output's location, NAME -> location of its output file NAME): in an object store the shards carry
+    the attempt that wrote them (`io.s3.AttemptPrefix`, from the snapshot's staging record)."""
+    out = as_path(out_path)
+    if is_remote(out_path):
+        from mergepipe_db.io.s3 import AttemptPrefix
+
+        attempt = AttemptPrefix.parse(staging_path or "")
+        if attempt is not None:
+            return out, lambda rel: attempt / rel
+    return out, lambda rel: out / rel
+
+
+def _is_file(path: Any) -> bool:
+    if is_remote(str(path)):
+        try:
+            open_store(path).stat(path)
+        except FileNotFoundError:
+            return False
+        return True
+    return Path(path).is_file()
 
 
 def _canonical_sha256(obj: object) -> str:

@@ -24,7 +24,7 @@ from mergepipe_db.errors import (
     SymlinkEscapeError,
 )
 from mergepipe_db.formats.safetensors import SafetensorsHeader, loads_strict, read_header
-from mergepipe_db.io import open_store
+from mergepipe_db.io import as_path, is_remote, open_store
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -207,8 +207,10 @@ def _single(path: Path, root: Path, root_real: Path, allow: bool) -> CheckpointL
     return _layout(root, root_real, [header], dict.fromkeys(header.by_name(), 0), allow)
 
 
-def _sharded(root: Path, root_real: Path, index: Path, allow: bool) -> CheckpointLayout:
-    _check_inside(index, root_real, allow_outside=allow)
+def _sharded(root: Path, root_real: Path, index: Path, allow: bool, names: set[str] | None = None
+             ) -> CheckpointLayout:
+    if names is None:
+        _check_inside(index, root_real, allow_outside=allow)
     wm = _load_index(index)
     where = show_path(index)
     headers: list[SafetensorsHeader] = []
@@ -217,10 +219,11 @@ def _sharded(root: Path, root_real: Path, index: Path, allow: bool) -> Checkpoin
         p = root / shard
         if _is_pickle_name(shard):
             raise _refuse_pickle(p)
-        if not os.path.lexists(p):
+        if (shard not in names) if names is not None else not os.path.lexists(p):
             raise ShardIndexError(f"{where}: shard {show_name(shard)} listed in weight_map does not exist")
         try:
-            _check_inside(p, root_real, allow_outside=allow)
+            if names is None:
+                _check_inside(p, root_real, allow_outside=allow)
         except SymlinkEscapeError as e:
             raise ShardSymlinkEscapeError(f"{where}: shard {show_name(shard)}: {e}") from None
         except BadCheckpointError as e:
@@ -252,7 +255,55 @@ def _sharded(root: Path, root_real: Path, index: Path, allow: bool) -> Checkpoin
                 f"{where}: weight_map puts tensor {show_name(tensor)} in {show_name(shard)} "
                 "but no shard holds it"
             )
+    if names is not None:
+        return _remote_layout(root, names, headers, tensor_file)
     return _layout(root, root_real, headers, tensor_file, allow)
+
+
+def _remote_layout(root: Any, names: set[str], files: list[SafetensorsHeader], tensor_file: dict[str, int]
+                   ) -> CheckpointLayout:
+    side = tuple(root / n for n in sorted(names) if is_side_file(n))
+    return CheckpointLayout(root=root, files=tuple(files), tensor_file=tensor_file, side_files=side,
+                            config=_load_config(side))
+
+
+def _resolve_remote(path: str | Path) -> CheckpointLayout:
+    """`resolve_checkpoint` of an object-store location: one ``.safetensors`` object, or a prefix holding the
+    same layouts as a directory (objects directly under it; nothing deeper is looked at)."""
+    p = as_path(path)  # StorageConfigError for a malformed URI
+    store = open_store(p)
+    if _is_pickle_name(p.name):
+        raise _refuse_pickle(p)
+
+    def listing(prefix: Any) -> set[str]:
+        base = str(prefix).rstrip("/") + "/"
+        return {o["path"][len(base):] for o in store.list(prefix) if "/" not in o["path"][len(base):]}
+
+    if p.suffix.lower() == ".safetensors" and store.exists(p):
+        root = p.parent
+        header = read_header(p)
+        return _remote_layout(root, listing(root), [header], dict.fromkeys(header.by_name(), 0))
+    names = listing(p) if p.key else set()
+    if not names:
+        if p.key and store.exists(p):
+            raise BadCheckpointError(f"{show_path(p)}: not a .safetensors object or checkpoint prefix")
+        raise BadCheckpointError(f"{show_path(p)}: no such object or prefix")
+    if SINGLE_FILE in names:
+        header = read_header(p / SINGLE_FILE)
+        return _remote_layout(p, names, [header], dict.fromkeys(header.by_name(), 0))
+    if INDEX_FILE in names:
+        return _sharded(p, p, p / INDEX_FILE, False, names)
+    weights = sorted(n for n in names if n.endswith(".safetensors"))
+    if len(weights) == 1:
+        header = read_header(p / weights[0])
+        return _remote_layout(p, names, [header], dict.fromkeys(header.by_name(), 0))
+    if len(weights) > 1:
+        raise BadCheckpointError(
+            f"{show_path(p)}: {len(weights)} .safetensors objects but no {SINGLE_FILE} or {INDEX_FILE}; "
+            f"add a {INDEX_FILE} that maps tensors to shards")
+    if any(_is_pickle_name(n) or n == "pytorch_model.bin.index.json" for n in names):
+        raise _refuse_pickle(p)
+    raise BadCheckpointError(f"{show_path(p)}: no {SINGLE_FILE}, {INDEX_FILE} or .safetensors object found")
 
 
 def resolve_checkpoint(path: str | Path, *, allow_symlinks_outside: bool = False) -> CheckpointLayout:
@@ -263,6 +314,8 @@ def resolve_checkpoint(path: str | Path, *, allow_symlinks_outside: bool = False
     outside the directory (unless `allow_symlinks_outside`, e.g. for a Hugging Face cache snapshot whose
     files link into ``../../blobs``), `SafetensorsFormatError` for a bad file, `BadCheckpointError` else.
     """
+    if is_remote(path):
+        return _resolve_remote(path)
     p = Path(path).absolute()
     allow = allow_symlinks_outside
     if _is_pickle_name(p.name):

@@ -35,7 +35,7 @@ from mergepipe_db.errors import (
     TruncatedDataError,
     UnknownDtypeError,
 )
-from mergepipe_db.io import InputFile, OutputFile, open_store
+from mergepipe_db.io import InputFile, OutputFile, as_path, open_store
 
 #: Largest header (JSON) length accepted, in bytes.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -296,7 +296,7 @@ def parse_header(buf: bytes, file_size: int, *, path: Path | None = None) -> Saf
     `file_size` is the whole file's size in bytes (the data section is checked against it, not against
     `buf`). Raises a `SafetensorsFormatError` subclass naming `path` (or ``<memory>``) on any violation.
     """
-    p = _MEMORY if path is None else Path(path)
+    p = _MEMORY if path is None else as_path(path)
     where = show_path(p)
     if file_size < 8:
         raise HeaderLengthError(f"{where}: file is {file_size} bytes, shorter than the 8-byte length prefix")
@@ -328,7 +328,7 @@ def read_header(path: str | Path) -> SafetensorsHeader:
     data section. Raises `BadCheckpointError` if the path is missing or not a regular file, else as
     `parse_header`.
     """
-    p = Path(path)
+    p = as_path(path)
     where = show_path(p)
     try:
         f = open_store(p).open_input(p)
@@ -417,7 +417,7 @@ class SafetensorsWriter:
         exclusive: bool = True,
         direct: bool = False,
     ) -> None:
-        self.path = Path(path)
+        self.path = as_path(path)
         self._entries = list(entries)
         prefix, self._offsets = build_header(self._entries, metadata)
         self._hash = hashlib.sha256()

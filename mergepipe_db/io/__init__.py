@@ -7,6 +7,9 @@ for an object store), hand out a counting range reader (`range_reader`: `read_al
 reads (`open_input`: a header, a tensor's pieces), hash it (`sha256`), write a file (`writer`, O_DIRECT where
 asked and allowed), create a small one (`write_new`), make one durable (`sync`) and `publish` a staging
 directory (rename + fsync). `coalesce` is the one range merger (adjacent ranges become one request).
+``s3://bucket/key`` locations are objects in S3-compatible storage (`io/s3.py`, obstore); `range_reader`
+gives a reader that sends each path's ranges to its own store's reader (a local base, experts in S3), and
+`as_path` turns a location into a path object (`io.s3.ObjectPath` for a URI).
 
 The rule: no module outside `io` opens, reads or writes a checkpoint's or an output's data files; they go
 through a store (there is one pread loop, `io.local.pread_into`). Small JSON side files (config.json, the
@@ -22,11 +25,15 @@ from mergepipe_db.io.base import (
     ByteStore,
     InputFile,
     Location,
+    MultiReader,
     OutputFile,
     RangeSource,
     Stat,
+    as_path,
     check_fresh,
+    is_remote,
     open_store,
+    range_reader,
     scheme_of,
 )
 from mergepipe_db.io.ranges import coalesce
@@ -36,11 +43,15 @@ __all__ = [
     "ByteStore",
     "InputFile",
     "Location",
+    "MultiReader",
     "OutputFile",
     "RangeSource",
     "Stat",
+    "as_path",
     "check_fresh",
     "coalesce",
+    "is_remote",
     "open_store",
+    "range_reader",
     "scheme_of",
 ]

@@ -27,6 +27,7 @@ Location = str | Path
 #: URI scheme -> "module:class" of its `ByteStore`; a location without a scheme is a local path
 SCHEMES: dict[str, str] = {
     "file": "mergepipe_db.io.local:LocalStore",
+    "s3": "mergepipe_db.io.s3:S3Store",
 }
 
 _URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
@@ -36,7 +37,8 @@ _stores_lock = threading.Lock()
 
 class Stat(NamedTuple):
     """A stored object's size in bytes and its version: what changes when its content may have (the
-    modification time in ns for a local file; an ETag for an object store)."""
+    modification time in ns for a local file; for an object store an integer derived from its ETag,
+    `io.s3.etag_version`, so that the catalog's integer column holds either)."""
 
     size: int
     version: int | str
@@ -156,11 +158,119 @@ class ByteStore(ABC):
         """Make the finished `staging` visible at `final`, atomically and durably (FileNotFoundError where
         `staging` is gone)."""
 
+    def drop_behind(self, location: Location, *, unknown: bool) -> Any:
+        """An object with `advance(pos)` and `close()` that keeps a front-to-back read of `location` from
+        filling a cache (the local store drops the pages read; elsewhere nothing to do)."""
+        return _NoDrop()
+
+    def absolute(self, location: Location) -> str:
+        """The location as the catalog records it (a resolved path; a URI as given)."""
+        return str(location)
+
+
+class _NoDrop:
+    def advance(self, pos: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class MultiReader:
+    """A `RangeSource` over every store: each path's ranges go to the range reader of the store holding it
+    (made on first use), so a merge may read a local base and experts in object storage. `bytes_read`,
+    `bytes_cached` and `reads` add up those of its readers."""
+
+    def __init__(self, *, random: bool) -> None:
+        self._random = random
+        self._by_scheme: dict[str, RangeSource] = {}
+        self._by_path: dict[str, RangeSource] = {}
+        self._lock = threading.Lock()
+
+    def _reader(self, path: str) -> RangeSource:
+        r = self._by_path.get(path)
+        if r is None:
+            scheme = scheme_of(path)
+            with self._lock:
+                r = self._by_scheme.get(scheme)
+                if r is None:
+                    r = self._by_scheme[scheme] = open_store(path).range_reader(random=self._random)
+                self._by_path[path] = r
+        return r
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(r.bytes_read for r in list(self._by_scheme.values()))
+
+    @property
+    def bytes_cached(self) -> int:
+        return sum(r.bytes_cached for r in list(self._by_scheme.values()))
+
+    @property
+    def reads(self) -> int:
+        return sum(getattr(r, "reads", 0) for r in list(self._by_scheme.values()))
+
+    def read_aligned(self, path: str, offset: int, arr: np.ndarray, pos: int, n: int) -> None:
+        self._reader(path).read_aligned(path, offset, arr, pos, n)
+
+    def read_into(self, path: str, offset: int, buf: memoryview) -> None:
+        self._reader(path).read_into(path, offset, buf)
+
+    def read_aligned_many(self, path: str, ranges: list[tuple[int, Any, int, int]]) -> None:
+        """`read_aligned` of each (offset, arr, pos, n) of `path`: all at once where its store can (S3: the
+        requests in flight together), else one after another."""
+        r = self._reader(path)
+        many = getattr(r, "read_aligned_many", None)
+        if many is not None:
+            many(path, ranges)
+            return
+        for off, arr, pos, n in ranges:
+            r.read_aligned(path, off, arr, pos, n)
+
+    def read(self, path: str, offset: int, length: int) -> bytearray:
+        return self._reader(path).read(path, offset, length)
+
+    def close(self) -> None:
+        for r in self._by_scheme.values():
+            r.close()
+
+    def __enter__(self) -> MultiReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def range_reader(*, random: bool) -> MultiReader:
+    """A counting range reader for locations of any store (`MultiReader`)."""
+    return MultiReader(random=random)
+
+
+def as_path(location: Location) -> Any:
+    """`location` as a path object: a local `Path`, or for an object store's URI an `io.s3.ObjectPath` (with
+    ``/``, `name`, `suffix`, `parent`, and `str` giving the URI back)."""
+    if isinstance(location, Path):
+        return location
+    text = str(location)
+    if scheme_of(text) == "s3":
+        from mergepipe_db.io.s3 import object_path
+
+        return object_path(text)
+    if scheme_of(text) != "file":
+        open_store(text)  # UnsupportedStorageError
+    return Path(text)
+
+
+def is_remote(location: Location) -> bool:
+    """Whether `location` lies in an object store (not a local path or ``file://`` URI)."""
+    return scheme_of(location) != "file"
+
 
 def scheme_of(location: Location) -> str:
     """The URI scheme of `location`, lower-case; ``file`` for a plain path."""
     if isinstance(location, Path):
         return "file"
+    location = str(location)  # an io.s3.ObjectPath
     m = _URI.match(location)
     return m.group(1).lower() if m else "file"
 
@@ -186,14 +296,16 @@ def open_store(location: Location) -> ByteStore:
 
 
 def check_fresh(stamps: Iterable[FileStamp]) -> None:
-    """Raise StaleSourceError for the first file whose size or version (mtime) changed since ingest."""
+    """Raise StaleSourceError for the first file whose size or version (mtime; an object's ETag) changed since
+    ingest."""
     for s in stamps:
         try:
             st = open_store(s.path).stat(s.path)
         except FileNotFoundError as e:
             raise StaleSourceError(f"source file {s.path} is gone since it was ingested") from e
         if st.size != s.size or st.version != s.mtime_ns:
+            what = "ETag" if scheme_of(s.path) != "file" else "mtime"
             raise StaleSourceError(
                 f"source file {s.path} changed since it was ingested (size {s.size} -> {st.size}, "
-                f"mtime changed: {st.version != s.mtime_ns}); re-ingest it or restore it"
+                f"{what} changed: {st.version != s.mtime_ns}); re-ingest it or restore it"
             )

@@ -866,3 +866,9 @@ class LocalStore(ByteStore):
 
     def publish(self, staging: Location, final: Location) -> None:
         publish(_local(staging), _local(final))
+
+    def drop_behind(self, location: Location, *, unknown: bool) -> DropBehind:
+        return DropBehind(_local(location), unknown=unknown)
+
+    def absolute(self, location: Location) -> str:
+        return str(Path(_local(location)).resolve())

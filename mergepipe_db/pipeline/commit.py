@@ -39,13 +39,19 @@ from mergepipe_db.db.bulk import bulk_insert
 from mergepipe_db.db.checkpoints import now_iso, write_checkpoint
 from mergepipe_db.db.engine import Database
 from mergepipe_db.errors import CommitConflictError, IntegrityError, OutOfSpaceError, OutputExistsError
-from mergepipe_db.io import open_store
+from mergepipe_db.io import is_remote, open_store
 
 STAGING_PREFIX = ".mergepipe-staging-"
 
 
 def check_out_dir(out: str | Path) -> Path:
-    """`--out` must not exist, or be an empty directory. Returns its absolute path."""
+    """`--out` must not exist, or be an empty directory. Returns its absolute path. In an object store
+    (``s3://bucket/prefix``): nothing may be stored under the prefix (`io.s3.check_output_prefix`)."""
+    if is_remote(out):
+        open_store(out)  # UnsupportedStorageError for a scheme no store implements
+        from mergepipe_db.io.s3 import check_output_prefix
+
+        return check_output_prefix(out)  # type: ignore[return-value]  # an ObjectPath: a path's operations
     path = Path(out).expanduser().absolute()
     if path.exists() or path.is_symlink():
         if not path.is_dir() or path.is_symlink():
@@ -61,13 +67,18 @@ def begin_staging(db: Database, out: Path) -> tuple[str, Path]:
     """Record the intent in the catalog, then create the staging directory. Returns (intent id, path)."""
     sid = uuid.uuid4().hex
     staging = out.parent / f"{STAGING_PREFIX}{out.name}-{sid[:12]}"
+    if is_remote(out):  # no directories, no rename: the attempt's own keys under the output prefix
+        from mergepipe_db.io.s3 import AttemptPrefix
+
+        staging = AttemptPrefix(out, sid[:12])  # type: ignore[assignment]
     with db.connect() as conn:
         conn.execute(schema.staging.insert().values(
             id=sid, staging_path=str(staging), out_path=str(out), pid=os.getpid(), host=socket.gethostname(),
             created_at=now_iso()))
     try:
         with out_of_space(staging):
-            staging.mkdir(mode=0o755)  # exclusive: fails if it exists
+            if not is_remote(out):
+                staging.mkdir(mode=0o755)  # exclusive: fails if it exists
     except BaseException:
         with db.connect() as conn:  # nothing was created: drop the intent (the directory is not ours)
             conn.execute(schema.staging.delete().where(schema.staging.c.id == sid))
@@ -89,7 +100,13 @@ def out_of_space(where: Path) -> Iterator[None]:
 
 def abandon_staging(db: Database, intent: str, staging: Path) -> None:
     """Best-effort cleanup after a failed merge (gc removes anything left)."""
-    shutil.rmtree(staging, ignore_errors=True)
+    if is_remote(str(staging)):
+        from mergepipe_db.io.s3 import abandon_attempt
+
+        with contextlib.suppress(Exception):
+            abandon_attempt(staging)  # type: ignore[arg-type]
+    else:
+        shutil.rmtree(staging, ignore_errors=True)
     try:
         with db.connect() as conn:
             conn.execute(schema.staging.delete().where(schema.staging.c.id == intent))
@@ -120,23 +137,54 @@ def _finish_staging(plan: Plan, result: ExecutionResult, staging: Path, manifest
         got = [(t.name, t.dtype, tuple(t.shape)) for t in header.tensors]
         if got != t_expected:
             raise IntegrityError(f"written shard {name} does not re-parse to the expected tensors")
-    if len(result.shard_names) > 1:
+    remote = is_remote(str(staging))
+    if len(result.shard_names) > 1 or remote:  # remote shard names carry the attempt: always an index
         index = {
             "metadata": {"total_size": sum(t.nbytes for t in result.out_tensors)},
-            "weight_map": {t.name: result.shard_names[t.shard] for t in result.out_tensors},
+            "weight_map": {t.name: _object_name(staging, result.shard_names[t.shard]) for t in result.out_tensors},
         }
-        _write_json(staging / "model.safetensors.index.json", index)
-    root = Path(plan.base.root)
-    for side in _side_files(root):
-        dest = staging / side.name
-        if dest.exists():
-            continue
-        shutil.copyfile(side, dest)
-        open_store(dest).sync(dest)
+        if remote:  # created only if absent: the attempt's claim on the prefix (`io.s3.write_index`)
+            from mergepipe_db.io.s3 import write_index
+
+            write_index(staging, json.dumps(index, indent=2, allow_nan=True).encode("utf-8") + b"\n")
+        else:
+            _write_json(staging / "model.safetensors.index.json", index)
+    if remote or is_remote(plan.base.root):
+        _copy_side_files(plan.base.root, staging)
+    else:
+        root = Path(plan.base.root)
+        for side in _side_files(root):
+            dest = staging / side.name
+            if dest.exists():
+                continue
+            shutil.copyfile(side, dest)
+            open_store(dest).sync(dest)
     mhash = manifest_hash(manifest)
     _write_json(staging / "manifest.json", {"manifest_hash": mhash, "manifest": manifest, "timings": timings})
     open_store(staging).sync(staging)
     return mhash
+
+
+def _object_name(staging: Any, name: str) -> str:
+    """The name output file `name` has in `staging` (an object store attempt's shard names carry its id)."""
+    return staging.object_name(name) if hasattr(staging, "object_name") else name
+
+
+def _copy_side_files(root: str, staging: Any) -> None:
+    """The base's side files (`SIDE_FILES`) copied into `staging` through the stores (a base or an output in an
+    object store)."""
+    from mergepipe_db.formats.hf_layout import MAX_JSON_BYTES
+    from mergepipe_db.io import as_path
+
+    src = as_path(root)
+    for name in SIDE_FILES:
+        try:
+            data = open_store(src / name).read_small(src / name, MAX_JSON_BYTES)
+        except (FileNotFoundError, IsADirectoryError):
+            continue
+        dest = staging / name
+        with contextlib.suppress(FileExistsError):
+            open_store(dest).write_new(dest, data)
 
 
 def _by_shard(result: ExecutionResult) -> dict[str, list[tuple[str, str, tuple[int, ...]]]]:
@@ -268,10 +316,12 @@ def _claim_out(conn: sa.Connection, out: Path) -> None:
         conn.execute(sa.text("SELECT pg_advisory_xact_lock(hashtext(:o))"), {"o": str(out)})
     s = schema.snapshot
     for sid, staging in conn.execute(sa.select(s.c.id, s.c.staging_path).where(s.c.out_path == str(out))):
+        if is_remote(out):
+            raise OutputExistsError(f"snapshot {sid} was already committed to {out}; choose another --out")
         if Path(staging).is_dir():
             raise OutputExistsError(f"snapshot {sid} was committed to {out} but not yet published (interrupted "
                                     f"merge): run `mergepipe gc --apply` to publish it, or choose another --out")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if not is_remote(out) and out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise OutputExistsError(f"output directory {out} was filled while this merge ran; choose a new --out")
 
 
@@ -305,9 +355,11 @@ def _insert_output_checkpoint(conn: sa.Connection, plan: Plan, result: Execution
     for fi, shard in enumerate(result.shard_names):
         fid = sha256_hex([cid, shard])[:32]
         file_ids.append(fid)
-        st = (staging / shard).stat()
-        files.append({"id": fid, "checkpoint_id": cid, "file_idx": fi, "relpath": shard, "path": str(out / shard),
-                      "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": result.shard_sha256[fi],
+        where = staging / shard
+        st = open_store(where).stat(where)
+        key = _object_name(staging, shard)  # an object store's key names the attempt: stays where written
+        files.append({"id": fid, "checkpoint_id": cid, "file_idx": fi, "relpath": key, "path": str(out / key),
+                      "size": st.size, "mtime_ns": int(st.version), "sha256": result.shard_sha256[fi],
                       "header_len": result.header_lens[fi]})
     blocks_by_tensor: dict[int, list[dict[str, Any]]] = {}
     for b in result.block_rows:
@@ -344,7 +396,14 @@ def _insert_output_checkpoint(conn: sa.Connection, plan: Plan, result: Execution
 
 
 def publish(staging: Path, out: Path) -> None:
-    """Make the committed output visible at `out` (atomic rename on the same filesystem)."""
+    """Make the committed output visible at `out` (atomic rename on the same filesystem; in an object store,
+    ``manifest.json`` written last, `io.s3.publish_attempt`)."""
+    if is_remote(str(staging)):
+        from mergepipe_db.io.s3 import publish_attempt
+
+        publish_attempt(staging)  # type: ignore[arg-type]
+        faults.point("published")
+        return
     if not staging.is_dir() and (out / "manifest.json").is_file():
         return  # already rolled forward by `gc --apply` (which may run while a merge is between commit and publish)
     if out.is_dir() and not any(out.iterdir()):

@@ -44,8 +44,8 @@ from mergepipe_db.core.hashing import xxh3_hex, xxh3_stream
 from mergepipe_db.core.plan import Plan, TensorInfo
 from mergepipe_db.core.results import ExecutionResult, OutTensor
 from mergepipe_db.errors import OutOfSpaceError, PlanExecutionMismatchError
+from mergepipe_db.io import open_store, range_reader
 from mergepipe_db.io.buffers import BufferPool
-from mergepipe_db.io.local import RangeReader
 
 DEFAULT_SHARD_BYTES = 4 << 30
 #: how far the reader may run ahead of the compute thread: bytes of items read and not yet taken (an item
@@ -149,7 +149,7 @@ class _BaseAhead(threading.Thread):
         super().__init__(name="mergepipe-base", daemon=True)
         self._tensors, self._pool, self._halt = tensors, pool, stop
         self._q: queue.Queue = queue.Queue(maxsize=1)
-        self.reader = RangeReader(random=False)
+        self.reader = range_reader(random=False)  # per path, the reader of the store holding it
 
     def run(self) -> None:
         try:
@@ -190,7 +190,7 @@ class _BaseAhead(threading.Thread):
 def _reader_thread(plan: Plan, q: ReadQueue, stop: threading.Event, counters: dict[str, int],
                    verify: bool, pool: BufferPool) -> None:
     base_ahead = _BaseAhead(plan.base_tensors, pool, stop)
-    expert_reader = RangeReader(random=True)
+    expert_reader = range_reader(random=True)
     base_ahead.start()
     try:
         for t in plan.base_tensors:
@@ -684,7 +684,8 @@ def _execute(
     timings["read_ahead_full"] = q.full_s
 
     for shard in sorted(by_shard):  # a part of the layout (`execute_shards`) writes only its own shards
-        shard_sizes.append((staging / shard_names[shard]).stat().st_size)
+        path = staging / shard_names[shard]
+        shard_sizes.append(open_store(path).stat(path).size)
     offsets, header_lens = _shard_offsets(out_tensors, by_shard)
     if counters.get("expert", -1) != plan.planned_bytes or sum(realized) != plan.planned_bytes:
         raise PlanExecutionMismatchError(

@@ -44,8 +44,8 @@ from mergepipe_db.errors import (
     UnknownCheckpointError,
 )
 from mergepipe_db.formats.hf_layout import CheckpointLayout
-from mergepipe_db.io import open_store
-from mergepipe_db.io.local import ALIGN, DropBehind, ReadAhead, RecyclingPool, SequentialReader, memory_for_cache
+from mergepipe_db.io import is_remote, open_store
+from mergepipe_db.io.local import ALIGN, RecyclingPool, SequentialReader, memory_for_cache
 from mergepipe_db.kernels.block_stats import delta_block_stats, zero_block_stats
 
 _READ_AHEAD = 8  # blocks queued between the reader thread and the hashing/statistics thread
@@ -223,7 +223,7 @@ class _FileStream:
         self._file: SequentialReader | None = None
         self._pos = 0  # bytes of the current file read
         self._hasher: Any = None
-        self._dropper: DropBehind | None = None
+        self._dropper: Any = None
 
     def read(self, file_idx: int, n: int) -> memoryview | bytearray:
         while self._opened <= file_idx:
@@ -262,8 +262,9 @@ class _FileStream:
         self._end_file()
         header = self.layout.files[self._opened]
         self._opened += 1
-        self._dropper = DropBehind(header.path, unknown=self._drop_unknown)  # before anything is read
-        self._file = open_store(header.path).sequential_reader(header.path, self._pool,
+        store = open_store(header.path)
+        self._dropper = store.drop_behind(header.path, unknown=self._drop_unknown)  # before anything is read
+        self._file = store.sequential_reader(header.path, self._pool,
                                                                cuts=self._cuts[self._opened - 1])
         self._pos = 0
         self._hasher = hashlib.sha256()
@@ -303,8 +304,9 @@ def _reader(layouts, plans, base, out: queue.Queue, shas: list[list[str]], stop:
     piece = max(_MIN_PIECE, _MEMBER_READS // len(layouts) // ALIGN * ALIGN)
     streams = [_FileStream(layout, hashing, _file_reads(layout, plan), piece=piece, drop_unknown=drop_unknown)
                for layout, plan in zip(layouts, plans)]
-    base_reader = ReadAhead(RecyclingPool.for_reads(_BASE_PIECE, keep=_PIECES_KEPT))
-    base_drops: dict[str, DropBehind] = {}  # per base file (read in the members' order)
+    base_store = open_store(next(iter(base.values())).path) if base else open_store(".")
+    base_reader = base_store.read_ahead(RecyclingPool.for_reads(_BASE_PIECE, keep=_PIECES_KEPT))
+    base_drops: dict[str, Any] = {}  # per base file (read in the members' order)
     waiting: collections.deque[tuple[Any, ...]] = collections.deque()  # blocks whose base read is ahead
     waiting_bytes = 0
 
@@ -329,7 +331,7 @@ def _reader(layouts, plans, base, out: queue.Queue, shas: list[list[str]], stop:
             bits = DTYPE_BITS[entry.dtype]
             bt = base[entry.name] if base is not None and entry.dtype in ARITHMETIC_DTYPES else None
             if bt is not None and bt.path not in base_drops:  # before its first read: what it finds cached stays
-                base_drops[bt.path] = DropBehind(bt.path, unknown=drop_unknown)
+                base_drops[bt.path] = open_store(bt.path).drop_behind(bt.path, unknown=drop_unknown)
             for bi, rows in enumerate(ranges):
                 rel, length = block_byte_range(entry.shape, bits, rows)
                 datas = [streams[k].read(fi, length) for k, (fi, _e, _r, _g) in enumerate(entries)]
@@ -501,18 +503,31 @@ def scan_group(
     for k, layout in enumerate(layouts):
         file_rows = []
         for fi, header in enumerate(layout.files):
-            st = os.stat(header.path)
+            size, version = _stamp(header.path)
             file_rows.append({
                 "file_idx": fi,
-                "relpath": os.path.relpath(header.path, layout.root),
-                "path": str(Path(header.path).resolve()),
-                "size": st.st_size,
-                "mtime_ns": st.st_mtime_ns,
+                "relpath": _relpath(header.path, layout.root),
+                "path": open_store(header.path).absolute(header.path),
+                "size": size,
+                "mtime_ns": version,
                 "sha256": shas[k][fi],
                 "header_len": header.header_len,
             })
         results.append((file_rows, tensor_rows[k], block_rows[k], shas[k], sum(h.file_size for h in layout.files)))
     return results
+
+
+def _stamp(path: Any) -> tuple[int, int]:
+    """(size, version) of a checkpoint file as the catalog records them: the mtime in ns of a local file, the
+    ETag's `io.s3.etag_version` of an object."""
+    st = open_store(path).stat(path)
+    return st.size, int(st.version)
+
+
+def _relpath(path: Any, root: Any) -> str:
+    if is_remote(path):
+        return str(path)[len(str(root).rstrip("/")) + 1:]
+    return os.path.relpath(path, root)
 
 
 def checkpoint_id(kind: str, base_id: str | None, block_bytes: int, tensor_rows: list[dict]) -> str:
@@ -536,8 +551,7 @@ def _unchanged(conn: sa.Connection, name: str, layout: CheckpointLayout) -> dict
     files = conn.execute(sa.select(f.c.path, f.c.size, f.c.mtime_ns).where(f.c.checkpoint_id == row["id"])).all()
     here = {}
     for h in layout.files:
-        st = os.stat(h.path)
-        here[str(Path(h.path).resolve())] = (st.st_size, st.st_mtime_ns)
+        here[open_store(h.path).absolute(h.path)] = _stamp(h.path)
     if {p: (s, m) for p, s, m in files} == here:
         return dict(row)
     return None
@@ -677,7 +691,8 @@ def _write(conn: sa.Connection, p: _Pending, *, base_id: str | None, block_bytes
         raise AlreadyCataloguedError(f"this content is already catalogued as {by_id!r} (ingest is by content); "
                                      f"use {by_id!r}")
     write_checkpoint(conn, {
-        "id": cid, "name": p.name, "kind": p.kind, "base_id": base_id, "root": str(Path(p.layout.root).resolve()),
+        "id": cid, "name": p.name, "kind": p.kind, "base_id": base_id,
+        "root": open_store(p.layout.root).absolute(p.layout.root),
         "config": json.dumps(p.layout.config) if p.layout.config is not None else None,
         "block_bytes": block_bytes, "n_tensors": len(tensor_rows), "total_bytes": total_bytes,
         "has_stats": base_id is not None, "created_at": now_iso(), "tool_version": __version__,

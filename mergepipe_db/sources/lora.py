@@ -60,6 +60,15 @@ class LoraSource(ExpertSource):
 
     @classmethod
     def detect(cls, path: str | Path) -> bool:
+        from mergepipe_db.io import as_path, is_remote, open_store
+
+        if is_remote(path):  # a prefix holding adapter_config.json
+            q = as_path(path)
+            try:
+                open_store(q).stat(q / ADAPTER_CONFIG)
+            except FileNotFoundError:
+                return False
+            return True
         p = Path(path)
         return p.is_dir() and (p / ADAPTER_CONFIG).is_file()
 
@@ -167,9 +176,10 @@ def lora_layout(path: str | Path) -> Any:
     ``config`` holds ``{"adapter_config": ..., "lora": {}}``; `check_coordinates` fills ``lora``.
     LoraAdapterError when a file is missing or the config is not a LoRA config.
     """
-    from mergepipe_db.formats.hf_layout import CheckpointLayout
-    from mergepipe_db.formats.safetensors import read_header
+    from mergepipe_db.io import is_remote
 
+    if is_remote(path):
+        return _remote_lora_layout(path)
     root = Path(path)
     if not root.is_dir():
         raise LoraAdapterError(f"{root}: a LoRA adapter is a directory with {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
@@ -186,6 +196,33 @@ def lora_layout(path: str | Path) -> Any:
         cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise LoraAdapterError(f"{cfg_path}: not valid JSON ({e})") from e
+    return _lora_layout(root, cfg_path, weights, cfg)
+
+
+def _remote_lora_layout(path: str | Path) -> Any:
+    """`lora_layout` of an adapter stored under an object-store prefix."""
+    from mergepipe_db.io import as_path, open_store
+
+    root = as_path(path)
+    store = open_store(root)
+    cfg_path, weights = root / ADAPTER_CONFIG, root / ADAPTER_WEIGHTS
+    try:
+        raw = store.read_small(cfg_path, 64 << 20)
+    except FileNotFoundError:
+        raise LoraAdapterError(f"{root}: missing {ADAPTER_CONFIG} (not a PEFT LoRA adapter prefix)") from None
+    if not store.exists(weights):  # type: ignore[attr-defined]
+        raise LoraAdapterError(f"{root}: missing {ADAPTER_WEIGHTS}")
+    try:
+        cfg = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise LoraAdapterError(f"{cfg_path}: not valid JSON ({e})") from e
+    return _lora_layout(root, cfg_path, weights, cfg)
+
+
+def _lora_layout(root: Any, cfg_path: Any, weights: Any, cfg: Any) -> Any:
+    from mergepipe_db.formats.hf_layout import CheckpointLayout
+    from mergepipe_db.formats.safetensors import read_header
+
     if not isinstance(cfg, dict):
         raise LoraAdapterError(f"{cfg_path}: not a JSON object")
     if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
@@ -444,9 +481,14 @@ def scan_lora(layout: Any, *, block_bytes: int, base: dict[str, Any], progress: 
                 "delta_l2": l2sq ** 0.5, "equal_to_base": l2sq == 0.0})
     finally:
         base_reader.close()
-    st = os.stat(header.path)
-    file_rows = [{"file_idx": 0, "relpath": os.path.relpath(header.path, layout.root),
-                  "path": str(Path(header.path).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+    from mergepipe_db.io import is_remote, open_store
+
+    store = open_store(header.path)
+    st = store.stat(header.path)
+    rel = (str(header.path)[len(str(layout.root)) + 1:] if is_remote(header.path)
+           else os.path.relpath(header.path, layout.root))
+    file_rows = [{"file_idx": 0, "relpath": rel,
+                  "path": store.absolute(header.path), "size": st.size, "mtime_ns": int(st.version),
                   "sha256": sha, "header_len": header.header_len}]
     return file_rows, tensor_rows, block_rows, [sha], len(data)
 

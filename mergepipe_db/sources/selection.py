@@ -11,9 +11,9 @@ from mergepipe_db.core.geometry import block_ranges
 from mergepipe_db.core.hashing import xxh3_hex
 from mergepipe_db.core.plan import Read, TensorInfo
 from mergepipe_db.errors import IntegrityError
+from mergepipe_db.io import RangeSource
 from mergepipe_db.io import coalesce as coalesce_ranges
 from mergepipe_db.io.buffers import BufferPool
-from mergepipe_db.io.local import RangeReader
 
 
 def coalesce(reads: tuple[Read, ...]) -> list[tuple[int, int, list[Read]]]:
@@ -21,7 +21,7 @@ def coalesce(reads: tuple[Read, ...]) -> list[tuple[int, int, list[Read]]]:
     return list(coalesce_ranges(reads))
 
 
-def read_selected(reader: RangeReader, et: TensorInfo, reads: tuple[Read, ...], expert: str, verify: bool
+def read_selected(reader: RangeSource, et: TensorInfo, reads: tuple[Read, ...], expert: str, verify: bool
                   ) -> tuple[Any, int]:
     """The tensor's bytes (a uint8 array) with only the selected ranges read (adjacent ones
     coalesced; the other bytes are undefined), and the bytes read."""
@@ -29,14 +29,18 @@ def read_selected(reader: RangeReader, et: TensorInfo, reads: tuple[Read, ...], 
     return buf, n_read
 
 
-def read_selected_into(reader: RangeReader, et: TensorInfo, reads: tuple[Read, ...], expert: str, verify: bool,
+def read_selected_into(reader: RangeSource, et: TensorInfo, reads: tuple[Read, ...], expert: str, verify: bool,
                    pool: BufferPool | None) -> tuple[np.ndarray, int, np.ndarray | None]:
     arr, pos = (pool or BufferPool()).take(et.offset, et.nbytes)  # no pool: a fresh buffer
     view = memoryview(arr[pos:pos + et.nbytes])
     n_read = 0
-    for off, n, members in coalesce(reads):
-        rel = off - et.offset
-        reader.read_aligned(et.path, off, arr, pos + rel, n)
+    runs = coalesce(reads)
+    many = getattr(reader, "read_aligned_many", None)
+    if many is not None and len(runs) > 1:  # a store that serves them all at once (S3: requests in flight)
+        many(et.path, [(off, arr, pos + off - et.offset, n) for off, n, _m in runs])
+    for off, n, members in runs:
+        if many is None or len(runs) == 1:
+            reader.read_aligned(et.path, off, arr, pos + off - et.offset, n)
         n_read += n
         if verify:
             verify_members(view, et, members, expert)
