@@ -15,7 +15,7 @@ MANIFEST_FORMAT = "mergepipe-manifest/1"
 def build_manifest(plan: Plan, result: ExecutionResult, *, parents: list[str]) -> dict[str, Any]:
     """Deterministic manifest content (no timings, no paths): what replay needs and what audit checks."""
     s = plan.spec
-    return {
+    doc = {
         "format": MANIFEST_FORMAT,
         "tool_version": __version__,
         "spec": {
@@ -47,6 +47,9 @@ def build_manifest(plan: Plan, result: ExecutionResult, *, parents: list[str]) -
         },
         "parents": parents,
     }
+    if plan.recipe is not None:  # a config resolved per tensor: its text verbatim and every tensor's parameters
+        doc["config"] = {"text": s.text, "recipe": plan.recipe.to_json()}
+    return doc
 
 
 def manifest_hash(manifest: dict[str, Any]) -> str:

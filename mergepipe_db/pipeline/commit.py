@@ -133,6 +133,11 @@ def _finish_staging(plan: Plan, result: ExecutionResult, staging: Path, manifest
             continue
         shutil.copyfile(side, dest)
         open_store(dest).sync(dest)
+    if plan.spec.text is not None:  # a spec given as YAML: MergeKit's extras (model card, config, tokenizer)
+        from mergepipe_db.pipeline.model_card import write_extras
+
+        for path in write_extras(plan, staging, model_card=plan.spec.model_card):
+            open_store(path).sync(path)
     mhash = manifest_hash(manifest)
     _write_json(staging / "manifest.json", {"manifest_hash": mhash, "manifest": manifest, "timings": timings})
     open_store(staging).sync(staging)
