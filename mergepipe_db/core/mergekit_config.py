@@ -83,8 +83,9 @@ def _ref(value: Any, path: str) -> str:
     raise SpecError(f"{path} must name a model (a catalog name, a path or org/name)")
 
 
-def _check_setting(value: Setting, path: str, kind: type) -> None:
-    """A setting's shape and leaf types: scalars of `kind`, non-empty gradient lists, {filter, value} entries."""
+def _check_setting(value: Setting, path: str, kind: type, warnings: list[str]) -> None:
+    """A setting's shape and leaf types: scalars of `kind`, non-empty gradient lists, {filter, value} entries
+    (other keys of an entry are ignored, as MergeKit does, and warned about: `pattern:` is no filter)."""
     if isinstance(value, dict):
         value = [value]
     if isinstance(value, list):
@@ -92,18 +93,13 @@ def _check_setting(value: Setting, path: str, kind: type) -> None:
             raise SpecError(f"{path}: a gradient list must not be empty")
         if all(isinstance(v, dict) for v in value):
             for i, cond in enumerate(value):
-                extra = set(cond) - _FILTER_KEYS
-                if "pattern" in extra:
-                    raise SpecError(f"{path}[{i}]: `pattern:` is not MergeKit's key; write `filter:`")
-                if extra:
-                    raise SpecError(f"{path}[{i}]: unknown key(s) {', '.join(sorted(map(repr, extra)))}; "
-                                    f"a conditional value has `filter` and `value`")
+                _unknown(cond, _FILTER_KEYS, f"{path}[{i}]", warnings)
                 if "value" not in cond:
                     raise SpecError(f"{path}[{i}] has no `value`")
                 f = cond.get("filter")
                 if f is not None and not isinstance(f, str):
                     raise SpecError(f"{path}[{i}].filter must be a string, got {f!r}")
-                _check_setting(cond["value"], f"{path}[{i}].value", kind)
+                _check_setting(cond["value"], f"{path}[{i}].value", kind, warnings)
             return
         for i, v in enumerate(value):
             if isinstance(v, (dict, list)):
@@ -149,7 +145,7 @@ def _params(raw: Any, path: str, method: str, *, level: str, warnings: list[str]
         if name not in decl.model and name not in decl.global_:
             warnings.append(f"{path}.{name} (not a parameter of {method})")
             continue
-        _check_setting(value, f"{path}.{name}", param_type(name))
+        _check_setting(value, f"{path}.{name}", param_type(name), warnings)
         out[name] = value
     return out
 
@@ -159,7 +155,7 @@ def _unknown(raw: dict, known: set[str], path: str, warnings: list[str]) -> None
         if not isinstance(k, str) or not k.isprintable():
             raise SpecError(f"{path}: key {k!r} is not a printable string")
         if k not in known:
-            note = " (MergeKit's key is `filter:`)" if k == "pattern" else ""
+            note = " (the old spelling of `filter:`, ignored: the entry has no filter)" if k == "pattern" else ""
             warnings.append(f"{path}.{k}{note}" if path else f"{k}{note}")
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from mergekit_peer import load_config, load_dir, run_mergekit
 
-pytestmark = [pytest.mark.mergekit, pytest.mark.catalog]
+pytestmark = [pytest.mark.mergekit]
 
 N_LAYERS = 6
 
