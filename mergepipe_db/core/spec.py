@@ -155,8 +155,9 @@ class MergeSpec:
     config: Any = field(default=None, compare=False)
     #: the spec's text as given (the manifest stores it verbatim)
     text: str | None = field(default=None, compare=False)
-    #: write README.md (a model card) beside the output of a spec given as text
+    #: write README.md (a model card) beside the output of a spec given as text; copy the tokenizer files
     model_card: bool = field(default=True, compare=False)
+    copy_tokenizer: bool = field(default=True, compare=False)
 
 
 def _number(value: Any, what: str) -> float:

@@ -35,6 +35,9 @@ def write_extras(plan: Plan, staging: Path, *, model_card: bool = True) -> list[
             if src.is_file() and not src.is_symlink():
                 shutil.copyfile(src, dest)
                 written.append(dest)
+    if not spec.copy_tokenizer:
+        for name in TOKENIZER_FILES:
+            (staging / name).unlink(missing_ok=True)
     conf = staging / "config.json"
     if conf.is_file():
         doc = json.loads(conf.read_text(encoding="utf-8"))
