@@ -48,7 +48,11 @@ def build_manifest(plan: Plan, result: ExecutionResult, *, parents: list[str]) -
         "parents": parents,
     }
     if plan.recipe is not None:  # a config resolved per tensor: its text verbatim and every tensor's parameters
-        doc["config"] = {"text": s.text, "recipe": plan.recipe.to_json()}
+        r = plan.recipe
+        names = {r.base: plan.base.name} | {ref: e.checkpoint.name for ref, e in zip(r.experts, plan.experts)}
+        doc["config"] = {"text": s.text, "recipe": r.to_json(),
+                         # the lineage of layers: per output layer, the (checkpoint, layer) it came from
+                         "layers": [[[names.get(m, m), li] for m, li in layer] for layer in r.layer_sources]}
     return doc
 
 

@@ -140,8 +140,13 @@ def test_passthrough_reads_no_expert_bytes_and_copies_layers(fam) -> None:
         for out_l, (src, src_l) in enumerate([(base, 0), (base, 1), (base, 2), (e0, 1), (e0, 2), (e0, 3), (base, 2)]):
             assert out[f"model.layers.{out_l}.{s}"].tobytes() == src[f"model.layers.{src_l}.{s}"].tobytes()
     assert out["lm_head.weight"].tobytes() == base["lm_head.weight"].tobytes()
-    layers = json.loads((root / "pt-out" / "manifest.json").read_text())["manifest"]["config"]["recipe"]
-    assert layers["layer_sources"][3] == [["e0", 1]]
+    # the catalog's record of the merge names the source layer of every output layer
+    [[text]] = cat.sql(f"SELECT manifest FROM mp_manifest WHERE snapshot_id = '{r.snapshot_id}'")[1]
+    layers = json.loads(text)["config"]["layers"]
+    assert layers == [[["base", 0]], [["base", 1]], [["base", 2]], [["e0", 1]], [["e0", 2]], [["e0", 3]],
+                      [["base", 2]]]
+    edges = {(e["parent"], e["role"]) for e in cat.lineage(r.snapshot_id)["edges"]}
+    assert {p for p, _r in edges} == {cat.checkpoint_id("base"), cat.checkpoint_id("e0")}
 
 
 @pytest.mark.parametrize(("text", "path"), [
