@@ -64,26 +64,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _model_refs(raw: dict[str, Any]) -> list[tuple[Any, Any]]:
-    """(container, key) of every model reference in a loaded config."""
-    out: list[tuple[Any, Any]] = []
-    for key in ("base_model", "tokenizer_source"):
-        if isinstance(raw.get(key), str) and raw[key] not in ("base", "union"):
-            out.append((raw, key))
-    for m in raw.get("models") or []:
-        if isinstance(m, dict) and isinstance(m.get("model"), str):
-            out.append((m, "model"))
-    for s in raw.get("slices") or []:
-        if not isinstance(s, dict):
-            continue
-        if isinstance(s.get("base_model"), str):
-            out.append((s, "base_model"))
-        for src in s.get("sources") or []:
-            if isinstance(src, dict) and isinstance(src.get("model"), str):
-                out.append((src, "model"))
-    return out
-
-
 def _catalogued(cat: Any, ref: str) -> bool:
     from mergepipe_db.errors import UnknownCheckpointError
 
@@ -99,6 +79,7 @@ def load(args: argparse.Namespace, cat: Any) -> Any:
     given, for mergekit_config.yml and the manifest) and the options applied."""
     import yaml
 
+    from mergepipe_db.core.mergekit_config import model_refs, substitute_refs
     from mergepipe_db.core.spec import load_spec
     from mergepipe_db.hf_models import is_hf_ref, resolve_hf
 
@@ -112,17 +93,13 @@ def load(args: argparse.Namespace, cat: Any) -> Any:
         raise SpecError(f"config {path} is not readable YAML: {' '.join(str(e).split())[:200]}") from e
     if not isinstance(raw, dict):
         raise SpecError(f"config {path} must be a YAML mapping")
-    known: dict[str, str] = {}
-    for holder, key in _model_refs(raw):
-        ref = holder[key]
-        if ref not in known:
-            known[ref] = ref if _catalogued(cat, ref) or not is_hf_ref(ref) else str(
-                resolve_hf(ref, download=args.download))
-        holder[key] = known[ref]
+    aliases = {ref: str(resolve_hf(ref, download=args.download)) for ref in model_refs(raw)
+               if is_hf_ref(ref) and not _catalogued(cat, ref)}
+    substitute_refs(raw, aliases)
     spec = load_spec(raw)
     seed = args.random_seed if args.random_seed is not None else spec.seed
     spec = replace(spec, text=text, seed=seed, model_card=args.write_model_card,
-                   copy_tokenizer=args.copy_tokenizer, source=str(path))
+                   copy_tokenizer=args.copy_tokenizer, source=str(path), aliases=aliases)
     shard_bytes = parse_kmb(args.out_shard_size) * _DTYPE_BYTES.get(spec.dtype or "F32", 4)
     return spec, shard_bytes
 

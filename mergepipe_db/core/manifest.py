@@ -50,7 +50,7 @@ def build_manifest(plan: Plan, result: ExecutionResult, *, parents: list[str]) -
     if plan.recipe is not None:  # a config resolved per tensor: its text verbatim and every tensor's parameters
         r = plan.recipe
         names = {r.base: plan.base.name} | {ref: e.checkpoint.name for ref, e in zip(r.experts, plan.experts)}
-        doc["config"] = {"text": s.text, "recipe": r.to_json(),
+        doc["config"] = {"text": s.text, "aliases": dict(s.aliases or {}), "recipe": r.to_json(),
                          # the lineage of layers: per output layer, the (checkpoint, layer) it came from
                          "layers": [[[names.get(m, m), li] for m, li in layer] for layer in r.layer_sources]}
     return doc

@@ -235,6 +235,31 @@ def parse_config(raw: dict[str, Any], method: str, label: str) -> MergeConfig:
     return MergeConfig(method, base, tuple(slices), "slices" in raw, top, ts, tuple(dict.fromkeys(warnings)))
 
 
+def _ref_holders(raw: dict[str, Any]) -> list[tuple[dict, str]]:
+    """(mapping, key) of every place a loaded config names a model: base_model, tokenizer_source, the models,
+    the slices' base models and sources."""
+    holders: list[tuple[dict, str]] = [(raw, "base_model"), (raw, "tokenizer_source")]
+    holders += [(m, "model") for m in raw.get("models") or [] if isinstance(m, dict)]
+    for s in raw.get("slices") or []:
+        if isinstance(s, dict):
+            holders.append((s, "base_model"))
+            holders += [(src, "model") for src in s.get("sources") or [] if isinstance(src, dict)]
+    return [(h, k) for h, k in holders if isinstance(h.get(k), str)]
+
+
+def substitute_refs(raw: dict[str, Any], mapping: Mapping[str, str]) -> None:
+    """Replace, in a loaded config, each model reference that `mapping` names by what it maps to."""
+    for holder, key in _ref_holders(raw):
+        holder[key] = mapping.get(holder[key], holder[key])
+
+
+def model_refs(raw: dict[str, Any]) -> list[str]:
+    """Every model reference of a loaded config, once each, in order of appearance (tokenizer_source's `base`
+    and `union` are no references)."""
+    refs = [h[k] for h, k in _ref_holders(raw) if not (k == "tokenizer_source" and h[k] in ("base", "union"))]
+    return list(dict.fromkeys(refs))
+
+
 # --- resolution --------------------------------------------------------------------------------------------
 
 

@@ -158,6 +158,9 @@ class MergeSpec:
     #: write README.md (a model card) beside the output of a spec given as text; copy the tokenizer files
     model_card: bool = field(default=True, compare=False)
     copy_tokenizer: bool = field(default=True, compare=False)
+    #: references of `text` replaced before loading (a Hugging Face id -> its cache directory): replay applies
+    #: them to the text again (`core.mergekit_config.substitute_refs`)
+    aliases: dict[str, str] | None = field(default=None, compare=False)
 
 
 def _number(value: Any, what: str) -> float:

@@ -72,6 +72,13 @@ def test_hf_ids_resolve_through_the_cache_and_options_apply(env, tmp_path: Path,
     assert json.loads((out / "model.safetensors.index.json").read_text())["metadata"]["total_size"] > 0
     manifest = json.loads((out / "manifest.json").read_text())["manifest"]
     assert manifest["seed"] == 7 and manifest["config"]["text"] == CONFIG
+    # replay needs only the manifest (the Hugging Face ids of its text are not looked up again)
+    from mergepipe_db import Catalog
+
+    rep = Catalog.open(url).replay(str(out / "manifest.json"), out=tmp_path / "replayed", shard_bytes=80_000)
+    assert rep.plan_hash == manifest["plan_hash"]
+    for f in sorted(out.glob("*.safetensors")):
+        assert f.read_bytes() == (tmp_path / "replayed" / f.name).read_bytes()
 
     out2 = tmp_path / "merged2"
     assert main([str(root / "cfg.yml"), str(out2), "--catalog", url, "--no-write-model-card"]) == 0

@@ -129,18 +129,22 @@ def _config_plan(conn: sa.Connection, manifest: dict[str, Any]) -> Plan:
     recorded inputs; the plan hash (which covers every tensor's sources and parameters) must match."""
     import yaml
 
+    from mergepipe_db.core.mergekit_config import substitute_refs
     from mergepipe_db.core.spec import Budget, load_spec
-    from mergepipe_db.db.lookup import find_models
     from mergepipe_db.pipeline.plan.build import build_plan
 
-    text = manifest["config"]["text"]
-    spec = load_spec(yaml.safe_load(text))
-    spec = replace(spec, text=text, seed=int(manifest["seed"]), dtype=manifest["spec"]["dtype"])
-    found = find_models(conn, [m.ref for m in spec.models])
-    if any(f is None for f in found):
-        raise ReplayError("a model of the manifest's config is no longer in this catalog")
-    plan = build_plan(conn, spec, base_id=manifest["inputs"]["base"]["id"],
-                      expert_ids=[f[0] for f in found if f is not None],
+    text, aliases = manifest["config"]["text"], manifest["config"].get("aliases") or {}
+    raw = yaml.safe_load(text)
+    substitute_refs(raw, aliases)
+    spec = load_spec(raw)
+    spec = replace(spec, text=text, seed=int(manifest["seed"]), dtype=manifest["spec"]["dtype"], aliases=aliases)
+    # the config's references as the merge resolved them (a Hugging Face id, a path): the recorded inputs
+    recipe, inputs = manifest["config"]["recipe"], manifest["inputs"]
+    ids = {recipe["base"]: inputs["base"]["id"]} | {
+        ref: e["id"] for ref, e in zip(recipe["experts"], inputs["experts"])}
+    if any(m.ref not in ids for m in spec.models):
+        raise ReplayError("the manifest's config names a model its inputs do not record")
+    plan = build_plan(conn, spec, base_id=inputs["base"]["id"], expert_ids=[ids[m.ref] for m in spec.models],
                       budget_spec=Budget(nbytes=int(manifest["budget_bytes"])))
     if plan.plan_hash != manifest["plan_hash"]:
         raise ReplayError(f"rebuilt plan hash {plan.plan_hash[:16]} != recorded {manifest['plan_hash'][:16]}: "
