@@ -11,6 +11,10 @@ Example::
     dtype: bfloat16
     budget: 0.25                     # fraction of full-read expert bytes, or bytes: 3GiB, 500MB, 123456
     seed: 0
+
+Any MergeKit 0.1.5 config is a spec (slices, gradients, filters, passthrough, ...): `load_spec` validates it
+with `core.mergekit_config`; one the per-merge fields below cannot express is kept as `MergeSpec.config` and
+resolved per tensor by the planner. `METHOD_PARAMS` is the one table of each method's parameters.
 """
 
 from __future__ import annotations
@@ -52,12 +56,12 @@ class MethodParams:
 #: Per-tensor resolution (gradients, filters, precedence: core/mergekit_config.py) is generic over it.
 METHOD_PARAMS: dict[str, MethodParams] = {
     "linear": MethodParams(("weight",), ("normalize",), ("weight",), base_is_input=True),
-    "task_arithmetic": MethodParams(("weight",), ("normalize", "lambda"), ("weight",)),
-    "ties": MethodParams(("weight", "density"), ("normalize", "lambda", "int8_mask"), ("weight",)),
+    "task_arithmetic": MethodParams(("weight",), ("normalize", "lambda", "int8_mask", "rescale"), ("weight",)),
+    "ties": MethodParams(("weight", "density"), ("normalize", "lambda", "int8_mask", "rescale"), ("weight",)),
     "dare_linear": MethodParams(("weight", "density"), ("normalize", "lambda", "int8_mask", "rescale"),
                                 ("weight",)),
     "dare_ties": MethodParams(("weight", "density"), ("normalize", "lambda", "int8_mask", "rescale"), ("weight",)),
-    "breadcrumbs": MethodParams(("weight", "density", "gamma"), ("normalize", "lambda", "int8_mask"),
+    "breadcrumbs": MethodParams(("weight", "density", "gamma"), ("normalize", "lambda", "int8_mask", "rescale"),
                                 ("weight",)),
     "slerp": MethodParams((), ("t",), ("t",)),
     "passthrough": MethodParams(("scale",), ()),
@@ -73,10 +77,6 @@ def param_type(name: str) -> type:
     return PARAM_TYPES.get(name, float)
 
 
-_TOP_KEYS = {"merge_method", "base_model", "models", "parameters", "dtype", "budget", "seed", "tokenizer_source",
-             "name", "out_dtype"}
-_MODEL_PARAMS = {"weight", "density", "gamma"}
-_GLOBAL_PARAMS = {"normalize", "lambda", "t", "int8_mask", "rescale"}
 _UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -161,20 +161,6 @@ class MergeSpec:
     #: references of `text` replaced before loading (a Hugging Face id -> its cache directory): replay applies
     #: them to the text again (`core.mergekit_config.substitute_refs`)
     aliases: dict[str, str] | None = field(default=None, compare=False)
-
-
-def _number(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        if isinstance(value, list):
-            raise SpecError(f"{what}: per-layer gradients (lists) are not supported; give one number")
-        raise SpecError(f"{what} must be a number, got {value!r}")
-    try:
-        number = float(value)
-    except OverflowError:  # an int beyond float range
-        number = math.inf
-    if not math.isfinite(number):
-        raise SpecError(f"{what} must be finite, got {value!r}")
-    return number
 
 
 def load_spec(source: str | Path | dict[str, Any]) -> MergeSpec:
