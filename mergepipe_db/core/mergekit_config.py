@@ -139,12 +139,13 @@ def _params(raw: Any, path: str, method: str, *, level: str, warnings: list[str]
     for name, value in raw.items():
         if not isinstance(name, str) or not name.isprintable():
             raise SpecError(f"{path}: parameter name {name!r} is not a printable string")
-        if name in decl.global_ and level == "model":
-            warnings.append(f"{path}.{name} (a global parameter of {method}, never read from a model's parameters)")
+        if level == "model" and name not in decl.model and any(name in d.global_ for d in METHOD_PARAMS.values()):
+            warnings.append(f"{path}.{name} (a global parameter, never read from a model's parameters)")
             continue
         if name not in decl.model and name not in decl.global_:
-            warnings.append(f"{path}.{name} (not a parameter of {method})")
-            continue
+            if not any(name in d.model or name in d.global_ for d in METHOD_PARAMS.values()):
+                warnings.append(f"{path}.{name} (not a parameter of any method)")
+            continue  # another method's parameter (density under task_arithmetic): ignored, as MergeKit does
         _check_setting(value, f"{path}.{name}", param_type(name), warnings)
         out[name] = value
     return out

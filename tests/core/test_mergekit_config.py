@@ -237,3 +237,9 @@ def test_a_simple_spec_keeps_the_per_merge_fields() -> None:
     spec = load_spec(yaml.safe_load("merge_method: ties\nbase_model: b\nmodels: [{model: e, parameters: "
                                     "{weight: 1, density: 0.5}}]\nparameters: {lambda: 0.5}"))
     assert spec.config is None and spec.models[0].density == 0.5 and spec.lam == 0.5
+
+
+def test_another_methods_parameter_is_ignored_without_a_warning(capsys: pytest.CaptureFixture) -> None:
+    spec = load_spec(yaml.safe_load("merge_method: task_arithmetic\nbase_model: b\nmodels: [{model: e, parameters: "
+                                    "{weight: 1, density: 0.5}}]"))
+    assert capsys.readouterr().err == "" and spec.models[0].weight == 1.0
