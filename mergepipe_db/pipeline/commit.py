@@ -327,7 +327,9 @@ def _insert_output_checkpoint(conn: sa.Connection, plan: Plan, result: Execution
             })
     write_checkpoint(conn, {
         "id": cid, "name": name, "kind": "snapshot", "base_id": plan.base.id, "root": str(out),
-        "config": json.dumps(plan.base.config) if plan.base.config is not None else None,
+        "config": json.dumps(plan.base.config if plan.base.config is None or plan.recipe is None  # slices:
+                             else {**plan.base.config, "num_hidden_layers": plan.recipe.num_layers})  # its layers
+        if plan.base.config is not None else None,
         "block_bytes": plan.base.block_bytes, "n_tensors": len(tensors),
         "total_bytes": sum(t.nbytes for t in result.out_tensors),
         "has_stats": has_stats, "created_at": now_iso(), "tool_version": __version__,

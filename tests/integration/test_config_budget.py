@@ -145,6 +145,8 @@ def test_passthrough_reads_no_expert_bytes_and_copies_layers(fam) -> None:
     layers = json.loads(text)["config"]["layers"]
     assert layers == [[["base", 0]], [["base", 1]], [["base", 2]], [["e0", 1]], [["e0", 2]], [["e0", 3]],
                       [["base", 2]]]
+    [[conf]] = cat.sql(f"SELECT config FROM mp_checkpoint WHERE id = '{r.snapshot_id}'")[1]
+    assert json.loads(conf)["num_hidden_layers"] == 7  # the catalogued output's config, as written
     edges = {(e["parent"], e["role"]) for e in cat.lineage(r.snapshot_id)["edges"]}
     assert {p for p, _r in edges} == {cat.checkpoint_id("base"), cat.checkpoint_id("e0")}
 
