@@ -564,7 +564,7 @@ def _execute(
         return item
 
     try:
-        op = make_operator(spec.method, params, normalize=spec.normalize, lam=spec.lam, t=spec.t) if (
+        op: Any = make_operator(spec.method, params, normalize=spec.normalize, lam=spec.lam, t=spec.t) if (
             plan.tensor_params is None) else None
         table = BaseOnly(op) if op is not None and any(ot.dtype == "BF16" for ot in out_tensors) else None
         tensor_ops = _TensorOps(plan) if op is None else None
