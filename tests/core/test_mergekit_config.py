@@ -243,3 +243,14 @@ def test_another_methods_parameter_is_ignored_without_a_warning(capsys: pytest.C
     spec = load_spec(yaml.safe_load("merge_method: task_arithmetic\nbase_model: b\nmodels: [{model: e, parameters: "
                                     "{weight: 1, density: 0.5}}]"))
     assert capsys.readouterr().err == "" and spec.models[0].weight == 1.0
+
+
+def test_every_method_declares_its_parameters() -> None:
+    """`METHOD_PARAMS` (core/spec.py) is the one table of model and global parameters: every method a spec may
+    name has a row, and a required parameter is one of its own."""
+    from mergepipe_db.core.spec import METHOD_PARAMS, METHODS
+
+    assert set(METHOD_PARAMS) == set(METHODS)
+    for decl in METHOD_PARAMS.values():
+        assert set(decl.required) <= set(decl.model) | set(decl.global_)
+        assert not set(decl.model) & set(decl.global_)
