@@ -46,6 +46,7 @@ class SourceDef:
     layer_range: tuple[int, int] | None  # None: every layer (the `models:` form)
     parameters: Mapping[str, Setting]
     path: str  # key path in the config, for messages
+    implicit: bool = False  # the base model, added to `models:` as MergeKit does when it is not listed
 
 
 @dataclass(frozen=True)
@@ -223,6 +224,8 @@ def parse_config(raw: dict[str, Any], method: str, label: str) -> MergeConfig:
                                              warnings=warnings), q))
         if len({s.model for s in sources}) != len(sources):
             raise SpecError("models: a model is listed twice")
+        if base is not None and base not in {s.model for s in sources}:  # MergeKit adds it, last
+            sources.append(SourceDef(base, None, {}, "base_model", implicit=True))
         slices.append(SliceDef(tuple(sources), None, {}, "models"))
     if method == "passthrough":
         for s in slices:

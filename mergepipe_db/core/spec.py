@@ -239,7 +239,8 @@ def _legacy_fields(cfg: Any, label: str) -> tuple[list[ModelEntry], bool | None,
             or not all(_plain(v) for v in cfg.parameters.values())
             or any(k in decl.model for k in cfg.parameters)
             or not all(_plain(v) for src in sl.sources for v in src.parameters.values())
-            or (decl.base_is_input and any(src.model == cfg.base_model for src in sl.sources))):
+            or (decl.base_is_input and any(src.model == cfg.base_model and not src.implicit
+                                           for src in sl.sources))):
         return None
     g = cfg.parameters
     normalize = g.get("normalize")

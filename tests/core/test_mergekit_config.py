@@ -254,3 +254,18 @@ def test_every_method_declares_its_parameters() -> None:
     for decl in METHOD_PARAMS.values():
         assert set(decl.required) <= set(decl.model) | set(decl.global_)
         assert not set(decl.model) & set(decl.global_)
+
+
+def test_models_form_adds_an_unlisted_base_as_mergekit_does() -> None:
+    """`models:` with a base_model not listed: MergeKit appends the base as a source (so slerp with a gradient
+    has its two models, and linear takes the base as an input, which then needs a weight)."""
+    r = recipe("merge_method: slerp\nbase_model: base\nmodels: [{model: e1}]\nparameters: {t: [0, 1]}")
+    assert r.experts == ("e1",) and by_name(r)["model.layers.5.mlp.up_proj.weight"].params["t"] == 1.0
+    r = recipe("merge_method: linear\nbase_model: base\nmodels: [{model: e1, parameters: {weight: [1, 2]}}]\n"
+               "parameters: {weight: 0.5}")
+    assert r.experts == ("e1", "base")
+    with pytest.raises(SpecError, match="missing parameter weight for base"):
+        recipe("merge_method: linear\nbase_model: base\nmodels: [{model: e1, parameters: {weight: [1, 2]}}]")
+    # a plain spec keeps mergepipe's per-merge linear over the listed models
+    assert load_spec(yaml.safe_load("merge_method: linear\nbase_model: b\nmodels: [{model: e, parameters: "
+                                    "{weight: 2}}]")).config is None
