@@ -129,15 +129,21 @@ def _plan_config(db: Database, s: MergeSpec, b: Budget, *, progress: bool, ref: 
                  ) -> tuple[Plan, int | None]:
     """`plan_merge` of a config resolved per tensor: its models (paths not yet catalogued are ingested first,
     against the base model when there is one), the base whose tensors are θ₀, then the plan."""
-    from mergepipe_db.pipeline.plan.layout import plan_base
+    from mergepipe_db.pipeline.plan.layout import checkpoint_name, plan_base
 
     refs = [m.ref for m in s.models]
     if s.base:
         [(base_id, base_name)] = resolve_models(db, [s.base], base=None, progress=progress)
         ids = [cid for cid, _n in resolve_models(db, refs, base=base_name, progress=progress)]
-    else:
-        ids = [cid for cid, _n in resolve_models(db, refs, base=None, progress=progress)]
-    by_ref = dict(zip(refs, ids)) | ({s.base: base_id} if s.base else {})
+        by_ref = dict(zip(refs, ids)) | {s.base: base_id}
+    else:  # the first model fixes θ₀ (plan_base); new paths among the others are ingested against it
+        first = s.config.slices[0].sources[0].model
+        [(first_id, _n)] = resolve_models(db, [first], base=None, progress=progress)
+        with db.connect() as conn:
+            base_name = checkpoint_name(conn, plan_base(conn, s, {first: first_id}))
+        ids = [cid for cid, _n in resolve_models(db, refs, base=None if s.method == "passthrough" else base_name,
+                                                 progress=progress)]
+        by_ref = dict(zip(refs, ids))
     with db.connect() as conn:
         base_id = plan_base(conn, s, by_ref)
         plan = build_plan(conn, s, base_id=base_id, expert_ids=ids, budget_spec=b)

@@ -183,3 +183,25 @@ models:
     chosen = [names[tidx] for (_pos, tidx) in plan.access]
     assert chosen and not any(".mlp." in n for n in chosen)
     assert any(".self_attn." in n for n in chosen)
+
+
+def test_linear_without_base_of_paths_not_yet_catalogued(fam, tmp_path: Path) -> None:
+    """MergeKit's usual linear form, models given by paths the catalog has never seen: the first is ingested,
+    the others against it, and the result is the plain weighted average of the models."""
+    from conftest import fresh_catalog_url
+
+    from mergepipe_db import Catalog
+
+    _root, family, _cat = fam
+    text = (f"merge_method: linear\nmodels:\n  - model: {family.experts[0]}\n    parameters: {{weight: 0.25}}\n"
+            f"  - model: {family.experts[1]}\n    parameters: {{weight: [0.5, 1.5]}}\ndtype: float32\n")
+    spec = _spec(tmp_path, "lin", text)
+    with fresh_catalog_url(tmp_path, "fresh") as url:
+        res = Catalog.open(url).merge(str(spec), out=tmp_path / "lin-out")
+    assert res.realized_bytes == res.planned_bytes
+    out, a, b = _load(tmp_path / "lin-out"), _load(family.experts[0]), _load(family.experts[1])
+    for name in ("model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "model.layers.3.mlp.up_proj.weight"):
+        layer = int(name.split(".")[2]) if ".layers." in name else None
+        w1 = 0.5 if layer is None else 0.5 + (1.5 - 0.5) * layer / 3
+        want = (a[name].astype(np.float64) * 0.25 + b[name] * w1) / (0.25 + w1)
+        np.testing.assert_allclose(out[name], want, rtol=2e-6, atol=1e-7)

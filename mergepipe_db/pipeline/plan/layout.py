@@ -51,6 +51,11 @@ def plan_base(conn: sa.Connection, spec: MergeSpec, ids: dict[str, str]) -> str:
     return row.base_id if row.base_id is not None and row.kind != "snapshot" else first
 
 
+def checkpoint_name(conn: sa.Connection, checkpoint_id: str) -> str:
+    c = schema.checkpoint
+    return conn.execute(sa.select(c.c.name).where(c.c.id == checkpoint_id)).scalar_one()
+
+
 def build_layout(conn: sa.Connection, spec: MergeSpec, base_id: str, ids: dict[str, str]) -> Layout:
     """Resolve `spec.config` against the catalogued models (`ids`: model reference -> checkpoint id)."""
     c = schema.checkpoint
