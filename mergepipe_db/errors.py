@@ -139,6 +139,10 @@ class SpecError(MergePipeError):
     """A merge spec (YAML) is invalid."""
 
 
+class ArchitectureError(SpecError):
+    """A config names layers of a checkpoint whose decoder layer naming is not known (core/arch.py)."""
+
+
 class BudgetError(SpecError):
     """A budget is negative, unparsable, or otherwise unusable."""
 

@@ -9,7 +9,7 @@ the plan's rows are read, the connection closed, the merge runs, and commit open
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +84,7 @@ def resolve_spec(spec: str | Path | dict[str, Any] | MergeSpec, budget: Any, see
     if seed is not None:
         if not 0 <= seed < 2**63:
             raise SpecError(f"seed must be an integer in [0, 2^63), got {seed}")
-        s = MergeSpec(s.method, s.base, s.models, s.normalize, s.lam, s.t, s.dtype, s.budget, seed, s.source)
+        s = replace(s, seed=seed)
     b = parse_budget(budget) if budget is not None else (s.budget or Budget(fraction=1.0))
     return s, b
 
@@ -117,6 +117,8 @@ def plan_merge(db: Database, spec: str | Path | dict[str, Any] | MergeSpec, *, b
     already catalogued (names resolved, family checked, planned and the ref read together); a model given by
     a new path is ingested first, with no connection held. StaleSourceError when an input changed on disk."""
     s, b = resolve_spec(spec, budget, seed)
+    if s.config is not None:  # a MergeKit config resolved per tensor (pipeline/plan/layout.py)
+        return _plan_config(db, s, b, progress=progress, ref=ref)
     refs = [s.base, *(m.ref for m in s.models)]
     plan: Plan | None = None
     version: int | None = None
@@ -135,6 +137,33 @@ def plan_merge(db: Database, spec: str | Path | dict[str, Any] | MergeSpec, *, b
         with db.connect() as conn:
             check_family(conn, base_id, expert_ids, s)
             plan = build_plan(conn, s, base_id=base_id, expert_ids=expert_ids, budget_spec=b)
+    check_inputs(plan)
+    return plan, version
+
+
+def _plan_config(db: Database, s: MergeSpec, b: Budget, *, progress: bool, ref: str | None
+                 ) -> tuple[Plan, int | None]:
+    """`plan_merge` of a config resolved per tensor: its models (paths not yet catalogued are ingested first,
+    against the base model when there is one), the base whose tensors are θ₀, then the plan."""
+    from mergepipe_db.pipeline.plan.layout import checkpoint_name, plan_base
+
+    refs = [m.ref for m in s.models]
+    if s.base:
+        [(base_id, base_name)] = resolve_models(db, [s.base], base=None, progress=progress)
+        ids = [cid for cid, _n in resolve_models(db, refs, base=base_name, progress=progress)]
+        by_ref = dict(zip(refs, ids)) | {s.base: base_id}
+    else:  # the first model fixes θ₀ (plan_base); new paths among the others are ingested against it
+        first = s.config.slices[0].sources[0].model
+        [(first_id, _n)] = resolve_models(db, [first], base=None, progress=progress)
+        with db.connect() as conn:
+            base_name = checkpoint_name(conn, plan_base(conn, s, {first: first_id}))
+        ids = [cid for cid, _n in resolve_models(db, refs, base=None if s.method == "passthrough" else base_name,
+                                                 progress=progress)]
+        by_ref = dict(zip(refs, ids))
+    with db.connect() as conn:
+        base_id = plan_base(conn, s, by_ref)
+        plan = build_plan(conn, s, base_id=base_id, expert_ids=ids, budget_spec=b)
+        version = cm.ref_version(conn, ref) if ref is not None else None
     check_inputs(plan)
     return plan, version
 

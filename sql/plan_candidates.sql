@@ -14,7 +14,7 @@
 -- blocks, so it ranks just before them.
 candidates AS (
     SELECT e.position, pt.base_idx AS tensor_idx, b.block_idx, b.nbytes, b."offset" AS block_offset, b.xxh3,
-           e.coef * b.delta_l2 AS score, CASE WHEN b.delta_max < pt.prune_below THEN 1 ELSE 0 END AS pruned
+           COALESCE(pt.coef, e.coef) * b.delta_l2 AS score, CASE WHEN b.delta_max < pt.prune_below THEN 1 ELSE 0 END AS pruned
     FROM mp_plan_expert e
     JOIN mp_plan_tensor pt ON pt.position = e.position
     JOIN mp_block b ON b.checkpoint_id = e.checkpoint_id AND b.tensor_idx = pt.tensor_idx
@@ -22,7 +22,7 @@ candidates AS (
       AND (b.delta_l2 IS NULL OR b.delta_l2 <> 0)
     UNION ALL
     SELECT e.position, pt.base_idx AS tensor_idx, b.block_idx, COALESCE(pk.clen, b.nbytes) AS nbytes,
-           b."offset" AS block_offset, b.xxh3, e.coef * b.delta_l2 AS score,
+           b."offset" AS block_offset, b.xxh3, COALESCE(pt.coef, e.coef) * b.delta_l2 AS score,
            CASE WHEN b.delta_max < pt.prune_below THEN 1 ELSE 0 END AS pruned
     FROM mp_plan_expert e
     JOIN mp_plan_tensor pt ON pt.position = e.position
@@ -33,7 +33,7 @@ candidates AS (
       AND (b.delta_l2 IS NULL OR b.delta_l2 <> 0)
     UNION ALL
     SELECT e.position, pt.base_idx AS tensor_idx, -1 AS block_idx, t.nbytes, t."offset" AS block_offset, t.xxh3,
-           e.coef * t.delta_l2 AS score, 0 AS pruned
+           COALESCE(pt.coef, e.coef) * t.delta_l2 AS score, 0 AS pruned
     FROM mp_plan_expert e
     JOIN mp_plan_tensor pt ON pt.position = e.position
     JOIN mp_tensor t ON t.checkpoint_id = e.checkpoint_id AND t.tensor_idx = pt.tensor_idx

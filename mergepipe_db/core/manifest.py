@@ -15,7 +15,7 @@ MANIFEST_FORMAT = "mergepipe-manifest/1"
 def build_manifest(plan: Plan, result: ExecutionResult, *, parents: list[str]) -> dict[str, Any]:
     """Deterministic manifest content (no timings, no paths): what replay needs and what audit checks."""
     s = plan.spec
-    return {
+    doc = {
         "format": MANIFEST_FORMAT,
         "tool_version": __version__,
         "spec": {
@@ -47,6 +47,13 @@ def build_manifest(plan: Plan, result: ExecutionResult, *, parents: list[str]) -
         },
         "parents": parents,
     }
+    if plan.recipe is not None:  # a config resolved per tensor: its text verbatim and every tensor's parameters
+        r = plan.recipe
+        names = {r.base: plan.base.name} | {ref: e.checkpoint.name for ref, e in zip(r.experts, plan.experts)}
+        doc["config"] = {"text": s.text, "aliases": dict(s.aliases or {}), "recipe": r.to_json(),
+                         # the lineage of layers: per output layer, the (checkpoint, layer) it came from
+                         "layers": [[[names.get(m, m), li] for m, li in layer] for layer in r.layer_sources]}
+    return doc
 
 
 def manifest_hash(manifest: dict[str, Any]) -> str:

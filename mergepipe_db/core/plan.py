@@ -121,9 +121,13 @@ class Plan:
     sources: tuple[Any, ...] = ()  # a `sources.base.ExpertSource` per expert, by position
     pruned_bytes: int = 0  # TIES: read cost of nonzero-delta blocks that trim to zero (never candidates)
     pruned_blocks: int = 0
+    #: a MergeKit config resolved per tensor (`core.mergekit_config.Recipe`): base_tensors are then the output
+    #: tensors, and `tensor_params` holds by output tensor index (model parameters per expert, global parameters)
+    recipe: Any = None
+    tensor_params: dict[int, Any] | None = None
 
     def __post_init__(self) -> None:
-        _freeze(self, "access", "full_selection", "bound_per_tensor", "sketches")
+        _freeze(self, "access", "full_selection", "bound_per_tensor", "sketches", "tensor_params")
 
     def selected_blocks(self, position: int, tensor_idx: int) -> tuple[int, ...]:
         """The block indices expert `position` reads of base tensor `tensor_idx` (all of its blocks for a
@@ -156,7 +160,8 @@ class Plan:
         return {**self._canonical_head(), "access": self.access_mask()}
 
     def _canonical_head(self) -> dict[str, Any]:
-        return canonical_head(self.spec, self.out_dtype, self.base.id, self.experts, self.budget_bytes)
+        return canonical_head(self.spec, self.out_dtype, self.base.id, self.experts, self.budget_bytes,
+                              recipe=self.recipe)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -180,9 +185,10 @@ class Plan:
 
 
 def canonical_head(spec: MergeSpec, out_dtype: str | None, base_id: str, experts: list[ExpertPlan],
-                   budget_bytes: int) -> dict[str, Any]:
-    """The canonical content of a plan other than its access set (`Plan.canonical`)."""
-    return {
+                   budget_bytes: int, recipe: Any = None) -> dict[str, Any]:
+    """The canonical content of a plan other than its access set (`Plan.canonical`); a config resolved per
+    tensor adds its recipe (every output tensor's sources and parameters)."""
+    head = {
         "method": spec.method,
         "normalize": spec.normalize,
         "lambda": spec.lam,
@@ -193,6 +199,9 @@ def canonical_head(spec: MergeSpec, out_dtype: str | None, base_id: str, experts
         "experts": [[e.checkpoint.id, e.weight, e.density, e.gamma] for e in experts],
         "budget_bytes": budget_bytes,
     }
+    if recipe is not None:
+        head["recipe"] = recipe.to_json()
+    return head
 
 
 def _access_mask_json(access: dict[tuple[int, int], tuple[Read, ...]], base_tensors: list[TensorInfo]) -> str:
@@ -229,12 +238,12 @@ _BLOCK_IDX = attrgetter("block_idx")
 def plan_hash(plan: Plan) -> str:
     """sha256 of the canonical JSON of ``{"tool": major version, **plan.canonical()}`` (sorted keys, compact)."""
     return compute_plan_hash(plan.spec, plan.out_dtype, plan.base.id, plan.experts, plan.budget_bytes, plan.access,
-                             plan.base_tensors)
+                             plan.base_tensors, plan.recipe)
 
 
 def compute_plan_hash(spec: MergeSpec, out_dtype: str | None, base_id: str, experts: list[ExpertPlan],
                       budget_bytes: int, access: dict[tuple[int, int], tuple[Read, ...]],
-                      base_tensors: list[TensorInfo]) -> str:
+                      base_tensors: list[TensorInfo], recipe: Any = None) -> str:
     """`plan_hash` of the plan these fields make, computed before it is constructed.
 
     "access" is the first key in sorted order, so the text is ``{"access":<mask>,`` followed by the canonical
@@ -242,7 +251,7 @@ def compute_plan_hash(spec: MergeSpec, out_dtype: str | None, base_id: str, expe
     ``sha256_hex({"tool": ..., **plan.canonical()})`` (tests/test_planner_paths.py checks both).
     """
     head = canonical_json({"tool": __version__.split(".")[0],
-                           **canonical_head(spec, out_dtype, base_id, experts, budget_bytes)})
+                           **canonical_head(spec, out_dtype, base_id, experts, budget_bytes, recipe)})
     assert head[:1] == b"{"  # every other key sorts after "access"
     h = hashlib.sha256(b'{"access":')
     h.update(_access_mask_json(access, base_tensors).encode("ascii"))

@@ -11,6 +11,10 @@ Example::
     dtype: bfloat16
     budget: 0.25                     # fraction in [0, 1] of full-read expert bytes, or bytes: 3GiB, 500MB, 2B
     seed: 0
+
+Any MergeKit 0.1.5 config is a spec (slices, gradients, filters, passthrough, ...): `load_spec` validates it
+with `core.mergekit_config`; one the per-merge fields below cannot express is kept as `MergeSpec.config` and
+resolved per tensor by the planner. `METHOD_PARAMS` is the one table of each method's parameters.
 """
 
 from __future__ import annotations
@@ -23,16 +27,56 @@ from typing import Any
 
 from mergepipe_db.errors import BudgetError, SpecError
 
-METHODS = ("linear", "task_arithmetic", "ties", "dare_linear", "dare_ties", "breadcrumbs", "slerp")
+METHODS = ("linear", "task_arithmetic", "ties", "dare_linear", "dare_ties", "breadcrumbs", "slerp", "passthrough")
 DTYPES = {
     "float32": "F32", "fp32": "F32", "f32": "F32",
     "bfloat16": "BF16", "bf16": "BF16",
     "float16": "F16", "fp16": "F16", "f16": "F16",
 }
-_TOP_KEYS = {"merge_method", "base_model", "models", "parameters", "dtype", "budget", "seed", "tokenizer_source",
-             "name", "out_dtype"}
-_MODEL_PARAMS = {"weight", "density", "gamma"}
-_GLOBAL_PARAMS = {"normalize", "lambda", "t", "int8_mask", "rescale"}
+
+
+@dataclass(frozen=True)
+class MethodParams:
+    """The parameters a merge method reads (one row of `METHOD_PARAMS`).
+
+    `model`: per-model parameters (given under a model or source, or at slice/top level as a default for every
+    model; the operator gets them in each expert's `ExpertParams`); `global_`: parameters of the merge (given at
+    slice or top level only; the operator gets them as keyword arguments, `lambda` as `lam`); `required`: those
+    without a default; `base_is_input`: the base model is merged like any other input (linear) rather than being
+    θ₀ and receiving no model parameters."""
+
+    model: tuple[str, ...] = ()
+    global_: tuple[str, ...] = ()
+    required: tuple[str, ...] = ()
+    base_is_input: bool = False
+
+
+#: The one table of which parameters each method reads and how (docs/ARCHITECTURE.md, "… a merge method"): a
+#: new method adds its row; a new parameter name also gets its type in `PARAM_TYPES` when it is not a number.
+#: Per-tensor resolution (gradients, filters, precedence: core/mergekit_config.py) is generic over it.
+METHOD_PARAMS: dict[str, MethodParams] = {
+    "linear": MethodParams(("weight",), ("normalize",), ("weight",), base_is_input=True),
+    "task_arithmetic": MethodParams(("weight",), ("normalize", "lambda", "int8_mask", "rescale"), ("weight",)),
+    "ties": MethodParams(("weight", "density"), ("normalize", "lambda", "int8_mask", "rescale"), ("weight",)),
+    "dare_linear": MethodParams(("weight", "density"), ("normalize", "lambda", "int8_mask", "rescale"),
+                                ("weight",)),
+    "dare_ties": MethodParams(("weight", "density"), ("normalize", "lambda", "int8_mask", "rescale"), ("weight",)),
+    "breadcrumbs": MethodParams(("weight", "density", "gamma"), ("normalize", "lambda", "int8_mask", "rescale"),
+                                ("weight",)),
+    "slerp": MethodParams((), ("t",), ("t",)),
+    "passthrough": MethodParams(("scale",), ()),
+}
+#: parameter types other than float (a number)
+PARAM_TYPES: dict[str, type] = {"normalize": bool, "int8_mask": bool, "rescale": bool}
+#: parameters MergeKit has that mergepipe's operators do not read (accepted, without effect: docs/SEMANTICS.md)
+UNUSED_PARAMS = ("int8_mask", "rescale")
+
+
+def param_type(name: str) -> type:
+    """The value type of parameter `name`: bool or float."""
+    return PARAM_TYPES.get(name, float)
+
+
 _UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -116,20 +160,17 @@ class MergeSpec:
     budget: Budget | None = None
     seed: int = 0
     source: str = field(default="<dict>", compare=False)
-
-
-def _number(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        if isinstance(value, list):
-            raise SpecError(f"{what}: per-layer gradients (lists) are not supported; give one number")
-        raise SpecError(f"{what} must be a number, got {value!r}")
-    try:
-        number = float(value)
-    except OverflowError:  # an int beyond float range
-        number = math.inf
-    if not math.isfinite(number):
-        raise SpecError(f"{what} must be finite, got {value!r}")
-    return number
+    #: a MergeKit config the legacy fields cannot express (slices, gradients, filters, top-level model defaults,
+    #: no base_model, passthrough): `core.mergekit_config.MergeConfig`; the planner resolves it per tensor
+    config: Any = field(default=None, compare=False)
+    #: the spec's text as given (the manifest stores it verbatim)
+    text: str | None = field(default=None, compare=False)
+    #: write README.md (a model card) beside the output of a spec given as text; copy the tokenizer files
+    model_card: bool = field(default=True, compare=False)
+    copy_tokenizer: bool = field(default=True, compare=False)
+    #: references of `text` replaced before loading (a Hugging Face id -> its cache directory): replay applies
+    #: them to the text again (`core.mergekit_config.substitute_refs`)
+    aliases: dict[str, str] | None = field(default=None, compare=False)
 
 
 def load_spec(source: str | Path | dict[str, Any]) -> MergeSpec:
@@ -137,6 +178,7 @@ def load_spec(source: str | Path | dict[str, Any]) -> MergeSpec:
     import yaml
 
     label = "<dict>"
+    text: str | None = None
     if isinstance(source, dict):
         raw = source
     else:
@@ -156,65 +198,21 @@ def load_spec(source: str | Path | dict[str, Any]) -> MergeSpec:
                             f"{(str(e).splitlines() or [''])[0][:200]}") from e
     if not isinstance(raw, dict):
         raise SpecError(f"spec {label} must be a YAML mapping")
-    unknown = set(raw) - _TOP_KEYS
-    if "slices" in raw:
-        raise SpecError(f"spec {label}: `slices` are not supported; list models under `models`")
-    if unknown:
-        raise SpecError(f"spec {label}: unknown key(s) {', '.join(sorted(map(repr, unknown)))}")
     method = raw.get("merge_method")
     if method not in METHODS:
         raise SpecError(f"spec {label}: unknown merge_method {method!r}; known: {', '.join(METHODS)}")
-    base = raw.get("base_model")
-    if not isinstance(base, str) or not base:
-        raise SpecError(f"spec {label}: base_model must name a checkpoint or a path")
-    gparams = raw.get("parameters") or {}
-    if not isinstance(gparams, dict):
-        raise SpecError(f"spec {label}: parameters must be a mapping")
-    bad = set(gparams) - _GLOBAL_PARAMS
-    if bad:
-        raise SpecError(f"spec {label}: unknown parameter(s) {', '.join(sorted(map(repr, bad)))}")
-    normalize = gparams.get("normalize")
-    if normalize is not None and not isinstance(normalize, bool):
-        raise SpecError(f"spec {label}: normalize must be true or false")
-    lam = _number(gparams.get("lambda", 1.0), "lambda")
-    t = _number(gparams["t"], "t") if "t" in gparams else None
+    from mergepipe_db.core.mergekit_config import parse_config
 
-    models_raw = raw.get("models")
-    if not isinstance(models_raw, list) or not models_raw:
-        raise SpecError(f"spec {label}: models must be a non-empty list")
-    models: list[ModelEntry] = []
-    for i, m in enumerate(models_raw):
-        if not isinstance(m, dict) or not isinstance(m.get("model"), str) or not m["model"]:
-            raise SpecError(f"spec {label}: models[{i}] must be a mapping with a `model` name or path")
-        p = m.get("parameters") or {}
-        if not isinstance(p, dict):
-            raise SpecError(f"spec {label}: models[{i}].parameters must be a mapping")
-        bad = set(p) - _MODEL_PARAMS
-        if bad:
-            raise SpecError(f"spec {label}: models[{i}] unknown parameter(s) {', '.join(sorted(map(repr, bad)))}")
-        if m["model"] == base:
-            continue  # MergeKit lists the base among the models; it is not an expert
-        needs_weight = method not in ("slerp",)
-        if needs_weight and "weight" not in p:
-            raise SpecError(f"spec {label}: models[{i}] ({m['model']}) needs parameters.weight")
-        weight = _number(p.get("weight", 1.0), f"models[{i}].weight")
-        density = _number(p.get("density", 1.0), f"models[{i}].density")
-        if not 0.0 < density <= 1.0:
-            raise SpecError(f"spec {label}: models[{i}].density must be in (0, 1], got {density:g}")
-        gamma = _number(p.get("gamma", 0.01), f"models[{i}].gamma")
-        if not 0.0 <= gamma < 1.0:
-            raise SpecError(f"spec {label}: models[{i}].gamma must be in [0, 1), got {gamma:g}")
-        models.append(ModelEntry(m["model"], weight, density, gamma))
-    if not models:
-        raise SpecError(f"spec {label}: no expert besides the base model")
-    if len({m.ref for m in models}) != len(models):
-        raise SpecError(f"spec {label}: a model is listed twice")
-    if method == "slerp":
-        if len(models) != 1:
-            raise SpecError(f"spec {label}: slerp merges exactly two models (the base and one other)")
-        if t is None or not 0.0 <= t <= 1.0:
-            raise SpecError(f"spec {label}: slerp needs parameters.t in [0, 1]")
+    try:
+        cfg = parse_config(raw, method, label)
+    except SpecError as e:
+        raise SpecError(f"spec {label}: {e}") from e
+    if cfg.warnings:
+        import sys
 
+        print(f"mergepipe: warning: spec {label}: ignored (unknown to mergepipe): {'; '.join(cfg.warnings)}",
+              file=sys.stderr)
+    legacy = _legacy_fields(cfg, label)
     dtype_raw = raw.get("dtype", raw.get("out_dtype"))
     dtype = None
     if dtype_raw is not None:
@@ -225,4 +223,59 @@ def load_spec(source: str | Path | dict[str, Any]) -> MergeSpec:
     seed = raw.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
         raise SpecError(f"spec {label}: seed must be an integer in [0, 2^63)")
-    return MergeSpec(method, base, tuple(models), normalize, lam, t, dtype, budget, seed, source=label)
+    if legacy is None:  # resolved per tensor by the planner
+        refs = [m for m in cfg.models() if m != cfg.base_model]
+        if not refs and not (method == "passthrough" or METHOD_PARAMS[method].base_is_input):
+            raise SpecError(f"spec {label}: no model to merge besides the base model")
+        if text is None:  # a dict: the manifest keeps its YAML form
+            text = yaml.safe_dump(raw, sort_keys=False)
+        return MergeSpec(method, cfg.base_model or "", tuple(ModelEntry(m) for m in refs), None, 1.0, None, dtype,
+                         budget, seed, source=label, config=cfg, text=text)
+    models, normalize, lam, t = legacy
+    return MergeSpec(method, cfg.base_model or "", tuple(models), normalize, lam, t, dtype, budget, seed,
+                     source=label, text=text)
+
+
+def _plain(value: Any) -> bool:
+    return not isinstance(value, (list, dict))
+
+
+def _legacy_fields(cfg: Any, label: str) -> tuple[list[ModelEntry], bool | None, float, float | None] | None:
+    """The models and global parameters of a config the per-merge fields express (a base model, `models:`, one
+    number per parameter and model), or None when it needs per-tensor resolution (`MergeSpec.config`)."""
+    decl = METHOD_PARAMS[cfg.method]
+    [sl] = cfg.slices if len(cfg.slices) == 1 else (None,)
+    if (sl is None or cfg.from_slices or not cfg.base_model or cfg.method == "passthrough"
+            or not all(_plain(v) for v in cfg.parameters.values())
+            or any(k in decl.model for k in cfg.parameters)
+            or not all(_plain(v) for src in sl.sources for v in src.parameters.values())
+            or (decl.base_is_input and any(src.model == cfg.base_model and not src.implicit
+                                           for src in sl.sources))):
+        return None
+    g = cfg.parameters
+    normalize = g.get("normalize")
+    lam = float(g.get("lambda", 1.0))
+    t = float(g["t"]) if "t" in g else None
+    models: list[ModelEntry] = []
+    for i, src in enumerate(sl.sources):
+        if src.model == cfg.base_model:
+            continue  # MergeKit lists the base among the models; it is not an expert
+        p = src.parameters
+        if "weight" in decl.required and "weight" not in p:
+            raise SpecError(f"spec {label}: models[{i}] ({src.model}) needs parameters.weight")
+        weight = float(p.get("weight", 1.0))
+        density = float(p.get("density", 1.0))
+        if not 0.0 < density <= 1.0:
+            raise SpecError(f"spec {label}: models[{i}].density must be in (0, 1], got {density:g}")
+        gamma = float(p.get("gamma", 0.01))
+        if not 0.0 <= gamma < 1.0:
+            raise SpecError(f"spec {label}: models[{i}].gamma must be in [0, 1), got {gamma:g}")
+        models.append(ModelEntry(src.model, weight, density, gamma))
+    if not models:
+        raise SpecError(f"spec {label}: no expert besides the base model")
+    if cfg.method == "slerp":
+        if len(models) != 1:
+            raise SpecError(f"spec {label}: slerp merges exactly two models (the base and one other)")
+        if t is None or not 0.0 <= t <= 1.0:
+            raise SpecError(f"spec {label}: slerp needs parameters.t in [0, 1]")
+    return models, normalize, lam, t

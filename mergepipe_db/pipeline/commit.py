@@ -149,7 +149,19 @@ def _finish_staging(plan: Plan, result: ExecutionResult, staging: Path, manifest
             write_index(staging, json.dumps(index, indent=2, allow_nan=True).encode("utf-8") + b"\n")
         else:
             _write_json(staging / "model.safetensors.index.json", index)
-    if remote or is_remote(plan.base.root):
+    extras = plan.spec.text is not None  # a spec given as YAML: MergeKit's extras (model card, config, tokenizer)
+    if remote and extras:  # the extras edit the side files: made in a local directory, then uploaded
+        import tempfile
+
+        from mergepipe_db.pipeline.model_card import write_extras
+
+        with tempfile.TemporaryDirectory(prefix="mergepipe-extras-") as tmp:
+            _copy_side_files(plan.base.root, Path(tmp))
+            write_extras(plan, Path(tmp), model_card=plan.spec.model_card)
+            for f in sorted(Path(tmp).iterdir()):
+                dest = staging / f.name
+                open_store(dest).write_new(dest, f.read_bytes())
+    elif remote or is_remote(plan.base.root):
         _copy_side_files(plan.base.root, staging)
     else:
         root = Path(plan.base.root)
@@ -159,6 +171,11 @@ def _finish_staging(plan: Plan, result: ExecutionResult, staging: Path, manifest
                 continue
             shutil.copyfile(side, dest)
             open_store(dest).sync(dest)
+    if extras and not remote:
+        from mergepipe_db.pipeline.model_card import write_extras
+
+        for path in write_extras(plan, staging, model_card=plan.spec.model_card):
+            open_store(path).sync(path)
     mhash = manifest_hash(manifest)
     _write_json(staging / "manifest.json", {"manifest_hash": mhash, "manifest": manifest, "timings": timings})
     open_store(staging).sync(staging)
@@ -388,7 +405,9 @@ def _insert_output_checkpoint(conn: sa.Connection, plan: Plan, result: Execution
             })
     write_checkpoint(conn, {
         "id": cid, "name": name, "kind": "snapshot", "base_id": plan.base.id, "root": str(out),
-        "config": json.dumps(plan.base.config) if plan.base.config is not None else None,
+        "config": json.dumps(plan.base.config if plan.base.config is None or plan.recipe is None  # slices:
+                             else {**plan.base.config, "num_hidden_layers": plan.recipe.num_layers})  # its layers
+        if plan.base.config is not None else None,
         "block_bytes": plan.base.block_bytes, "n_tensors": len(tensors),
         "total_bytes": sum(t.nbytes for t in result.out_tensors),
         "has_stats": has_stats, "created_at": now_iso(), "tool_version": __version__,

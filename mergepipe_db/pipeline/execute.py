@@ -530,6 +530,7 @@ def _execute(
         block_bounds,
         live_ranges,
         make_operator,
+        operator_class,
     )
 
     out_tensors, shard_names = layout  # `output_layout`
@@ -568,11 +569,15 @@ def _execute(
         return item
 
     try:
-        op = make_operator(spec.method, params, normalize=spec.normalize, lam=spec.lam, t=spec.t)
-        table = BaseOnly(op) if any(ot.dtype == "BF16" for ot in out_tensors) else None
+        op: Any = make_operator(spec.method, params, normalize=spec.normalize, lam=spec.lam, t=spec.t) if (
+            plan.tensor_params is None) else None
+        table = BaseOnly(op) if op is not None and any(ot.dtype == "BF16" for ot in out_tensors) else None
+        tensor_ops = _TensorOps(plan) if op is None else None
         # an operator that keeps θ_k past add() (slerp keeps its one expert until finish) gets fresh memory
-        reuse_theta = not op.tensor_granular
+        reuse_theta = not operator_class(spec.method).tensor_granular
         for t, ot in zip(plan.base_tensors, out_tensors):
+            if tensor_ops is not None:  # a config resolved per tensor: this tensor's operator and parameters
+                op, params = tensor_ops.get(t.idx)
             base_item = next_item()
             assert base_item.kind == "base" and base_item.tensor_idx == t.idx
             t0 = time.perf_counter()
@@ -646,7 +651,8 @@ def _execute(
             timings["compute"] += time.perf_counter() - t0
 
             t0 = time.perf_counter()
-            same_coords = t.dtype in ARITHMETIC_DTYPES and ot.dtype == t.dtype
+            same_coords = t.dtype in ARITHMETIC_DTYPES and ot.dtype == t.dtype and (
+                plan.recipe is None or plan.recipe.tensors[t.idx].base == (plan.recipe.base, t.name))
             byte_bounds = None
             if unchanged is not None:
                 assert same_coords and t.rows_per_block == rows_per_block(ot.shape, DTYPE_BITS[ot.dtype],
@@ -698,6 +704,27 @@ def _execute(
         timings=timings,
         tensor_offsets=offsets, header_lens=header_lens,
     )
+
+
+class _TensorOps:
+    """The operator and expert parameters of each output tensor of a config resolved per tensor, built from the
+    tensor's resolved parameters by name (`operators.by_name`); tensors with equal parameters share one."""
+
+    def __init__(self, plan: Plan) -> None:
+        self._plan = plan
+        self._cache: dict[str, tuple[Any, list[Any]]] = {}
+
+    def get(self, idx: int) -> tuple[Any, list[Any]]:
+        from mergepipe_db.core.hashing import canonical_json
+        from mergepipe_db.operators.by_name import expert_params, operator_from_params
+
+        assert self._plan.tensor_params is not None
+        mparams, gparams = self._plan.tensor_params[idx]
+        key = canonical_json([mparams, gparams]).decode()
+        if key not in self._cache:
+            params = [expert_params(e.checkpoint.id, p) for e, p in zip(self._plan.experts, mparams)]
+            self._cache[key] = (operator_from_params(self._plan.spec.method, params, gparams), params)
+        return self._cache[key]
 
 
 def _shard_offsets(out_tensors: list[OutTensor], by_shard: dict[int, list[OutTensor]]) -> tuple[list[int], list[int]]:

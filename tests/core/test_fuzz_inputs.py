@@ -91,7 +91,11 @@ def budget_target(value: object) -> None:
 
 
 def _check_spec(spec) -> None:
-    assert spec.method in METHODS and spec.models and isinstance(spec.base, str) and spec.base
+    # a MergeKit config resolved per tensor (spec.config) may have no base_model (linear, passthrough) and, for
+    # linear and passthrough, no model besides it
+    assert spec.method in METHODS and isinstance(spec.base, str)
+    assert (spec.models and spec.base) or spec.config is not None
+    assert spec.models or spec.method in ("linear", "passthrough")
     assert all(0.0 < m.density <= 1.0 and 0.0 <= m.gamma < 1.0 for m in spec.models)
     assert len({m.ref for m in spec.models}) == len(spec.models) and 0 <= spec.seed < 2**63
     if spec.budget is not None:

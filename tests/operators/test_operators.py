@@ -26,7 +26,7 @@ from mergepipe_db.operators import (
     operator_class,
 )
 
-METHODS = ("linear", "task_arithmetic", "ties", "dare_linear", "dare_ties", "breadcrumbs", "slerp")
+METHODS = ("linear", "task_arithmetic", "ties", "dare_linear", "dare_ties", "breadcrumbs", "slerp", "passthrough")
 
 # --------------------------------------------------------------------------------------------------
 # The literal formulas (SEMANTICS.md), whole tensors
@@ -143,13 +143,15 @@ def lit_slerp(theta0, theta1, t):
 
 
 DEFAULT_NORMALIZE = {"linear": True, "task_arithmetic": False, "ties": True, "dare_linear": False,
-                     "dare_ties": False, "breadcrumbs": False}
+                     "dare_ties": False, "breadcrumbs": False, "passthrough": False}
 
 
 def literal_merge(method, base, thetas, params, *, normalize=None, lam=1.0, t=None, seed=0, name="t",
                   rows_per_block=1):
     """The whole-tensor merge of SEMANTICS.md (θ_k given; omitted rows already equal to the base)."""
     weights = [p.weight for p in params]
+    if method == "passthrough":  # the slice's source is θ₀; other models are inputs of no tensor
+        return base.clone()
     if method == "slerp":
         return lit_slerp(base, thetas[0], t)
     normalize = DEFAULT_NORMALIZE[method] if normalize is None else normalize
@@ -994,3 +996,18 @@ def test_base_only_table_is_the_result_where_no_expert_was_read(method, normaliz
     finite = torch.isfinite(base)
     assert torch.equal(table[finite].view(torch.int32), want[finite].view(torch.int32))
     assert make_operator("slerp", [ExpertParams("a")], t=0.5).base_only_table() is None
+
+
+def test_passthrough_scale_and_no_expert() -> None:
+    """passthrough: θ₀ * scale (a Python float, torch's float32 product) with or without inputs; a copy of θ₀,
+    bit for bit, without a scale (no expert needed: a slice of one model)."""
+    from mergepipe_db.operators.by_name import operator_from_params
+
+    shape, rpb = (40, 9), 8
+    base, _thetas = make_data(shape, 1, 21, special=True)
+    ctx = context(shape, rpb)
+    for scale in (None, 0.0, 0.37, -2.0):
+        op = operator_from_params("passthrough", [], {} if scale is None else {"scale": scale})
+        op.begin(base, ctx)
+        want = base.clone() if scale is None else base * scale
+        assert_bits_equal(op.finish(), want)

@@ -42,7 +42,8 @@ from mergepipe_db.db.checkpoints import load_checkpoint_info, load_checkpoint_in
 from mergepipe_db.db.fetch import fetch_columns, pylist
 from mergepipe_db.db.rank_tables import tensor_sketches
 from mergepipe_db.db.sql_files import sql_text
-from mergepipe_db.pipeline.plan import ranking
+from mergepipe_db.errors import SpecError
+from mergepipe_db.pipeline.plan import layout, ranking
 from mergepipe_db.pipeline.plan.complete import complete_plan
 from mergepipe_db.sources import packed as blockstore
 from mergepipe_db.sources import source_class
@@ -129,6 +130,28 @@ def load_experts(conn: sa.Connection, spec: MergeSpec, expert_ids: list[str]) ->
     return experts, op
 
 
+def layout_experts(conn: sa.Connection, spec: MergeSpec, lay: layout.Layout
+                   ) -> tuple[list[ExpertPlan], Any, dict[tuple[int, int], float]]:
+    """The experts of a per-tensor layout, an operator (for its flags), and each (position, output tensor)'s
+    ranking coefficient from that tensor's own operator."""
+    from mergepipe_db.operators.by_name import expert_params, operator_from_params
+
+    infos = load_checkpoint_infos(conn, lay.expert_ids)
+    coef: dict[tuple[int, int], float] = {}
+    op = None
+    for idx, (mparams, gparams) in lay.params.items():
+        t_op = operator_from_params(spec.method, [expert_params(i.id, p) for i, p in zip(infos, mparams)], gparams)
+        op = op or t_op
+        for pos in range(len(infos)):
+            coef[(pos, idx)] = float(t_op.coefficient(pos))
+    if op is None:
+        raise SpecError(f"spec {spec.source}: the config has no tensor to merge")
+    experts = [ExpertPlan(pos, info, 1.0, 1.0, 0.01,
+                          max((abs(c) for (p, _i), c in coef.items() if p == pos), default=0.0),
+                          lay.expert_tensors[pos]) for pos, info in enumerate(infos)]
+    return experts, op, coef
+
+
 #: PostgreSQL settings for the rest of the planning transaction (`set_config(..., is_local => true)`, i.e. SET
 #: LOCAL): the ranking sorts and keeps ~150 B per candidate, so the default 4 MB work_mem spills it to disk
 #: from ~30k candidates on; JIT compilation of the ranking costs more than it saves (~0.1 s per plan); no
@@ -179,34 +202,44 @@ def build_plan(
 def _build_plan(conn: sa.Connection, spec: MergeSpec, *, base_id: str, expert_ids: list[str], budget_spec: Any
                 ) -> Plan:
     base = load_checkpoint_info(conn, base_id)
-    base_tensors = load_tensors(conn, base_id)
     out_dtype = spec.dtype or None  # non-arithmetic tensors are copied from the base in their own dtype
-
-    experts, op = load_experts(conn, spec, expert_ids)
+    lay = None
+    if spec.config is not None:  # a MergeKit config resolved per output tensor (pipeline/plan/layout.py)
+        lay = layout.build_layout(conn, spec, base_id, dict(zip([m.ref for m in spec.models], expert_ids))
+                                  | ({spec.base: base_id} if spec.base else {}))
+        base_tensors = lay.base_tensors
+        experts, op, tensor_coef = layout_experts(conn, spec, lay)
+    else:
+        base_tensors = load_tensors(conn, base_id)
+        experts, op = load_experts(conn, spec, expert_ids)
+        tensor_coef = None
 
     full_bytes = sum(e.tensors[t.name].nbytes for e in experts for t in base_tensors
                      if t.dtype in ARITHMETIC_DTYPES and t.name in e.tensors)  # delta/LoRA experts cover a subset
     budget_bytes = budget_spec.resolve(full_bytes)
-    bounds, sketch_cache = ties_prune_bounds(conn, experts, op, base.id, base_tensors)
+    bounds, sketch_cache = ties_prune_bounds(conn, experts, op, base.id, base_tensors) if lay is None else ({}, {})
 
     # The (expert, tensor) pairs to rank, with the base's tensor_idx matched by name here (never in SQL text).
     base_idx = {t.name: t.idx for t in base_tensors}
-    pt: tuple[list[Any], list[Any], list[Any], list[Any]] = ([], [], [], [])
+    pt: tuple[list[Any], ...] = ([], [], [], [], [])
     for e in experts:
-        for et in sorted(e.tensors.values(), key=lambda x: x.idx):
+        for et in sorted(e.tensors.values(), key=lambda x: (x.idx, base_idx.get(x.name, -1))):
             if et.dtype in ARITHMETIC_DTYPES and et.name in base_idx:
-                for col, v in zip(pt, (e.position, et.idx, base_idx[et.name], bounds.get((e.position, et.idx)))):
+                coef = None if tensor_coef is None else tensor_coef[(e.position, base_idx[et.name])]
+                for col, v in zip(pt, (e.position, et.idx, base_idx[et.name], bounds.get((e.position, et.idx)),
+                                       coef)):
                     col.append(v)
     tensor_level = [bool(op.tensor_granular or not e.checkpoint.has_stats) for e in experts]
     grouped = bool(getattr(op, "joint_election", False))
     assert not (grouped and op.additive)  # plan_rank_grouped.sql sums no bound terms
     packed = blockstore.packed_checkpoints(conn, [e.checkpoint.id for e in experts])
     take_all = budget_bytes >= full_bytes
-    top = None if take_all or grouped or bounds or any(tensor_level) else ranking.top_of_ranking(
-        conn, experts, pt, budget_bytes, packed)
+    # the shortcuts rank from per-checkpoint summaries: not for per-tensor coefficients or renamed tensors
+    top = None if take_all or grouped or bounds or any(tensor_level) or lay is not None else (
+        ranking.top_of_ranking(conn, experts, pt[:4], budget_bytes, packed))
     # a budget that takes everything reads whole tensors where every block is a candidate: no row per block
-    whole = ranking.whole_tensors(conn, experts, pt, {t.idx: (t.n_blocks, t.rows_per_block) for t in base_tensors},
-                                  tensor_level, packed) if take_all else None
+    whole = ranking.whole_tensors(conn, experts, pt[:4], {t.idx: (t.n_blocks, t.rows_per_block) for t in base_tensors},
+                                  tensor_level, packed) if take_all and lay is None else None
     for name in ("mp_plan_expert", "mp_plan_tensor"):
         conn.execute(sa.text(f"DROP TABLE IF EXISTS {name}"))
     conn.execute(sa.text(sql_text("plan_expert_table")))
@@ -275,7 +308,8 @@ def _build_plan(conn: sa.Connection, spec: MergeSpec, *, base_id: str, expert_id
         conn, op, spec=spec, base=base, base_tensors=base_tensors, experts=experts, out_dtype=out_dtype,
         budget_bytes=budget_bytes, full_bytes=full_bytes, candidate_bytes=candidate_bytes,
         planned_bytes=planned_bytes, access=access, full_selection=full_selection, bound_per_tensor=per_tensor,
-        bound_total=bound_total, sketch_cache=sketch_cache, packed_ids=packed)
+        bound_total=bound_total, sketch_cache=sketch_cache, packed_ids=packed,
+        layout=None if lay is None else (lay.recipe, lay.params))
 
 
 def _insert_plan_tensors(conn: sa.Connection, pairs: tuple[list[Any], ...], keep: list[bool] | None) -> None:
@@ -283,7 +317,8 @@ def _insert_plan_tensors(conn: sa.Connection, pairs: tuple[list[Any], ...], keep
     cols = pairs if keep is None else tuple([v for v, k in zip(col, keep) if k] for col in pairs)
     if cols[0]:
         conn.execute(sa.text(sql_text("plan_tensor_insert")), {
-            "position": cols[0], "tensor_idx": cols[1], "base_idx": cols[2], "prune_below": cols[3]})
+            "position": cols[0], "tensor_idx": cols[1], "base_idx": cols[2], "prune_below": cols[3],
+            "coef": cols[4] if len(cols) > 4 else [None] * len(cols[0])})
 
 
 def _reads_by_key(reads: dict[str, Any]) -> dict[tuple[int, int], tuple[Read, ...]]:

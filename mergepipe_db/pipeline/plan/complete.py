@@ -40,12 +40,14 @@ def complete_plan(
     bound_total: float | None,
     sketch_cache: dict[int, dict[int, np.ndarray]] | None = None,
     packed_ids: set[str] | None = None,
+    layout: tuple[Any, Any] | None = None,
 ) -> Plan:
     """The plan these fields describe, with its sources, source costs, sketches and hash (`access` is taken
     over: its reads are replaced by those the sources plan).
 
     `sketch_cache`: tensor sketches already loaded (`ties_prune_bounds`), by position and base tensor_idx;
-    `packed_ids`: the experts with blocks in the packed store, where the caller has queried them."""
+    `packed_ids`: the experts with blocks in the packed store, where the caller has queried them; `layout`: the
+    (recipe, per-tensor parameters) of a config resolved per tensor (`pipeline/plan/layout.py`)."""
     sources = sources_for(conn, [e.checkpoint for e in experts], packed_ids)
     if any(s.adjusts_reads for s in sources):  # packed costs, LoRA whole-tensor reads: bytes counted from reads
         by_idx = {t.idx: t for t in base_tensors}
@@ -67,8 +69,10 @@ def complete_plan(
         budget_bytes=budget_bytes, full_bytes=full_bytes, candidate_bytes=candidate_bytes,
         planned_bytes=planned_bytes, access=access, full_selection=full_selection,
         bound_per_tensor=bound_per_tensor, bound_total=bound_total,
-        plan_hash=compute_plan_hash(spec, out_dtype, base.id, experts, budget_bytes, access, base_tensors),
+        plan_hash=compute_plan_hash(spec, out_dtype, base.id, experts, budget_bytes, access, base_tensors,
+                                    recipe=None if layout is None else layout[0]),
         sketches=sketches, sources=sources,
+        recipe=None if layout is None else layout[0], tensor_params=None if layout is None else layout[1],
         pruned_bytes=sum(e.pruned_bytes for e in experts), pruned_blocks=sum(e.blocks_pruned for e in experts),
     )
 
@@ -98,10 +102,12 @@ def _partial_sketches(conn: sa.Connection, op: Any, experts: list[ExpertPlan], b
 
 def _load_sketches(conn: sa.Connection, expert: ExpertPlan, base_idx_by_name: dict[str, int]) -> dict[int, Any]:
     """Tensor-level |Δ| histograms of one expert (sum of its block sketches), by base tensor_idx."""
-    by_idx = {t.idx: t.name for t in expert.tensors.values()}
+    by_idx: dict[int, list[str]] = {}
+    for t in expert.tensors.values():  # a source tensor may serve several output tensors (a config's layout)
+        by_idx.setdefault(t.idx, []).append(t.name)
     out: dict[int, Any] = {}
     for tidx, (h, _complete) in tensor_sketches(conn, expert.checkpoint.id).items():
-        name = by_idx.get(tidx)
-        if name in base_idx_by_name:
-            out[base_idx_by_name[name]] = h
+        for name in by_idx.get(tidx, ()):
+            if name in base_idx_by_name:
+                out[base_idx_by_name[name]] = h
     return out

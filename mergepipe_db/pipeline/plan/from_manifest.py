@@ -37,6 +37,8 @@ def plan_from_manifest(conn: sa.Connection, manifest: dict[str, Any]) -> Plan:
     _check_input(conn, inputs["base"], "base")
     for e in inputs["experts"]:
         _check_input(conn, e, "expert")
+    if "config" in manifest:
+        return _config_plan(conn, manifest)
     gp = sp["parameters"]
     spec = MergeSpec(
         method=sp["merge_method"], base=inputs["base"]["name"],
@@ -116,6 +118,34 @@ def plan_from_manifest(conn: sa.Connection, manifest: dict[str, Any]) -> Plan:
         planned_bytes=planned, access=access, full_selection=full_selection,
         bound_per_tensor=dict(bound_per_tensor) if additive else None,
         bound_total=math.fsum(bound_per_tensor.values()) if additive else None, sketch_cache=sketch_cache)
+    if plan.plan_hash != manifest["plan_hash"]:
+        raise ReplayError(f"rebuilt plan hash {plan.plan_hash[:16]} != recorded {manifest['plan_hash'][:16]}: "
+                          f"the catalog no longer describes the recorded inputs")
+    return plan
+
+
+def _config_plan(conn: sa.Connection, manifest: dict[str, Any]) -> Plan:
+    """A config resolved per tensor: planned again from its text, at the recorded budget in bytes, over the
+    recorded inputs; the plan hash (which covers every tensor's sources and parameters) must match."""
+    import yaml
+
+    from mergepipe_db.core.mergekit_config import substitute_refs
+    from mergepipe_db.core.spec import Budget, load_spec
+    from mergepipe_db.pipeline.plan.build import build_plan
+
+    text, aliases = manifest["config"]["text"], manifest["config"].get("aliases") or {}
+    raw = yaml.safe_load(text)
+    substitute_refs(raw, aliases)
+    spec = load_spec(raw)
+    spec = replace(spec, text=text, seed=int(manifest["seed"]), dtype=manifest["spec"]["dtype"], aliases=aliases)
+    # the config's references as the merge resolved them (a Hugging Face id, a path): the recorded inputs
+    recipe, inputs = manifest["config"]["recipe"], manifest["inputs"]
+    ids = {recipe["base"]: inputs["base"]["id"]} | {
+        ref: e["id"] for ref, e in zip(recipe["experts"], inputs["experts"])}
+    if any(m.ref not in ids for m in spec.models):
+        raise ReplayError("the manifest's config names a model its inputs do not record")
+    plan = build_plan(conn, spec, base_id=inputs["base"]["id"], expert_ids=[ids[m.ref] for m in spec.models],
+                      budget_spec=Budget(nbytes=int(manifest["budget_bytes"])))
     if plan.plan_hash != manifest["plan_hash"]:
         raise ReplayError(f"rebuilt plan hash {plan.plan_hash[:16]} != recorded {manifest['plan_hash'][:16]}: "
                           f"the catalog no longer describes the recorded inputs")

@@ -1,0 +1,207 @@
+"""The byte budget on top of MergeKit configs (slices, gradients, filters, passthrough): budget soundness measured
+at the storage layer, determinism, the omitted-update bound checked from outside against the full-budget merge,
+the manifest (spec text verbatim, per-tensor parameters) and replay to the same bytes, and bad configs refused
+with nothing written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from mergepipe_db.errors import SpecError
+
+pytestmark = pytest.mark.catalog
+
+TA = """
+merge_method: task_arithmetic
+base_model: base
+slices:
+  - sources:
+      - {model: base, layer_range: [0, 3]}
+      - model: e0
+        layer_range: [0, 3]
+        parameters:
+          weight: [{filter: mlp, value: [0.2, 1.0]}, {value: 0.6}]
+      - {model: e1, layer_range: [0, 3], parameters: {weight: [1.0, 0.1]}}
+  - sources:
+      - {model: base, layer_range: [3, 4]}
+      - {model: e0, layer_range: [3, 4]}
+      - {model: e1, layer_range: [3, 4]}
+    parameters:
+      weight: 0.3
+parameters:
+  lambda: [0.5, 1.5]
+dtype: float32
+"""
+
+TIES = """
+merge_method: ties
+base_model: base
+models:
+  - model: base
+  - model: e0
+    parameters: {density: [0.9, 0.2], weight: [0.3, 0.8]}
+  - model: e1
+parameters: {weight: 0.5, density: 0.6}
+dtype: float32
+"""
+
+PASSTHROUGH = """
+merge_method: passthrough
+slices:
+  - sources: [{model: base, layer_range: [0, 3]}]
+  - sources: [{model: e0, layer_range: [1, 4]}]
+  - sources: [{model: base, layer_range: [2, 3]}]
+"""
+
+
+@pytest.fixture(scope="module")
+def fam(tmp_path_factory: pytest.TempPathFactory):
+    from conftest import fresh_catalog_url
+
+    from mergepipe_db import Catalog
+    from mergepipe_db.demo.family import LlamaShape, make_family
+
+    root = tmp_path_factory.mktemp("cfgbudget")
+    shape = LlamaShape(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4,
+                       num_kv_heads=2)
+    family = make_family(root / "fam", n_experts=2, preset=shape, dtype="float32", seed=5)
+    with fresh_catalog_url(root, "catalog") as url:
+        cat = Catalog.open(url)
+        cat.ingest(family.base, name="base", block_bytes=2048)
+        for i, e in enumerate(family.experts):
+            cat.ingest(e, name=f"e{i}", base="base", block_bytes=2048)
+        yield root, family, cat
+
+
+def _spec(root: Path, name: str, text: str) -> Path:
+    p = root / f"{name}.yml"
+    p.write_text(text)
+    return p
+
+
+def _load(out: Path) -> dict[str, np.ndarray]:
+    t: dict[str, np.ndarray] = {}
+    for f in sorted(out.glob("*.safetensors")):
+        t.update(load_file(str(f)))
+    return t
+
+
+@pytest.mark.parametrize("name", ["ta", "ties"])
+def test_budget_soundness_determinism_and_full_budget(fam, name: str) -> None:
+    root, _family, cat = fam
+    spec = _spec(root, name, {"ta": TA, "ties": TIES}[name])
+    p1, p2 = cat.plan(str(spec), budget=0.3), cat.plan(str(spec), budget=0.3)
+    assert p1.plan_hash == p2.plan_hash and p1.access == p2.access
+    assert 0 < p1.planned_bytes <= p1.budget_bytes
+    part = cat.merge(str(spec), out=root / f"{name}-part", budget=0.3)
+    assert part.realized_bytes == part.planned_bytes == p1.planned_bytes <= part.budget_bytes
+    full = cat.merge(str(spec), out=root / f"{name}-full", budget=1.0)
+    assert full.realized_bytes == full.planned_bytes > part.planned_bytes
+    if name == "ta":
+        # omitted-update bound (task arithmetic is additive), checked against the full-budget output
+        a, b = _load(root / f"{name}-part"), _load(root / f"{name}-full")
+        dev = float(np.sqrt(sum(float(np.sum((a[n].astype(np.float64) - b[n]) ** 2)) for n in a)))
+        assert part.bound is not None and dev <= part.bound * (1 + 1e-5) + 1e-6
+        assert dev > 0
+
+
+def test_manifest_holds_the_text_and_parameters_and_replay_gives_the_same_bytes(fam) -> None:
+    root, _family, cat = fam
+    spec = _spec(root, "ta-replay", TA)
+    r = cat.merge(str(spec), out=root / "ta-rec", budget=0.5)
+    doc = json.loads((root / "ta-rec" / "manifest.json").read_text())["manifest"]
+    assert doc["config"]["text"] == TA
+    tensors = {t[0]: t for t in doc["config"]["recipe"]["tensors"]}
+    mlp0 = tensors["model.layers.0.mlp.up_proj.weight"]
+    assert [p["weight"] for _pos, _n, p in mlp0[2]] == [0.2, 1.0] and mlp0[3] == {"lambda": 0.5}
+    assert [p["weight"] for _pos, _n, p in tensors["model.layers.3.self_attn.q_proj.weight"][2]] == [0.3, 0.3]
+    assert (root / "ta-rec" / "mergekit_config.yml").read_text() == TA
+    card = (root / "ta-rec" / "README.md").read_text()
+    assert card.startswith("---\n") and "- mergekit" in card and "library_name: transformers" in card
+    rep = cat.replay(str(root / "ta-rec" / "manifest.json"), out=root / "ta-rep")
+    assert rep.plan_hash == r.plan_hash and rep.realized_bytes == r.realized_bytes
+    for f in sorted((root / "ta-rec").glob("*.safetensors")):
+        assert f.read_bytes() == (root / "ta-rep" / f.name).read_bytes()
+
+
+def test_passthrough_reads_no_expert_bytes_and_copies_layers(fam) -> None:
+    root, family, cat = fam
+    spec = _spec(root, "pt", PASSTHROUGH)
+    r = cat.merge(str(spec), out=root / "pt-out", budget=0.0)
+    assert r.realized_bytes == r.planned_bytes == 0
+    out, base, e0 = _load(root / "pt-out"), _load(family.base), _load(family.experts[0])
+    assert json.loads((root / "pt-out" / "config.json").read_text())["num_hidden_layers"] == 7
+    for s in ("mlp.up_proj.weight", "self_attn.k_proj.weight", "input_layernorm.weight"):
+        for out_l, (src, src_l) in enumerate([(base, 0), (base, 1), (base, 2), (e0, 1), (e0, 2), (e0, 3), (base, 2)]):
+            assert out[f"model.layers.{out_l}.{s}"].tobytes() == src[f"model.layers.{src_l}.{s}"].tobytes()
+    assert out["lm_head.weight"].tobytes() == base["lm_head.weight"].tobytes()
+    # the catalog's record of the merge names the source layer of every output layer
+    [[text]] = cat.sql(f"SELECT manifest FROM mp_manifest WHERE snapshot_id = '{r.snapshot_id}'")[1]
+    layers = json.loads(text)["config"]["layers"]
+    assert layers == [[["base", 0]], [["base", 1]], [["base", 2]], [["e0", 1]], [["e0", 2]], [["e0", 3]],
+                      [["base", 2]]]
+    [[conf]] = cat.sql(f"SELECT config FROM mp_checkpoint WHERE id = '{r.snapshot_id}'")[1]
+    assert json.loads(conf)["num_hidden_layers"] == 7  # the catalogued output's config, as written
+    edges = {(e["parent"], e["role"]) for e in cat.lineage(r.snapshot_id)["edges"]}
+    assert {p for p, _r in edges} == {cat.checkpoint_id("base"), cat.checkpoint_id("e0")}
+
+
+@pytest.mark.parametrize(("text", "path"), [
+    (TA.replace("[3, 4]", "[3, 5]"), "slices[1].sources[0].layer_range"),
+    (PASSTHROUGH.replace("[1, 4]}]", "[1, 4]}, {model: base, layer_range: [0, 3]}]"), "slices[1].sources"),
+])
+def test_bad_configs_write_nothing(fam, text: str, path: str) -> None:
+    root, _family, cat = fam
+    before = cat.sql("SELECT COUNT(*) FROM mp_snapshot")[1]
+    spec = _spec(root, "bad", text)
+    with pytest.raises(SpecError) as ei:
+        cat.merge(str(spec), out=root / "bad-out")
+    assert path in str(ei.value) and len(str(ei.value).splitlines()) == 1
+    assert not (root / "bad-out").exists()
+    assert cat.sql("SELECT COUNT(*) FROM mp_snapshot")[1] == before
+
+
+def test_per_tensor_weights_enter_the_planner_scores(fam) -> None:
+    """e0's weight is 0 on the MLP tensors (a filter) and 1 elsewhere: under a budget below the other tensors'
+    bytes, the ranking (scores |c|·‖Δ‖ with each tensor's own c) selects no MLP block."""
+    root, _family, cat = fam
+    spec = _spec(root, "zero-mlp", """
+merge_method: task_arithmetic
+base_model: base
+models:
+  - model: e0
+    parameters:
+      weight: [{filter: mlp, value: 0.0}, {value: 1.0}]
+""")
+    plan = cat.plan(str(spec), budget=0.3)
+    names = {t.idx: t.name for t in plan.base_tensors}
+    chosen = [names[tidx] for (_pos, tidx) in plan.access]
+    assert chosen and not any(".mlp." in n for n in chosen)
+    assert any(".self_attn." in n for n in chosen)
+
+
+def test_linear_without_base_of_paths_not_yet_catalogued(fam, tmp_path: Path) -> None:
+    """MergeKit's usual linear form, models given by paths the catalog has never seen: the first is ingested,
+    the others against it, and the result is the plain weighted average of the models."""
+    from conftest import fresh_catalog_url
+
+    from mergepipe_db import Catalog
+
+    _root, family, _cat = fam
+    text = (f"merge_method: linear\nmodels:\n  - model: {family.experts[0]}\n    parameters: {{weight: 0.25}}\n"
+            f"  - model: {family.experts[1]}\n    parameters: {{weight: [0.5, 1.5]}}\ndtype: float32\n")
+    spec = _spec(tmp_path, "lin", text)
+    with fresh_catalog_url(tmp_path, "fresh") as url:
+        res = Catalog.open(url).merge(str(spec), out=tmp_path / "lin-out")
+    assert res.realized_bytes == res.planned_bytes
+    out, a, b = _load(tmp_path / "lin-out"), _load(family.experts[0]), _load(family.experts[1])
+    for name in ("model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "model.layers.3.mlp.up_proj.weight"):
+        layer = int(name.split(".")[2]) if ".layers." in name else None
+        w1 = 0.5 if layer is None else 0.5 + (1.5 - 0.5) * layer / 3
+        want = (a[name].astype(np.float64) * 0.25 + b[name] * w1) / (0.25 + w1)
+        np.testing.assert_allclose(out[name], want, rtol=2e-6, atol=1e-7)
