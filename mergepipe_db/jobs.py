@@ -9,7 +9,7 @@ the plan's rows are read, the connection closed, the merge runs, and commit open
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +68,7 @@ def resolve_spec(spec: str | Path | dict[str, Any] | MergeSpec, budget: Any, see
     if seed is not None:
         if not 0 <= seed < 2**63:
             raise SpecError(f"seed must be an integer in [0, 2^63), got {seed}")
-        s = MergeSpec(s.method, s.base, s.models, s.normalize, s.lam, s.t, s.dtype, s.budget, seed, s.source)
+        s = replace(s, seed=seed)
     b = parse_budget(budget) if budget is not None else (s.budget or Budget(fraction=1.0))
     return s, b
 

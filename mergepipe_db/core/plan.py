@@ -182,7 +182,7 @@ class Plan:
 def canonical_head(spec: MergeSpec, out_dtype: str | None, base_id: str, experts: list[ExpertPlan],
                    budget_bytes: int) -> dict[str, Any]:
     """The canonical content of a plan other than its access set (`Plan.canonical`)."""
-    return {
+    head = {
         "method": spec.method,
         "normalize": spec.normalize,
         "lambda": spec.lam,
@@ -190,9 +190,13 @@ def canonical_head(spec: MergeSpec, out_dtype: str | None, base_id: str, experts
         "seed": spec.seed,
         "dtype": out_dtype,
         "base": base_id,
-        "experts": [[e.checkpoint.id, e.weight, e.density, e.gamma] for e in experts],
+        "experts": [[e.checkpoint.id, e.weight, e.density, e.gamma]
+                    + ([] if m.epsilon is None else [m.epsilon]) for e, m in zip(experts, spec.models)],
         "budget_bytes": budget_bytes,
     }
+    if spec.options:  # absent for the methods and options that existed before them: their hashes are unchanged
+        head["options"] = dict(spec.options)
+    return head
 
 
 def _access_mask_json(access: dict[tuple[int, int], tuple[Read, ...]], base_tensors: list[TensorInfo]) -> str:

@@ -21,9 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mergepipe_db.core import method_params
 from mergepipe_db.errors import BudgetError, SpecError
 
-METHODS = ("linear", "task_arithmetic", "ties", "dare_linear", "dare_ties", "breadcrumbs", "slerp")
+METHODS = ("linear", "task_arithmetic", "ties", "dare_linear", "dare_ties", "breadcrumbs", "slerp",
+           "breadcrumbs_ties", "della", "della_linear", "sce", "nearswap", "ram", "ramplus_tl", "arcee_fusion")
 DTYPES = {
     "float32": "F32", "fp32": "F32", "f32": "F32",
     "bfloat16": "BF16", "bf16": "BF16",
@@ -31,8 +33,8 @@ DTYPES = {
 }
 _TOP_KEYS = {"merge_method", "base_model", "models", "parameters", "dtype", "budget", "seed", "tokenizer_source",
              "name", "out_dtype"}
-_MODEL_PARAMS = {"weight", "density", "gamma"}
-_GLOBAL_PARAMS = {"normalize", "lambda", "t", "int8_mask", "rescale"}
+_MODEL_PARAMS = {"weight", "density", "gamma", "epsilon"}
+_GLOBAL_PARAMS = {"normalize", "lambda", "t", "int8_mask", "rescale", "select_topk", "r", "alpha", "epsilon"}
 _UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -92,6 +94,7 @@ class ModelEntry:
     weight: float = 1.0
     density: float = 1.0
     gamma: float = 0.01
+    epsilon: float | None = None  #: della's per-model spread (core.method_params); None for other methods
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,9 @@ class MergeSpec:
     budget: Budget | None = None
     seed: int = 0
     source: str = field(default="<dict>", compare=False)
+    #: method-level options as sorted (name, value) pairs: rescale, select_topk, epsilon, r, alpha
+    #: (`core.method_params`)
+    options: tuple[tuple[str, Any], ...] = ()
 
 
 def _number(value: Any, what: str) -> float:
@@ -184,7 +190,7 @@ def load_spec(source: str | Path | dict[str, Any]) -> MergeSpec:
             raise SpecError(f"spec {label}: models[{i}] unknown parameter(s) {', '.join(sorted(map(repr, bad)))}")
         if m["model"] == base:
             continue  # MergeKit lists the base among the models; it is not an expert
-        needs_weight = method not in ("slerp",)
+        needs_weight = method not in method_params.NO_WEIGHT
         if needs_weight and "weight" not in p:
             raise SpecError(f"spec {label}: models[{i}] ({m['model']}) needs parameters.weight")
         weight = _number(p.get("weight", 1.0), f"models[{i}].weight")
@@ -194,7 +200,13 @@ def load_spec(source: str | Path | dict[str, Any]) -> MergeSpec:
         gamma = _number(p.get("gamma", 0.01), f"models[{i}].gamma")
         if not 0.0 <= gamma < 1.0:
             raise SpecError(f"spec {label}: models[{i}].gamma must be in [0, 1), got {gamma:g}")
-        models.append(ModelEntry(m["model"], weight, density, gamma))
+        epsilon = None
+        if method_params.uses_epsilon_per_model(method):
+            epsilon = _number(p.get("epsilon", gparams.get("epsilon", method_params.DELLA_EPSILON)),
+                              f"models[{i}].epsilon")
+        elif "epsilon" in p:
+            raise SpecError(f"spec {label}: models[{i}] parameter 'epsilon' does not apply to {method}")
+        models.append(ModelEntry(m["model"], weight, density, gamma, epsilon))
     if not models:
         raise SpecError(f"spec {label}: no expert besides the base model")
     if len({m.ref for m in models}) != len(models):
@@ -204,6 +216,9 @@ def load_spec(source: str | Path | dict[str, Any]) -> MergeSpec:
             raise SpecError(f"spec {label}: slerp merges exactly two models (the base and one other)")
         if t is None or not 0.0 <= t <= 1.0:
             raise SpecError(f"spec {label}: slerp needs parameters.t in [0, 1]")
+
+    method_params.check_method(method, models, t, label)
+    options = method_params.parse_options(method, gparams, label)
 
     dtype_raw = raw.get("dtype", raw.get("out_dtype"))
     dtype = None
@@ -215,4 +230,5 @@ def load_spec(source: str | Path | dict[str, Any]) -> MergeSpec:
     seed = raw.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
         raise SpecError(f"spec {label}: seed must be an integer in [0, 2^63)")
-    return MergeSpec(method, base, tuple(models), normalize, lam, t, dtype, budget, seed, source=label)
+    return MergeSpec(method, base, tuple(models), normalize, lam, t, dtype, budget, seed, source=label,
+                     options=options)

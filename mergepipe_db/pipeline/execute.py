@@ -532,8 +532,8 @@ def _execute(
     for ot in out_tensors:
         by_shard.setdefault(ot.shard, []).append(ot)
     spec = plan.spec
-    params = [ExpertParams(key=e.checkpoint.id, weight=e.weight, density=e.density, gamma=e.gamma)
-              for e in plan.experts]
+    params = [ExpertParams(key=e.checkpoint.id, weight=e.weight, density=e.density, gamma=e.gamma,
+                           epsilon=m.epsilon) for e, m in zip(plan.experts, spec.models)]
     pool32 = _F32Pool()
     buffers = BufferPool()
     stop = threading.Event()
@@ -563,7 +563,8 @@ def _execute(
         return item
 
     try:
-        op = make_operator(spec.method, params, normalize=spec.normalize, lam=spec.lam, t=spec.t)
+        op = make_operator(spec.method, params, normalize=spec.normalize, lam=spec.lam, t=spec.t,
+                           options=spec.options)
         table = BaseOnly(op) if any(ot.dtype == "BF16" for ot in out_tensors) else None
         # an operator that keeps θ_k past add() (slerp keeps its one expert until finish) gets fresh memory
         reuse_theta = not op.tensor_granular
