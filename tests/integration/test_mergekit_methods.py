@@ -194,45 +194,61 @@ def test_deterministic_methods_equal_mergekit(family, mp, tmp_path) -> None:
     assert not problems, "\n".join(problems[:40])
 
 
-def _random_case(family, mp, tmp_path: Path, key: str, mk_seeds: list[int], mp_seeds: list[int]) -> None:
-    mk, spec = _configs(family, key, RANDOM)
-    _mergekit_batch([(mk, tmp_path / f"mk-{key}-{s}", s) for s in mk_seeds], tmp_path / f"mk-work-{key}")
-    theirs = [_np(load_dir(tmp_path / f"mk-{key}-{s}")) for s in mk_seeds]
-    ours = [_mp_merge(mp, spec, tmp_path / f"mp-{key}-{s}", seed=s) for s in mp_seeds]
+def _one_expert(key: str) -> dict:
+    """One expert, weight 1, no normalization: out − θ₀ is the sparsified task vector itself."""
+    models, gparams = RANDOM[key]
+    return {key: ([{**models[0], "weight": 1.0}], {k: v for k, v in gparams.items() if k != "lambda"}
+                  | {"normalize": False})}
+
+
+def _mergekit_random(family, work: Path, cases: list[tuple[str, list[int]]], kept: list[tuple[str, list[int]]]
+                     ) -> None:
+    """MergeKit's outputs of the random cases (`mk-KEY-SEED`) and of the one-expert ones (`mk1-KEY-SEED`), in one
+    batch."""
+    jobs = []
+    for key, seeds in cases:
+        mk, _spec = _configs(family, key, RANDOM)
+        jobs += [(mk, work / f"mk-{key}-{s}", s) for s in seeds]
+    for key, seeds in kept:
+        mk, _spec = _configs(family, key, _one_expert(key))
+        jobs += [(mk, work / f"mk1-{key}-{s}", s) for s in seeds]
+    _mergekit_batch(jobs, work / "mk-work")
+
+
+def _random_case(family, mp, work: Path, key: str, mk_seeds: list[int], mp_seeds: list[int]) -> None:
+    """Distance to MergeKit no larger than between two MergeKit seeds, and the per-element means over seeds."""
+    _mk, spec = _configs(family, key, RANDOM)
+    theirs = [_np(load_dir(work / f"mk-{key}-{s}")) for s in mk_seeds]
+    ours = [_mp_merge(mp, spec, work / f"mp-{key}-{s}", seed=s) for s in mp_seeds]
     names = sorted(theirs[0])
 
     def dist(a: dict, b: dict) -> float:
         return float(np.sqrt(sum(float(np.sum((a[n].astype(np.float64) - b[n]) ** 2)) for n in names)))
 
-    # distance to MergeKit no larger than between two MergeKit seeds (both are independent draws of the same
-    # distribution, so their expected distances are equal; 5 % covers the spread over ~10^5 elements)
+    # both are independent draws of the same distribution, so their expected distances to MergeKit's first seed
+    # are equal; 5 % covers the spread over ~10^5 elements
     mk_mk = dist(theirs[0], theirs[1])
     assert mk_mk > 0, f"{key}: two MergeKit seeds gave the same output"
     for i, o in enumerate(ours):
         assert dist(o, theirs[0]) <= 1.05 * mk_mk, (key, i, dist(o, theirs[0]), mk_mk)
-    # per-element mean over seeds: ours and MergeKit's agree as two means of that many draws do
+    # per-element mean over seeds: ours and MergeKit's differ as two means of that many independent draws do
     m_ours = {n: np.mean([o[n] for o in ours], axis=0) for n in names}
     m_theirs = {n: np.mean([t[n] for t in theirs], axis=0) for n in names}
-    spread = dist(theirs[0], theirs[1]) / np.sqrt(2)  # one draw's distance from the mean, roughly
+    spread = mk_mk / np.sqrt(2)  # one draw's distance from the mean
     gap = dist(m_ours, m_theirs)
     expected = spread * np.sqrt(1 / len(ours) + 1 / len(theirs))
     assert gap <= 1.25 * expected, (key, gap, expected)
 
 
-def _kept_fraction_case(family, mp, tmp_path: Path, key: str, seeds: list[int]) -> None:
-    """One expert, weight 1, no normalization: out − θ₀ is the sparsified task vector itself. Its kept
-    fraction and its L1 norm (restored by rescale: true) match MergeKit's."""
-    models, gparams = RANDOM[key]
-    one = {key: ([{**models[0], "weight": 1.0}], {k: v for k, v in gparams.items() if k != "lambda"}
-                 | {"normalize": False})}
-    mk, spec = _configs(family, key, one)
-    _mergekit_batch([(mk, tmp_path / f"mk1-{key}-{s}", s) for s in seeds], tmp_path / f"mk1-work-{key}")
+def _kept_fraction_case(family, mp, work: Path, key: str, seeds: list[int]) -> None:
+    """One expert: the kept fraction of out − θ₀ and its L1 norm (restored by rescale: true), ours and MergeKit's."""
+    _mk, spec = _configs(family, key, _one_expert(key))
     base = _np(load_dir(Path(family.base)))
     expert = _np(load_dir(Path(family.experts[0])))
-    d = models[0]["density"]
+    d = RANDOM[key][0][0]["density"]
     for s in seeds:
-        theirs = _np(load_dir(tmp_path / f"mk1-{key}-{s}"))
-        ours = _mp_merge(mp, spec, tmp_path / f"mp1-{key}-{s}", seed=s)
+        theirs = _np(load_dir(work / f"mk1-{key}-{s}"))
+        ours = _mp_merge(mp, spec, work / f"mp1-{key}-{s}", seed=s)
         for label, out in (("mergekit", theirs), ("mergepipe", ours)):
             kept = total = 0
             for n in names_2d(base):
@@ -250,19 +266,31 @@ def names_2d(tensors: dict) -> list[str]:
     return [n for n, t in tensors.items() if t.ndim == 2]
 
 
+KEPT = ["dare_linear", "della_linear"]
+
+
+@pytest.fixture(scope="module")
+def mk_random(family, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    work = tmp_path_factory.mktemp("mk_random")
+    _mergekit_random(family, work, [(k, [0, 1]) for k in RANDOM], [(k, [3]) for k in KEPT])
+    return work
+
+
 @pytest.mark.parametrize("key", list(RANDOM))
-def test_random_drops_match_mergekit_in_distribution(family, mp, tmp_path, key) -> None:
-    _random_case(family, mp, tmp_path, key, mk_seeds=[0, 1], mp_seeds=[0, 1])
+def test_random_drops_match_mergekit_in_distribution(family, mp, mk_random, key) -> None:
+    _random_case(family, mp, mk_random, key, mk_seeds=[0, 1], mp_seeds=[0, 1])
 
 
-@pytest.mark.parametrize("key", ["dare_linear", "della_linear"])
-def test_random_drops_kept_fraction_and_l1(family, mp, tmp_path, key) -> None:
-    _kept_fraction_case(family, mp, tmp_path, key, seeds=[3])
+@pytest.mark.parametrize("key", KEPT)
+def test_random_drops_kept_fraction_and_l1(family, mp, mk_random, key) -> None:
+    _kept_fraction_case(family, mp, mk_random, key, seeds=[3])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("key", list(RANDOM))
-def test_random_drops_match_mergekit_in_distribution_many_seeds(family, mp, tmp_path, key) -> None:
-    _random_case(family, mp, tmp_path, key, mk_seeds=list(range(6)), mp_seeds=list(range(10, 16)))
-    if key in ("dare_linear", "della_linear"):
-        _kept_fraction_case(family, mp, tmp_path, key, seeds=[7, 8, 9])
+def test_random_drops_match_mergekit_in_distribution_many_seeds(family, mp, tmp_path) -> None:
+    mk_seeds, mp_seeds, kept_seeds = list(range(6)), list(range(10, 16)), [7, 8, 9]
+    _mergekit_random(family, tmp_path, [(k, mk_seeds) for k in RANDOM], [(k, kept_seeds) for k in KEPT])
+    for key in RANDOM:
+        _random_case(family, mp, tmp_path, key, mk_seeds=mk_seeds, mp_seeds=mp_seeds)
+    for key in KEPT:
+        _kept_fraction_case(family, mp, tmp_path, key, seeds=kept_seeds)
