@@ -354,3 +354,56 @@ def test_quality_benchmark_accepts_the_new_methods() -> None:
             assert len(spec.models) == (1 if method in ("nearswap", "arcee_fusion") else 3)
     with pytest.raises(ValueError, match="does not know"):
         q.method_grid(cfg, "passthrough_x")
+
+
+def _selected_rows(manifest: dict, base: dict[str, torch.Tensor], n: int) -> list[dict]:
+    """The rows each expert's plan read, as `reference_merge`'s ``selected_rows``."""
+    rows: list[dict] = [{} for _ in range(n)]
+    for pos, name, ranges in manifest["access"]:
+        blocks = row_blocks(tuple(base[name].shape), base[name].element_size(), BLOCK)
+        rows[pos][name] = [blocks[b] for lo, hi in ranges for b in range(lo, hi)]
+    return rows
+
+
+@pytest.mark.parametrize("rescale", [True, False])
+def test_dare_rescale_under_a_budget_is_the_formula_on_the_rows_read(catalog, fam, tmp_path, rescale) -> None:
+    """At budget 0.4 the L1 ratio is measured over the rows read (omitted rows: Δ = 0 in both sums)."""
+    family, names = fam
+    models = [{"weight": 0.6, "density": 0.6}, {"weight": 0.5, "density": 0.5}, {"weight": 0.4, "density": 0.9}]
+    for method in ("dare_linear", "dare_ties"):
+        spec = {"merge_method": method, "base_model": "base", "seed": 6, "parameters": {"rescale": rescale},
+                "models": [{"model": n, "parameters": p} for n, p in zip(names, models)]}
+        out = tmp_path / method
+        res = catalog.merge(spec, out=out, budget=0.4)
+        assert res.planned_bytes <= res.budget_bytes
+        manifest = json.loads((out / "manifest.json").read_text())["manifest"]
+        base = load_model(Path(family.base))
+        want = reference_merge(method, Path(family.base), [Path(p) for p in family.experts], models, seed=6,
+                               expert_keys=[catalog.checkpoint_id(n) for n in names], block_bytes=BLOCK,
+                               rescale="l1" if rescale else "none",
+                               selected_rows=_selected_rows(manifest, base, len(models)))
+        assert_bytes_equal(load_output(out), want)
+
+
+def test_della_classic_rescale_divides_by_the_keep_probability() -> None:
+    """rescale: classic for DELLA keeps Δ / p, p = (d − ε) + 2ε·(rank / (n − 1)) with the rank of |Δ| in its row
+    (written here with argsort of argsort, as MergeKit ranks)."""
+    from mergepipe_db.operators import ExpertInput, ExpertParams, TensorContext, make_operator
+
+    rows, cols, d, eps = 64, 16, 0.5, 0.2
+    rng = np.random.default_rng(1)
+    base = rng.normal(size=(rows, cols)).astype(np.float32)
+    delta = (rng.normal(size=(rows, cols)) * 0.01).astype(np.float32)
+    ctx = TensorContext("w", (rows, cols), 8, rows // 8, 3)
+    p = ExpertParams("key", weight=1.0, density=d, epsilon=eps)
+    op = make_operator("della_linear", [p], options={"rescale": "classic"})
+    op.begin(base, ctx)
+    op.add(ExpertInput.from_theta(0, p, range(ctx.n_blocks), True, theta=base + delta))
+    out = op.finish()
+    d_k = (base + delta) - base
+    ranks = torch.from_numpy(np.abs(d_k)).argsort(dim=1).argsort(dim=1).float()
+    prob = (d - eps) + ranks / (cols - 1) * 2 * eps
+    kept = out != base
+    assert 0.3 < kept.mean() < 0.7
+    want = base + d_k / prob.numpy()
+    np.testing.assert_allclose(out[kept], want[kept], rtol=1e-6, atol=0)
