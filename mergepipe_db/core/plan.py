@@ -182,7 +182,7 @@ class Plan:
 def canonical_head(spec: MergeSpec, out_dtype: str | None, base_id: str, experts: list[ExpertPlan],
                    budget_bytes: int) -> dict[str, Any]:
     """The canonical content of a plan other than its access set (`Plan.canonical`)."""
-    head = {
+    head: dict[str, Any] = {
         "method": spec.method,
         "normalize": spec.normalize,
         "lambda": spec.lam,
