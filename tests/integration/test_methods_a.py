@@ -407,3 +407,30 @@ def test_della_classic_rescale_divides_by_the_keep_probability() -> None:
     assert 0.3 < kept.mean() < 0.7
     want = base + d_k / prob.numpy()
     np.testing.assert_allclose(out[kept], want[kept], rtol=1e-6, atol=0)
+
+
+def test_arcee_fusion_above_its_sampling_size_is_seeded() -> None:
+    """Above 1e6 elements the quantiles come from a keyed sample: the same seed gives the same bytes, and the
+    result is the formula with the threshold of that sample (between the exact quantile's neighbours)."""
+    from mergepipe_db.operators import ExpertInput, ExpertParams, TensorContext, make_operator
+
+    rows, cols = 1100, 1000
+    rng = np.random.default_rng(2)
+    base = rng.normal(size=(rows, cols)).astype(np.float32)
+    theta = base + (rng.normal(size=(rows, cols)) * 0.05).astype(np.float32)
+
+    def run(seed: int) -> np.ndarray:
+        ctx = TensorContext("big", (rows, cols), rows, 1, seed)
+        p = ExpertParams("key")
+        op = make_operator("arcee_fusion", [p])
+        op.begin(base, ctx)
+        op.add(ExpertInput.from_theta(0, p, [0], True, theta=theta))
+        return op.finish().copy()
+
+    a, b, c = run(1), run(1), run(2)
+    assert np.array_equal(a, b)
+    exact = plain_arcee_fusion(torch.from_numpy(base), torch.from_numpy(theta)).numpy()
+    # a sampled threshold moves the cut a little: nearly every element agrees with the exact-quantile formula
+    assert 0 < np.mean(a != exact) < 0.01 and 0 < np.mean(c != exact) < 0.01
+    kept = a != base
+    assert 0.01 < kept.mean() < 0.5 and np.array_equal(a[kept], theta[kept])
