@@ -61,7 +61,19 @@ TASK_INFO = {  # task -> (input view, number of classes, description)
     "ge5": ("plain", 2, "digit ≥ 5 (2 classes, logits 0/1)"),
     "perm": ("perm", 10, "digit id of a fixed pixel permutation (10 classes)"),
 }
-METHOD_SHORT = {"task_arithmetic": "TA", "ties": "TIES", "dare_ties": "DARE-TIES"}
+METHOD_SHORT = {"task_arithmetic": "TA", "ties": "TIES", "dare_ties": "DARE-TIES",
+                "breadcrumbs_ties": "BC-TIES", "della": "DELLA", "della_linear": "DELLA-L", "sce": "SCE",
+                "nearswap": "NearSwap", "ram": "RAM", "ramplus_tl": "RAM+TL", "arcee_fusion": "Fusion"}
+#: issue 35's methods the benchmark accepts (``Config.methods``): how their validation grid is formed
+#: ("ties": ties' densities × λ, "dare": DARE's, "none": the method's defaults only) and whether they merge one
+#: expert only (nearswap, arcee_fusion take exactly two models: the base and the first task's expert)
+GRID_KIND = {"breadcrumbs_ties": "ties", "della": "dare", "della_linear": "dare", "sce": "none", "ram": "none",
+             "ramplus_tl": "none", "nearswap": "none", "arcee_fusion": "none"}
+TWO_MODEL_METHODS = frozenset({"nearswap", "arcee_fusion"})
+#: methods whose models carry no weight and that take no λ (MergeKit declares none)
+UNWEIGHTED = frozenset({"sce", "ram", "ramplus_tl", "nearswap", "arcee_fusion"})
+#: nearswap's t (MergeKit has no default): the update is taken where |Δ| is within about t
+NEARSWAP_T = 1e-3
 
 
 @dataclass
@@ -265,13 +277,31 @@ def load_st(path: Path) -> dict[str, torch.Tensor]:
 
 def make_spec(method: str, tasks: tuple[str, ...], lam: float, density: float | None, seed: int) -> dict[str, Any]:
     models = []
+    if method in TWO_MODEL_METHODS:
+        tasks = tasks[:1]
     for t in tasks:
-        p: dict[str, Any] = {"weight": 1.0}
+        p: dict[str, Any] = {} if method in UNWEIGHTED else {"weight": 1.0}
         if density is not None:
             p["density"] = density
         models.append({"model": t, "parameters": p})
-    return {"merge_method": method, "base_model": "base", "models": models, "parameters": {"lambda": lam},
-            "seed": seed}
+    params: dict[str, Any] = {} if method in UNWEIGHTED else {"lambda": lam}
+    if method == "nearswap":
+        params["t"] = NEARSWAP_T
+    return {"merge_method": method, "base_model": "base", "models": models, "parameters": params, "seed": seed}
+
+
+def method_grid(cfg: Config, method: str) -> list[tuple[float, float | None]]:
+    """The (λ, density) validation grid of a method (full budget)."""
+    kind = {"task_arithmetic": "ta", "ties": "ties", "dare_ties": "dare"}.get(method, GRID_KIND.get(method))
+    if kind == "ta":
+        return [(lam, None) for lam in cfg.ta_lambdas]
+    if kind == "ties":
+        return [(lam, d) for d in cfg.ties_densities for lam in cfg.ties_lambdas]
+    if kind == "dare":
+        return [(lam, d) for d in cfg.dare_densities for lam in cfg.dare_lambdas]
+    if kind == "none":
+        return [(1.0, None)]
+    raise ValueError(f"the quality benchmark does not know method {method!r}")
 
 
 @dataclass(frozen=True)
@@ -491,15 +521,7 @@ def _run(cfg: Config, work: Path, t_start: float, Catalog: Any) -> dict[str, Any
     R["grid"] = {}
     R["chosen"] = {}
     for method in cfg.methods:
-        grid: list[tuple[float, float | None]]
-        if method == "task_arithmetic":
-            grid = [(lam, None) for lam in cfg.ta_lambdas]
-        elif method == "ties":
-            grid = [(lam, d) for d in cfg.ties_densities for lam in cfg.ties_lambdas]
-        elif method == "dare_ties":
-            grid = [(lam, d) for d in cfg.dare_densities for lam in cfg.dare_lambdas]
-        else:
-            raise ValueError(method)
+        grid = method_grid(cfg, method)
         rows_g = []
         for lam, d in grid:
             plan = cat.plan(make_spec(method, tasks, lam, d, cfg.merge_seed), budget="1.0")
@@ -1145,7 +1167,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="reduced config (2 tasks, 1 epoch, 2 budgets)")
     ap.add_argument("--n-random", type=int, default=None, help="random-control seeds per budget")
-    ap.add_argument("--methods", default=None, help="comma-separated subset of task_arithmetic,ties,dare_ties")
+    ap.add_argument("--methods", default=None,
+                    help="comma-separated methods: task_arithmetic, ties, dare_ties (the default three) or any of "
+                         "breadcrumbs_ties, della, della_linear, sce, ram, ramplus_tl, nearswap, arcee_fusion")
     ap.add_argument("--md", type=Path, default=None, help="markdown output path")
     ap.add_argument("--fig-dir", type=Path, default=None, help="figure output folder")
     args = ap.parse_args(argv)

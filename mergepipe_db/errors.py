@@ -147,6 +147,10 @@ class BudgetError(SpecError):
     """A budget is negative, unparsable, or otherwise unusable."""
 
 
+class MethodParameterError(SpecError):
+    """A merge method's parameters break its constraints (MergeKit's): the message names the parameter."""
+
+
 class PlanExecutionMismatchError(MergePipeError):
     """Realized expert bytes differ from the plan: the budget-soundness invariant was violated."""
 

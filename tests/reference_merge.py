@@ -201,6 +201,25 @@ def dare_keep_mask(
     return torch.cat(pieces, dim=0)
 
 
+def l1_rescale(delta: torch.Tensor, keep: torch.Tensor, stored_itemsize: int, block_bytes: int) -> float:
+    """SEMANTICS.md's L1 rescale factor ‖Δ‖₁ / ‖kept Δ‖₁: float64 sums per row block (numpy's), added in block
+    order as Python floats; 1 when either is below 1e-7."""
+    import numpy as np
+
+    before = after = 0.0
+    if delta.numel() == 0:
+        return 1.0
+    if delta.dim() == 0:
+        spans = [(delta.reshape(1), keep.reshape(1))]
+    else:
+        spans = [(delta[s:e], keep[s:e]) for s, e in row_blocks(tuple(delta.shape), stored_itemsize, block_bytes)]
+    for d, k in spans:
+        a = d.abs().contiguous().numpy().reshape(-1)
+        before += float(np.sum(a, dtype=np.float64))
+        after += float(np.sum(np.where(k.numpy().reshape(-1), a, np.float32(0.0)), dtype=np.float64))
+    return 1.0 if (before < 1e-7 or after < 1e-7) else before / after
+
+
 # --------------------------------------------------------------------------------------------------
 # Per-method pieces, whole tensors, float32
 # --------------------------------------------------------------------------------------------------
@@ -335,6 +354,7 @@ def reference_merge(
     out_dtype: torch.dtype | None = None,
     expert_deltas: list[dict[str, torch.Tensor] | None] | None = None,
     selected_rows: list[dict[str, list[tuple[int, int]]] | None] | None = None,
+    rescale: str = "l1",
 ) -> dict[str, torch.Tensor]:
     """Full-read merge of ``experts`` onto ``base`` per SEMANTICS.md.
 
@@ -349,6 +369,9 @@ def reference_merge(
     ``selected_rows[k]``, when given (not None), names the rows (dim 0) of expert k's tensors a partial-budget
     merge read (tensor name -> row ranges; a name not in it: nothing read); everywhere else expert k is
     taken as omitted, SEMANTICS.md's Δ_k = 0, θ_k = θ₀ bit for bit (Δ-storing sources: Δ_k zeroed there).
+
+    ``rescale`` (DARE): ``"l1"`` (a spec's default, MergeKit's ``rescale: true``), ``"none"`` or ``"classic"``
+    (1/density).
     """
     if method not in METHODS:
         raise ValueError(f"unknown merge method {method!r}; expected one of {METHODS}")
@@ -452,7 +475,14 @@ def reference_merge(
                         d,
                         block_bytes,
                     )
-                    trimmed.append(torch.where(keep, delta / d, 0.0))
+                    if rescale == "classic":
+                        trimmed.append(torch.where(keep, delta / d, 0.0))
+                        continue
+                    scale = 1.0
+                    if rescale == "l1":
+                        scale = l1_rescale(delta, keep, expert_stored[k].element_size(), block_bytes)
+                    trimmed.append(torch.where(keep, delta * scale, 0.0) if scale != 1.0
+                                   else torch.where(keep, delta, 0.0))
                 if method == "dare_linear":
                     merged = task_arithmetic_combine(theta0, trimmed, weights, normalize, lam)
                 else:

@@ -22,8 +22,12 @@ def build_manifest(plan: Plan, result: ExecutionResult, *, parents: list[str]) -
             "merge_method": s.method,
             "base_model": plan.base.name,
             "models": [{"model": e.checkpoint.name, "parameters": {"weight": e.weight, "density": e.density,
-                                                                   "gamma": e.gamma}} for e in plan.experts],
-            "parameters": {"normalize": s.normalize, "lambda": s.lam, "t": s.t},
+                                                                   "gamma": e.gamma,
+                                                                   **({} if m.epsilon is None
+                                                                      else {"epsilon": m.epsilon})}}
+                       for e, m in zip(plan.experts, s.models)],
+            # method options (core.method_params) only where a spec has them: older manifests are unchanged
+            "parameters": {"normalize": s.normalize, "lambda": s.lam, "t": s.t, **dict(s.options)},
             "dtype": plan.out_dtype,
         },
         "seed": s.seed,

@@ -188,7 +188,7 @@ def canonical_head(spec: MergeSpec, out_dtype: str | None, base_id: str, experts
                    budget_bytes: int, recipe: Any = None) -> dict[str, Any]:
     """The canonical content of a plan other than its access set (`Plan.canonical`); a config resolved per
     tensor adds its recipe (every output tensor's sources and parameters)."""
-    head = {
+    head: dict[str, Any] = {
         "method": spec.method,
         "normalize": spec.normalize,
         "lambda": spec.lam,
@@ -196,11 +196,14 @@ def canonical_head(spec: MergeSpec, out_dtype: str | None, base_id: str, experts
         "seed": spec.seed,
         "dtype": out_dtype,
         "base": base_id,
-        "experts": [[e.checkpoint.id, e.weight, e.density, e.gamma] for e in experts],
+        "experts": [[e.checkpoint.id, e.weight, e.density, e.gamma]
+                    + ([] if m.epsilon is None else [m.epsilon]) for e, m in zip(experts, spec.models)],
         "budget_bytes": budget_bytes,
     }
     if recipe is not None:
         head["recipe"] = recipe.to_json()
+    if spec.options:  # absent for the methods and options that existed before them: their hashes are unchanged
+        head["options"] = dict(spec.options)
     return head
 
 

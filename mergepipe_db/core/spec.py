@@ -25,9 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mergepipe_db.core import method_params
 from mergepipe_db.errors import BudgetError, SpecError
 
-METHODS = ("linear", "task_arithmetic", "ties", "dare_linear", "dare_ties", "breadcrumbs", "slerp", "passthrough")
+METHODS = ("linear", "task_arithmetic", "ties", "dare_linear", "dare_ties", "breadcrumbs", "slerp", "passthrough",
+           "breadcrumbs_ties", "della", "della_linear", "sce", "nearswap", "ram", "ramplus_tl", "arcee_fusion")
 DTYPES = {
     "float32": "F32", "fp32": "F32", "f32": "F32",
     "bfloat16": "BF16", "bf16": "BF16",
@@ -54,6 +56,7 @@ class MethodParams:
 #: The one table of which parameters each method reads and how (docs/ARCHITECTURE.md, "… a merge method"): a
 #: new method adds its row; a new parameter name also gets its type in `PARAM_TYPES` when it is not a number.
 #: Per-tensor resolution (gradients, filters, precedence: core/mergekit_config.py) is generic over it.
+_GTA = ("normalize", "lambda", "int8_mask", "rescale")  # the global parameters of MergeKit's task-arithmetic family
 METHOD_PARAMS: dict[str, MethodParams] = {
     "linear": MethodParams(("weight",), ("normalize",), ("weight",), base_is_input=True),
     "task_arithmetic": MethodParams(("weight",), ("normalize", "lambda", "int8_mask", "rescale"), ("weight",)),
@@ -65,11 +68,20 @@ METHOD_PARAMS: dict[str, MethodParams] = {
                                 ("weight",)),
     "slerp": MethodParams((), ("t",), ("t",)),
     "passthrough": MethodParams(("scale",), ()),
+    "breadcrumbs_ties": MethodParams(("weight", "density", "gamma"), _GTA, ("weight",)),
+    "della": MethodParams(("weight", "density", "epsilon"), _GTA, ("weight",)),
+    "della_linear": MethodParams(("weight", "density", "epsilon"), _GTA, ("weight",)),
+    "sce": MethodParams(("weight",), _GTA + ("select_topk",)),
+    "nearswap": MethodParams((), ("t",), ("t",)),
+    "ram": MethodParams((), ("epsilon",)),
+    "ramplus_tl": MethodParams((), ("epsilon", "r", "alpha")),
+    "arcee_fusion": MethodParams((), ()),
 }
 #: parameter types other than float (a number)
-PARAM_TYPES: dict[str, type] = {"normalize": bool, "int8_mask": bool, "rescale": bool}
+#: (`object`: any scalar, checked by the method: rescale is true, false or "classic", core.method_params)
+PARAM_TYPES: dict[str, type] = {"normalize": bool, "int8_mask": bool, "rescale": object}
 #: parameters MergeKit has that mergepipe's operators do not read (accepted, without effect: docs/SEMANTICS.md)
-UNUSED_PARAMS = ("int8_mask", "rescale")
+UNUSED_PARAMS = ("int8_mask",)
 
 
 def param_type(name: str) -> type:
@@ -146,6 +158,7 @@ class ModelEntry:
     weight: float = 1.0
     density: float = 1.0
     gamma: float = 0.01
+    epsilon: float | None = None  #: della's per-model spread (core.method_params); None for other methods
 
 
 @dataclass(frozen=True)
@@ -171,6 +184,9 @@ class MergeSpec:
     #: references of `text` replaced before loading (a Hugging Face id -> its cache directory): replay applies
     #: them to the text again (`core.mergekit_config.substitute_refs`)
     aliases: dict[str, str] | None = field(default=None, compare=False)
+    #: method-level options as sorted (name, value) pairs: rescale, select_topk, epsilon, r, alpha
+    #: (`core.method_params`)
+    options: tuple[tuple[str, Any], ...] = ()
 
 
 def load_spec(source: str | Path | dict[str, Any]) -> MergeSpec:
@@ -229,11 +245,14 @@ def load_spec(source: str | Path | dict[str, Any]) -> MergeSpec:
             raise SpecError(f"spec {label}: no model to merge besides the base model")
         if text is None:  # a dict: the manifest keeps its YAML form
             text = yaml.safe_dump(raw, sort_keys=False)
+        options = method_params.parse_options(method, {k: v for k, v in cfg.parameters.items() if _plain(v)}, label)
         return MergeSpec(method, cfg.base_model or "", tuple(ModelEntry(m) for m in refs), None, 1.0, None, dtype,
-                         budget, seed, source=label, config=cfg, text=text)
+                         budget, seed, source=label, config=cfg, text=text, options=options)
     models, normalize, lam, t = legacy
+    method_params.check_method(method, models, t, label)
+    options = method_params.parse_options(method, dict(cfg.parameters), label)
     return MergeSpec(method, cfg.base_model or "", tuple(models), normalize, lam, t, dtype, budget, seed,
-                     source=label, text=text)
+                     source=label, text=text, options=options)
 
 
 def _plain(value: Any) -> bool:
@@ -270,7 +289,10 @@ def _legacy_fields(cfg: Any, label: str) -> tuple[list[ModelEntry], bool | None,
         gamma = float(p.get("gamma", 0.01))
         if not 0.0 <= gamma < 1.0:
             raise SpecError(f"spec {label}: models[{i}].gamma must be in [0, 1), got {gamma:g}")
-        models.append(ModelEntry(src.model, weight, density, gamma))
+        epsilon = None
+        if method_params.uses_epsilon_per_model(cfg.method):
+            epsilon = float(p.get("epsilon", method_params.DELLA_EPSILON))
+        models.append(ModelEntry(src.model, weight, density, gamma, epsilon))
     if not models:
         raise SpecError(f"spec {label}: no expert besides the base model")
     if cfg.method == "slerp":

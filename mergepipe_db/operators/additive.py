@@ -4,8 +4,6 @@
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from mergepipe_db.operators.base import block_bounds, kernels
@@ -13,7 +11,7 @@ from mergepipe_db.operators.fold import DeltaFold, Stash
 from mergepipe_db.operators.inputs import ExpertInput
 from mergepipe_db.operators.registry import register
 
-__all__ = ["AdditiveFold", "Breadcrumbs", "DareLinear", "TaskArithmetic"]
+__all__ = ["AdditiveFold", "Breadcrumbs", "DareLinear", "DellaLinear", "TaskArithmetic"]
 
 
 class AdditiveFold(DeltaFold):
@@ -132,18 +130,11 @@ class Breadcrumbs(AdditiveFold):
     sparsification = "magnitude_outliers"
 
     def _fold_trimmed(self, x: ExpertInput, ranges: list[tuple[int, int]]) -> None:
-        """Breadcrumbs (density < 1): keep lo < |Δ| < hi."""
-        assert self._ctx is not None
-        n = self._ctx.numel
-        target = int(self.densities[x.index] * n)
-        n_top = int(self.gammas[x.index] * n)
-        n_bot = n - target - n_top
-        if n_bot < 0:
-            n_top += n_bot
-            n_bot = 0
-        mags = self._magnitudes(x, ranges)
-        hi = math.inf if n_top == 0 else mags.topk_min(n_top)
-        lo = -math.inf if n_bot == 0 else mags.bottomk_max(n_bot)
-        if math.isnan(hi) or math.isnan(lo):
-            return  # a comparison with NaN is false everywhere: T_k = 0
-        self._fold_masked(x, ranges, mags, None if lo == -math.inf else lo, hi)
+        self._fold_outliers(x, ranges)
+
+
+@register("della_linear")
+class DellaLinear(AdditiveFold):
+    """della_linear: task_arithmetic on DELLA-dropped task vectors (row-rank keep probabilities)."""
+
+    sparsification = "della"

@@ -61,6 +61,7 @@ class ExpertParams:
     weight: float = 1.0
     density: float = 1.0
     gamma: float = 0.01  #: breadcrumbs: fraction of the largest |Δ| dropped
+    epsilon: float | None = None  #: della: the keep probabilities' spread (None: MergeKit's 0.15)
 
 
 @dataclass(frozen=True)
@@ -187,7 +188,7 @@ class MergeOperator(abc.ABC):
     _stash: Any = None
 
     def __init__(self, experts: Sequence[ExpertParams], *, normalize: bool | None = None, lam: float = 1.0,
-                 t: float | None = None) -> None:
+                 t: float | None = None, options: Any = None) -> None:
         experts = tuple(experts)
         if not experts:
             raise SpecError(f"{self.name} needs at least one expert model")
@@ -212,6 +213,8 @@ class MergeOperator(abc.ABC):
         self.lam = finite(lam, "lambda", self.name)
         self.t = None if t is None else finite(t, "t", self.name)
         self.weight_sum = weight_sum(self.weights)
+        #: method-level options (`core.method_params`: rescale, select_topk, epsilon, r, alpha), by name
+        self.options: dict[str, Any] = dict(options or ())
         self._pool: dict[str, np.ndarray] = {}
         self._base: np.ndarray | None = None
         self._bflat: np.ndarray | None = None

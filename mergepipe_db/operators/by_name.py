@@ -39,7 +39,14 @@ def expert_params(key: str, params: Mapping[str, Any]) -> ExpertParams:
 
 
 def operator_from_params(method: str, experts: Sequence[ExpertParams], params: Mapping[str, Any]) -> MergeOperator:
-    """The operator of `method` for one tensor, from its experts and its resolved global parameters."""
+    """The operator of `method` for one tensor, from its experts and its resolved global parameters; method
+    options (`core.method_params`: rescale, select_topk, ...) are checked there and given as `options`."""
+    from mergepipe_db.core import method_params
+
     keywords = _keywords(method)
     kwargs = {_KEYWORD.get(k, k): v for k, v in params.items()}
-    return get(method)(experts, **{k: v for k, v in kwargs.items() if k in keywords})
+    chosen = {k: v for k, v in kwargs.items() if k in keywords and k not in method_params.OPTION_NAMES}
+    if "options" in keywords:
+        given = {k: v for k, v in params.items() if k in method_params.OPTION_NAMES}
+        chosen["options"] = method_params.parse_options(method, given, "<config>")
+    return get(method)(experts, **chosen)

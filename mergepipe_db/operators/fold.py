@@ -6,23 +6,44 @@ experts' values kept for one fused pass over a tensor (linear, the additive fami
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import numpy as np
 
+from mergepipe_db.errors import SpecError
 from mergepipe_db.operators.base import MergeOperator, all_finite, chunks, kernels
 from mergepipe_db.operators.dare import check_mask_keys, dare_uniforms
 from mergepipe_db.operators.inputs import ExpertInput
 from mergepipe_db.operators.order_stats import Magnitudes
 
-__all__ = ["GROUP_BYTES", "DeltaFold", "Stash"]
+__all__ = ["GROUP_BYTES", "DeltaFold", "Stash", "della_probabilities"]
 
 #: linear and task arithmetic keep up to this many bytes of experts' stored values, then fold them in one
 #: fused pass (`Stash`) and start again: the accumulator is read and written once per group, not per expert.
 #: 256 MiB (two experts' embeddings of a 1B-parameter model) keeps peak RSS flat in K: 2 GB models, full read,
 #: 1.61-1.77 GiB for K = 2…16 (512 MiB: 1.61-2.09 GiB), at the same speed
 GROUP_BYTES = 256 << 20
+
+
+def della_probabilities(delta: np.ndarray, shape: tuple[int, ...], rows: int, d: float, eps: float) -> np.ndarray:
+    """DELLA's keep probabilities of one block's flat Δ (float32): ranks of |Δ| along dim 1 (a 0-d or 1-d tensor is
+    one row), ascending, ties in index order (a stable sort), rank_norm = (rank - 1)/(n - 1) (0 when n = 1),
+    p = (d - ε) + rank_norm·2·ε, in float32 as MergeKit computes it."""
+    if len(shape) <= 1:
+        blk = delta.reshape(1, -1)
+    else:
+        blk = delta.reshape((rows, *shape[1:]))
+    a = np.abs(blk)
+    order = np.argsort(a, axis=1, kind="stable")
+    ranks = np.empty(a.shape, np.float32)
+    np.put_along_axis(ranks, order, np.arange(a.shape[1], dtype=np.float32).reshape(
+        (1, -1) + (1,) * (a.ndim - 2)), axis=1)  # rank - 1 = rank - min_rank
+    n = a.shape[1]
+    rank_norm = ranks / np.float32(n - 1) if n > 1 else np.zeros_like(ranks)
+    np.clip(rank_norm, 0, 1, out=rank_norm)
+    return ((rank_norm * np.float32(2)) * np.float32(eps) + np.float32(d - eps)).reshape(-1)
 
 
 class Stash:
@@ -88,14 +109,34 @@ class DeltaFold(MergeOperator):
             return
         if self.sparsification is None or self.densities[x.index] >= 1:
             self._fold(x, ranges)
-        elif self.sparsification == "random":
+        elif self.sparsification in ("random", "della"):
             self._fold_dare(x)
         else:
             self._fold_trimmed(x, ranges)
 
     def _validate(self) -> None:
-        if self.sparsification == "random":
+        if self.sparsification in ("random", "della"):
             check_mask_keys(self)
+            mode = self.rescale_mode
+            if mode not in ("classic", "l1", "none"):
+                raise SpecError(f"{self.name}: rescale must be l1, none or classic, got {mode!r}")
+        if self.sparsification == "della":
+            for k, d in enumerate(self.densities):
+                eps = self.epsilon(k)
+                if d < 1 and not (d - eps > 0 and d + eps < 1):
+                    raise SpecError(f"{self.name}: expert {k} epsilon {eps:g} with density {d:g}: needs "
+                                    f"density - epsilon > 0 and density + epsilon < 1")
+
+    @property
+    def rescale_mode(self) -> str:
+        """How a random drop rescales what it keeps: "classic" (1/d, DELLA 1/p: the default of an operator
+        made without the option, and of every plan recorded before it), "l1" (‖Δ‖₁ / ‖kept Δ‖₁) or "none"."""
+        return str(self.options.get("rescale", "classic"))
+
+    def epsilon(self, k: int) -> float:
+        """DELLA's spread of expert k's keep probabilities (MergeKit's default 0.15)."""
+        e = self.experts[k].epsilon
+        return 0.15 if e is None else float(e)
 
     def _fold(self, x: ExpertInput, ranges: list[tuple[int, int]]) -> None:
         """T_k = Δ_k."""
@@ -182,8 +223,79 @@ class DeltaFold(MergeOperator):
                 T *= w
                 self._combine(s, e, T, None)
 
+    def _fold_outliers(self, x: ExpertInput, ranges: list[tuple[int, int]]) -> None:
+        """Breadcrumbs' trim (density < 1): keep lo < |Δ| < hi (docs/SEMANTICS.md, breadcrumbs)."""
+        assert self._ctx is not None
+        n = self._ctx.numel
+        target = int(self.densities[x.index] * n)
+        n_top = int(self.gammas[x.index] * n)
+        n_bot = n - target - n_top
+        if n_bot < 0:
+            n_top += n_bot
+            n_bot = 0
+        mags = self._magnitudes(x, ranges)
+        hi = math.inf if n_top == 0 else mags.topk_min(n_top)
+        lo = -math.inf if n_bot == 0 else mags.bottomk_max(n_bot)
+        if math.isnan(hi) or math.isnan(lo):
+            return  # a comparison with NaN is false everywhere: T_k = 0
+        self._fold_masked(x, ranges, mags, None if lo == -math.inf else lo, hi)
+
+    def _keep_probability(self, k: int, delta: np.ndarray, rows: int) -> Any:
+        """Keep probability of each element of a block (float32, the block's flat shape) or one for all (a
+        Python float): DARE's d_k; DELLA's (d - ε) + 2ε·rank_norm, ranks of |Δ| along dim 1 (row-local)."""
+        d = self.densities[k]
+        if self.sparsification != "della":
+            return d
+        assert self._ctx is not None
+        return della_probabilities(delta, self._ctx.shape, rows, d, self.epsilon(k))
+
+    def _fold_random(self, x: ExpertInput) -> None:
+        """DARE and DELLA with a rescale other than DARE's classic one (docs/SEMANTICS.md): keep = u < p per
+        selected block; T_k = where(keep, Δ_k·s, 0.0) with s = ‖Δ_k‖₁ / ‖kept Δ_k‖₁ over the rows read ("l1"),
+        s = 1 ("none"), or where(keep, Δ_k / p, 0.0) ("classic", DELLA)."""
+        ctx = self._ctx
+        assert ctx is not None and self._bflat is not None
+        k = x.index
+        w = self.weights[k]
+        key = self.experts[k].key
+        mode = self.rescale_mode
+        rn = ctx.row_numel
+        parts: list[tuple[int, int, np.ndarray, np.ndarray, Any]] = []
+        before = after = 0.0
+        for b in x.selected_blocks:
+            rs, re = ctx.block_rows(b)
+            s0, e0 = rs * rn, re * rn
+            if s0 == e0:
+                continue
+            delta = np.empty(e0 - s0, np.float32)
+            for s, e in chunks([(s0, e0)]):
+                delta[s - s0 : e - s0] = self._delta_chunk(x, s, e)
+            u = np.empty(e0 - s0, np.float32)
+            dare_uniforms(ctx.seed, key, ctx.name, b, u)
+            p = self._keep_probability(k, delta, re - rs)
+            keep = u < p
+            if mode == "l1":
+                a = np.abs(delta)
+                before += float(np.sum(a, dtype=np.float64))
+                after += float(np.sum(np.where(keep, a, np.float32(0.0)), dtype=np.float64))
+            parts.append((s0, e0, delta, keep, p))
+        scale = before / after if mode == "l1" and not (before < 1e-7 or after < 1e-7) else 1.0
+        self._set_expert(w)
+        zero = np.float32(0.0)
+        for s0, e0, delta, keep, p in parts:
+            if mode == "classic":
+                T = np.where(keep, delta / p, zero)
+            else:
+                T = np.where(keep, delta * scale, zero) if scale != 1.0 else np.where(keep, delta, zero)
+            T *= w
+            for s, e in chunks([(s0, e0)]):
+                self._combine(s, e, T[s - s0 : e - s0], None)
+
     def _fold_dare(self, x: ExpertInput) -> None:
         """DARE: T_k = where(rand < d, Δ_k / d, 0.0), masks drawn per selected block only."""
+        if self.sparsification == "della" or self.rescale_mode != "classic":
+            self._fold_random(x)
+            return
         ctx = self._ctx
         assert ctx is not None
         k = x.index

@@ -18,7 +18,7 @@ from mergepipe_db.operators.inputs import ExpertInput
 from mergepipe_db.operators.order_stats import EDGES, LAST_BIN
 from mergepipe_db.operators.registry import register
 
-__all__ = ["FUSE_BYTES", "DareTies", "Ties", "TiesFold"]
+__all__ = ["FUSE_BYTES", "BreadcrumbsTies", "DareTies", "Della", "Ties", "TiesFold"]
 
 #: TIES keeps the experts' stored bytes of a tensor for one fused pass while they add up to at most this
 #: (beyond it, it folds them one by one): memory stays bounded whatever K
@@ -171,7 +171,8 @@ class TiesFold(DeltaFold):
         """dare_ties: keep the input for the fused pass (`kernels.merge.dare_ties_fused`, which draws each
         block's uniforms a tile at a time) while it fits, else fold it block by block."""
         src = x.fast_source()
-        if src is not None and self._P is not None and self._bflat is not None and self._fits_stash(src):
+        if (self.sparsification == "random" and self.rescale_mode == "classic" and src is not None
+                and self._P is not None and self._bflat is not None and self._fits_stash(src)):
             assert self._stash is not None
             self._stash.append((src, x, False, math.inf, self.weights[x.index], 0))
             self._stash_bytes += src.nbytes
@@ -323,3 +324,22 @@ class DareTies(TiesFold):
 
     normalize_default = False
     sparsification = "random"
+
+
+@register("breadcrumbs_ties")
+class BreadcrumbsTies(TiesFold):
+    """breadcrumbs_ties: TIES steps 2-6 on task vectors without their largest and smallest |Δ|."""
+
+    needs_full_tensor_stats = True
+    normalize_default = False
+    sparsification = "magnitude_outliers"
+
+    def _fold_trimmed(self, x: ExpertInput, ranges: list[tuple[int, int]]) -> None:
+        self._fold_outliers(x, ranges)
+
+
+@register("della")
+class Della(TiesFold):
+    """della: TIES steps 2-6 on DELLA-dropped task vectors (keep probability by |Δ| rank within each row)."""
+
+    sparsification = "della"

@@ -538,8 +538,8 @@ def _execute(
     for ot in out_tensors:
         by_shard.setdefault(ot.shard, []).append(ot)
     spec = plan.spec
-    params = [ExpertParams(key=e.checkpoint.id, weight=e.weight, density=e.density, gamma=e.gamma)
-              for e in plan.experts]
+    params = [ExpertParams(key=e.checkpoint.id, weight=e.weight, density=e.density, gamma=e.gamma,
+                           epsilon=m.epsilon) for e, m in zip(plan.experts, spec.models)]
     pool32 = _F32Pool()
     buffers = BufferPool()
     stop = threading.Event()
@@ -569,8 +569,8 @@ def _execute(
         return item
 
     try:
-        op: Any = make_operator(spec.method, params, normalize=spec.normalize, lam=spec.lam, t=spec.t) if (
-            plan.tensor_params is None) else None
+        op: Any = make_operator(spec.method, params, normalize=spec.normalize, lam=spec.lam, t=spec.t,
+                                options=spec.options) if plan.tensor_params is None else None
         table = BaseOnly(op) if op is not None and any(ot.dtype == "BF16" for ot in out_tensors) else None
         tensor_ops = _TensorOps(plan) if op is None else None
         # an operator that keeps θ_k past add() (slerp keeps its one expert until finish) gets fresh memory

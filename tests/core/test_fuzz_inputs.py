@@ -136,12 +136,13 @@ values = st.one_of(json_values, st.sampled_from([0, 0.5, 1, -1, 1e300, 10**400, 
                                                  "0.5", "1e300TiB", "3GiB", "x", "", [1, 2], {"a": 1}]))
 model_entries = st.fixed_dictionaries(
     {"model": st.sampled_from(["e0", "e1", "base", "", "../x"]) | values},
-    optional={"parameters": st.dictionaries(st.sampled_from(["weight", "density", "gamma", "x"]), values,
+    optional={"parameters": st.dictionaries(st.sampled_from(["weight", "density", "gamma", "epsilon", "x"]), values,
                                             max_size=3) | values})
 spec_dicts = st.fixed_dictionaries(
     {"merge_method": st.sampled_from([*METHODS, "magic"]) | values, "base_model": st.sampled_from(["base"]) | values,
      "models": st.lists(model_entries, max_size=3) | values},
-    optional={"parameters": st.dictionaries(st.sampled_from(["normalize", "lambda", "t", "rescale", "zzz"]), values,
+    optional={"parameters": st.dictionaries(st.sampled_from(["normalize", "lambda", "t", "rescale", "select_topk", "r",
+                                                                   "alpha", "epsilon", "zzz"]), values,
                                             max_size=3) | values,
               "dtype": st.sampled_from(["bfloat16", "fp32", "int8"]) | values, "budget": values, "seed": values,
               "slices": values, "extra": values})

@@ -44,8 +44,10 @@ GLOBAL_PARAMS: dict[str, dict[str, Any]] = {
     "linear": {"normalize": True},
     "task_arithmetic": {"lambda": 0.9},
     "ties": {"normalize": True, "lambda": 1.0},
-    "dare_linear": {},
-    "dare_ties": {"normalize": True},
+    # DARE's classic 1/density rescale, the only one before `rescale` was honoured: these cases keep pinning
+    # the bytes (and plan and manifest hashes) recorded before it, which old manifests replay to
+    "dare_linear": {"rescale": "classic"},
+    "dare_ties": {"normalize": True, "rescale": "classic"},
     "breadcrumbs": {"lambda": 1.1},
     "slerp": {"t": 0.4},
 }

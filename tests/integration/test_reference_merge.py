@@ -253,6 +253,7 @@ def _masks(base, experts, keys, seed=0, block_bytes=1 << 20, density=0.5) -> lis
             seed=seed,
             block_bytes=block_bytes,
             out_dtype=torch.float32,
+            rescale="classic",
         )
         for t in merged.values():
             assert set(t.unique().tolist()) <= {0.0, 1.0 / density}
@@ -338,10 +339,17 @@ def test_dare_mask_depends_only_on_seed_key_tensor_block(tmp_path: Path) -> None
 def test_dare_rescale(tmp_path: Path) -> None:
     base = _one_d(tmp_path, "base", [0.0] * 64)
     a = _one_d(tmp_path, "a", [3.0] * 64)
-    out = reference_merge("dare_linear", base, [a], [{"weight": 1.0, "density": 0.25}], expert_keys=["x"])[
-        "v"
-    ]
+    out = reference_merge("dare_linear", base, [a], [{"weight": 1.0, "density": 0.25}], expert_keys=["x"],
+                          rescale="classic")["v"]
     assert set(out.unique().tolist()) <= {0.0, 12.0}
+    # MergeKit's rescale: true (the default): the kept values scaled so the L1 norm is the task vector's
+    l1 = reference_merge("dare_linear", base, [a], [{"weight": 1.0, "density": 0.25}], expert_keys=["x"])["v"]
+    kept = int((l1 != 0).sum())
+    assert torch.equal(l1 != 0, out != 0) and 0 < kept < 64
+    assert set(l1.unique().tolist()) == {0.0, float(torch.tensor(3.0) * (192.0 / (3.0 * kept)))}
+    none = reference_merge("dare_linear", base, [a], [{"weight": 1.0, "density": 0.25}], expert_keys=["x"],
+                           rescale="none")["v"]
+    assert set(none.unique().tolist()) == {0.0, 3.0}
     with pytest.raises(ValueError, match="expert key"):
         reference_merge("dare_linear", base, [a], [{"weight": 1.0, "density": 0.25}])
 

@@ -119,9 +119,9 @@ def load_experts(conn: sa.Connection, spec: MergeSpec, expert_ids: list[str]) ->
     tensors_of = load_tensors_many(conn, expert_ids)
     op = make_operator(
         spec.method,
-        [ExpertParams(key=info.id, weight=m.weight, density=m.density, gamma=m.gamma)
+        [ExpertParams(key=info.id, weight=m.weight, density=m.density, gamma=m.gamma, epsilon=m.epsilon)
          for info, m in zip(infos, spec.models)],
-        normalize=spec.normalize, lam=spec.lam, t=spec.t,
+        normalize=spec.normalize, lam=spec.lam, t=spec.t, options=spec.options,
     )
     experts = []
     for pos, (info, m) in enumerate(zip(infos, spec.models)):

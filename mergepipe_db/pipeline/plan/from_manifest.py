@@ -43,9 +43,13 @@ def plan_from_manifest(conn: sa.Connection, manifest: dict[str, Any]) -> Plan:
     spec = MergeSpec(
         method=sp["merge_method"], base=inputs["base"]["name"],
         models=tuple(ModelEntry(m["model"], float(m["parameters"]["weight"]), float(m["parameters"]["density"]),
-                                float(m["parameters"]["gamma"])) for m in sp["models"]),
+                                float(m["parameters"]["gamma"]),
+                                None if "epsilon" not in m["parameters"] else float(m["parameters"]["epsilon"]))
+                     for m in sp["models"]),
         normalize=gp["normalize"], lam=float(gp["lambda"]), t=gp["t"], dtype=sp["dtype"], budget=None,
         seed=int(manifest["seed"]), source="<manifest>",
+        # method options (rescale, select_topk, ...): absent in manifests written before them (DARE: classic)
+        options=tuple(sorted((k, v) for k, v in gp.items() if k not in ("normalize", "lambda", "t"))),
     )
     base = load_checkpoint_info(conn, inputs["base"]["id"])
     base_tensors = load_tensors(conn, base.id)

@@ -1,0 +1,67 @@
+"""arcee_fusion: keep the other model's update where its importance, |Δ| times the row's KL divergence between
+the softmaxes of θ_1 and θ₀, reaches median + 1.5·IQR of the tensor's importances (docs/SEMANTICS.md). torch's
+softmax, log, sum and sort are the definition; torch is imported when a tensor is finished."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from mergepipe_db.errors import MethodParameterError
+from mergepipe_db.operators.gather import GatherFold
+from mergepipe_db.operators.registry import register
+
+__all__ = ["QUANTILE_SAMPLE_SIZE", "ArceeFusion"]
+
+#: MergeKit's sampling size: a tensor with more elements has its quantiles taken from this many importances
+#: drawn with replacement (here by a generator keyed by the merge seed and the tensor name)
+QUANTILE_SAMPLE_SIZE = 1_000_000
+
+
+def sample_seed(seed: int, tensor_name: str) -> int:
+    """The generator seed of a large tensor's quantile sample."""
+    key = hashlib.sha256(f"{seed}\x1farcee_fusion\x1f{tensor_name}".encode()).digest()
+    return int.from_bytes(key[:8], "little") & (2**63 - 1)
+
+
+@register("arcee_fusion")
+class ArceeFusion(GatherFold):
+    """arcee_fusion between θ₀ and θ_1 (whole tensors: the threshold is a quantile of the whole tensor)."""
+
+    gather = "theta"
+    uses_theta = True
+    tensor_granular = True
+    uses_torch = True
+
+    def _check(self) -> None:
+        if self.n_experts != 1:
+            raise MethodParameterError(f"arcee_fusion merges exactly two models, the base and one other; got "
+                                       f"{self.n_experts} others")
+
+    def coefficient(self, k: int) -> float:
+        return 1.0
+
+    def _combine_all(self, base: np.ndarray, values: list[np.ndarray]) -> np.ndarray:
+        import torch
+        import torch.nn.functional as F  # noqa: N812
+
+        assert self._ctx is not None
+        t0, t1 = torch.from_numpy(base), torch.from_numpy(values[0])
+        diff = (t1 - t0).abs()
+        eps = 1e-8
+        p = F.softmax(t1, dim=-1) + eps
+        q = F.softmax(t0, dim=-1) + eps
+        kl = torch.sum(p * torch.log(p / q), dim=-1, keepdim=True)
+        importance = diff * kl
+        flat = importance.reshape(-1)
+        if flat.numel() > QUANTILE_SAMPLE_SIZE:
+            g = torch.Generator(device="cpu")
+            g.manual_seed(sample_seed(self._ctx.seed, self._ctx.name))
+            flat = flat[torch.randint(flat.numel(), (QUANTILE_SAMPLE_SIZE,), generator=g)]
+        srt, _ = torch.sort(flat)
+        qs = (torch.tensor([0.25, 0.5, 0.75]) * (srt.numel() - 1)).long()
+        q1, median, q3 = srt[qs]
+        threshold = median + 1.5 * (q3 - q1)
+        mask = (importance >= threshold).float()
+        return (t0 + (t1 - t0) * mask).numpy()

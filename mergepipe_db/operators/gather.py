@@ -1,0 +1,66 @@
+"""`GatherFold`, the template of the methods that need every expert's whole tensor at once (sce, ram, ramplus_tl,
+nearswap, arcee_fusion): each expert's Δ_k (or θ_k) is kept, in float32 and the tensor's shape, with Δ_k = 0 on
+the rows of omitted blocks, and the method's formula runs once all experts are in. Memory: K + 1 tensors of the
+tensor's size (as MergeKit holds them).
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, ClassVar
+
+import numpy as np
+
+from mergepipe_db.operators.base import MergeOperator, finite
+from mergepipe_db.operators.inputs import ExpertInput
+
+__all__ = ["GatherFold"]
+
+
+class GatherFold(MergeOperator):
+    """Keeps each expert's Δ_k (``gather = "delta"``) or θ_k (``"theta"``) and calls ``_combine_all`` at finish.
+
+    An expert with nothing selected has Δ_k = 0 (θ_k = θ₀) everywhere."""
+
+    #: what the formula takes from each expert: "delta" (Δ_k = θ_k - θ₀) or "theta" (θ_k)
+    gather: ClassVar[str] = "delta"
+    #: options this method takes (name -> default), read from `self.options`
+    option_defaults: ClassVar[dict[str, float]] = {}
+
+    def _validate(self) -> None:
+        self.params: dict[str, float] = {}
+        for name, default in self.option_defaults.items():
+            self.params[name] = finite(self.options.get(name, default), name, self.name)
+        self._check()
+
+    def _check(self) -> None:
+        """Method-specific checks (SpecError)."""
+        return None
+
+    def _begin(self) -> None:
+        self._held: list[np.ndarray | None] = []
+
+    def _add(self, x: ExpertInput) -> None:
+        if not x.selected_blocks:
+            self._held.append(None)
+            return
+        v = x.delta if self.gather == "delta" else x.theta
+        assert v is not None
+        self._held.append(np.array(v, dtype=np.float32, copy=True).reshape(self._base.shape))  # type: ignore[union-attr]
+
+    def _finish(self) -> np.ndarray:
+        base = self._base
+        assert base is not None
+        vals = []
+        for v in self._held:
+            if v is None:
+                v = np.zeros_like(base) if self.gather == "delta" else base
+            vals.append(v)
+        return np.asarray(self._combine_all(base, vals), dtype=np.float32).reshape(base.shape)
+
+    @abc.abstractmethod
+    def _combine_all(self, base: np.ndarray, values: list[np.ndarray]) -> Any:
+        """The merged tensor from θ₀ and every expert's Δ_k or θ_k (float32, the tensor's shape)."""
+
+    def _end(self) -> None:
+        self._held = []

@@ -1,0 +1,60 @@
+"""ram and ramplus_tl, Reinforced Agent Merging (docs/SEMANTICS.md): an element's update is averaged over the
+experts that change it by more than ε, and kept whole where one expert alone does; ramplus_tl scales each
+expert's unique updates by 1 + r·min(max(ρ_k, 0), α), ρ_k its shared/unique count ratio over the tensor."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import numpy as np
+
+from mergepipe_db.operators.gather import GatherFold
+from mergepipe_db.operators.registry import register
+
+__all__ = ["Ram", "RamPlusTL"]
+
+
+class RamFold(GatherFold):
+    """The shared counts: nz_k = |Δ_k| > ε, c = Σ_k nz_k; unique = (c == 1), overlap = (c > 1)."""
+
+    #: an element's count c couples every expert's Δ there: the planner reads block rows of all experts together
+    joint_election: ClassVar[bool] = True
+    scaled: ClassVar[bool] = False
+
+    def _combine_all(self, base: np.ndarray, values: list[np.ndarray]) -> np.ndarray:
+        eps = self.params["epsilon"]
+        nz = [np.abs(d) > eps for d in values]
+        c = np.zeros(base.shape, np.int64)
+        for m in nz:
+            c += m
+        unique, overlap = c == 1, c > 1
+        denom = np.maximum(c, 1).astype(np.float32)
+        acc = np.zeros_like(base)
+        for d, m in zip(values, nz):
+            lam = 1.0
+            if self.scaled:
+                shared = int(np.count_nonzero(m & overlap))
+                uniq = int(np.count_nonzero(m & unique))
+                rho = shared / max(float(uniq), eps)
+                lam = 1.0 + self.params["r"] * min(max(rho, 0.0), self.params["alpha"])
+            z = np.where(m, d, np.float32(0.0))
+            u = z * unique
+            if lam != 1.0:
+                u = u * np.float32(lam)
+            acc = acc + (u + (z * overlap) / denom)
+        return base + acc
+
+
+@register("ram")
+class Ram(RamFold):
+    """ram (parameter epsilon, default 1e-5)."""
+
+    option_defaults: ClassVar[dict[str, float]] = {"epsilon": 1e-5}
+
+
+@register("ramplus_tl")
+class RamPlusTL(RamFold):
+    """ramplus_tl (parameters r = 0.1, alpha = 0.2, epsilon = 1e-5)."""
+
+    option_defaults: ClassVar[dict[str, float]] = {"r": 0.1, "alpha": 0.2, "epsilon": 1e-5}
+    scaled = True
