@@ -76,9 +76,7 @@ def parse_options(method: str, gparams: dict[str, Any], label: str) -> tuple[tup
         if r not in (True, False, "classic", "l1", "none"):
             raise MethodParameterError(f"spec {label}: rescale must be true, false or classic, got {r!r}")
         mode = {True: "l1", False: "none"}.get(r, r)  # type: ignore[call-overload]
-        if method not in RESCALE_METHODS and mode != "none":
-            raise MethodParameterError(f"spec {label}: rescale {r!r} applies only to "
-                                       f"{', '.join(sorted(RESCALE_METHODS))}, not {method}")
+        # the other methods of MergeKit's task-arithmetic family take `rescale` too, without effect (as MergeKit)
         if method in RESCALE_METHODS and mode != "classic":
             out["rescale"] = mode
     elif method in RESCALE_METHODS:

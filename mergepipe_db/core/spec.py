@@ -266,7 +266,6 @@ def _legacy_fields(cfg: Any, label: str) -> tuple[list[ModelEntry], bool | None,
     [sl] = cfg.slices if len(cfg.slices) == 1 else (None,)
     if (sl is None or cfg.from_slices or not cfg.base_model or cfg.method == "passthrough"
             or not all(_plain(v) for v in cfg.parameters.values())
-            or any(k in decl.model for k in cfg.parameters)
             or not all(_plain(v) for src in sl.sources for v in src.parameters.values())
             or (decl.base_is_input and any(src.model == cfg.base_model and not src.implicit
                                            for src in sl.sources))):
@@ -276,10 +275,11 @@ def _legacy_fields(cfg: Any, label: str) -> tuple[list[ModelEntry], bool | None,
     lam = float(g.get("lambda", 1.0))
     t = float(g["t"]) if "t" in g else None
     models: list[ModelEntry] = []
+    defaults = {k: v for k, v in g.items() if k in decl.model}  # top-level model parameters: every model's default
     for i, src in enumerate(sl.sources):
         if src.model == cfg.base_model:
             continue  # MergeKit lists the base among the models; it is not an expert
-        p = src.parameters
+        p = {**defaults, **src.parameters}
         if "weight" in decl.required and "weight" not in p:
             raise SpecError(f"spec {label}: models[{i}] ({src.model}) needs parameters.weight")
         weight = float(p.get("weight", 1.0))

@@ -6,6 +6,7 @@ copy costs no expert bytes and no arithmetic beyond the optional scale."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -22,10 +23,10 @@ class Passthrough(MergeOperator):
     inputs of no tensor: their `add` contributes nothing and reads nothing."""
 
     def __init__(self, experts: Sequence[ExpertParams] = (), *, normalize: bool | None = None, lam: float = 1.0,
-                 t: float | None = None, scale: float | None = None) -> None:
+                 t: float | None = None, scale: float | None = None, options: Any = None) -> None:
         self.scale = None if scale is None else finite(scale, "scale", "passthrough")
         if experts:
-            super().__init__(experts, normalize=normalize, lam=lam, t=t)
+            super().__init__(experts, normalize=normalize, lam=lam, t=t, options=options)
             return
         # no expert: the base state alone (MergeOperator requires one for the methods that merge)
         self.experts, self.weights, self.densities, self.gammas = (), [], [], []
