@@ -85,6 +85,13 @@ def set_storage_options(options: Mapping[str, str] | None) -> None:
                 store.reset()
 
 
+def storage_options() -> dict[str, str]:
+    """The storage options in force in this process (`set_storage_options`; not the environment's): what a
+    distributed merge hands its workers with each task."""
+    with _options_lock:
+        return dict(_options)
+
+
 def parse_options(pairs: Iterable[str]) -> dict[str, str]:
     """``KEY=VALUE`` strings (the CLI's ``--storage-option``) as a dict; StorageConfigError for a malformed one."""
     out: dict[str, str] = {}
@@ -598,6 +605,20 @@ class S3Store(ByteStore):
     def sync(self, location: Location) -> None:
         """Nothing to do: an object is durable once its put (or upload) completed."""
 
+    def copy(self, src: Location, dst: Location) -> None:
+        """Server-side copy of object `src` to `dst` in the same bucket (CopyObject: no bytes pass through this
+        process; S3 limits one copy to 5 GiB)."""
+        import obstore
+
+        client, src_key = self.client_for(src)
+        dst_bucket, dst_key = parse_uri(dst)
+        if dst_bucket != parse_uri(src)[0]:
+            raise StorageConfigError(f"cannot copy {src} to another bucket ({dst})")
+        try:
+            obstore.copy(client, src_key, dst_key, overwrite=True)
+        except Exception as e:  # noqa: BLE001 - translated
+            raise translate(e, str(src)) from None
+
     def publish(self, staging: Location, final: Location) -> None:
         raise StorageConfigError("object stores have no rename: outputs to s3:// are committed by the catalog "
                                  "(io.s3 outputs), not published by renaming")
@@ -712,6 +733,36 @@ class AttemptPrefix:
             return None
         prefix, _, attempt = record.rpartition(f"/{ATTEMPT_MARK}")
         return cls(prefix, attempt)
+
+
+def task_attempt(staging: AttemptPrefix, tag: str) -> AttemptPrefix:
+    """Where one task attempt of a distributed merge (`mergepipe_db.distributed`) writes its shards: keys
+    ``NAME.<tag>.<attempt>.safetensors`` under the output prefix, unique to the task attempt (`tag`: no dots)
+    and owned by `staging`'s attempt (its `owns`, so `abandon_attempt` and gc's stray check cover them)."""
+    if not tag or "." in tag or "/" in tag:
+        raise ValueError(f"bad task attempt tag {tag!r}")
+    return AttemptPrefix(staging.prefix, f"{tag}.{staging.attempt}")
+
+
+def publish_task_shards(staging: AttemptPrefix, task: AttemptPrefix, names: Iterable[str]) -> None:
+    """The shards `names` that task attempt `task` wrote, copied (server-side) to the keys `staging`'s index
+    names (``NAME.<attempt>.safetensors``)."""
+    st = store()
+    for name in names:
+        st.copy(task / name, staging / name)
+
+
+def remove_task_attempts(staging: AttemptPrefix, keep: Iterable[str]) -> list[str]:
+    """Remove every shard object of `staging`'s task attempts under its prefix (winners', once copied, and
+    those of attempts whose worker died) except the names in `keep` (the attempt's own shard keys); returns
+    their URIs. Multipart uploads a dead worker left unfinished are not objects: `gc` aborts them."""
+    keep = set(keep)
+    gone = []
+    for n in _names(staging.prefix):
+        if n.endswith(f".{staging.attempt}{_ST}") and n not in keep:
+            store().delete(staging.prefix / n)
+            gone.append(str(staging.prefix / n))
+    return gone
 
 
 def _names(prefix: ObjectPath) -> dict[str, dict[str, Any]]:
