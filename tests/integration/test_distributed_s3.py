@@ -262,3 +262,68 @@ def test_workers_killed_past_retries_during_an_s3_merge(s3_server, s3_env, catal
     cat.gc(dry_run=False)
     assert list_keys(s3_server, out) == [] and s3io.incomplete_uploads(out) == []
     assert [f for f in cat.fsck() if f.kind != "ok"] == []
+
+
+def _kill_scheduler_at_task_start(pid: int) -> None:
+    """In a worker: the next shard task SIGKILLs the scheduler (process `pid`) as it starts, then waits forever
+    (it writes nothing: the test ends the worker)."""
+    import signal
+    import time
+
+    from mergepipe_db.core import faults
+
+    def point(name: str) -> None:
+        if name == "task_started":
+            os.kill(pid, signal.SIGKILL)
+            time.sleep(3600)
+
+    faults.point = point
+
+
+def test_scheduler_lost_mid_merge_is_typed_with_nothing_visible(s3_server, s3_env, catalog_url, s3_fam,
+                                                                tmp_path) -> None:
+    """A scheduler and a worker in processes of their own (`dask scheduler`, `dask worker`); the scheduler
+    SIGKILLed as the merge's first task starts: DistributedError, the catalog as before, nothing under the
+    output prefix (before any gc), no intent left."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from distributed import Client
+    from s3server import list_keys
+
+    from mergepipe_db.errors import DistributedError
+
+    cat = Catalog.open(catalog_url, storage_options=_options(s3_server))
+    _ingest(cat, s3_fam)
+    before = _table_counts(cat)
+    bindir, sched_file = Path(sys.executable).parent, tmp_path / "scheduler.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "MERGEPIPE_FAULT"))}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # this module's functions, by reference
+    procs = [subprocess.Popen([str(bindir / "dask"), "scheduler", "--host", "127.0.0.1", "--port", "0",
+                               "--no-dashboard", "--scheduler-file", str(sched_file)], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    try:
+        for _ in range(300):
+            if sched_file.is_file() and sched_file.stat().st_size:
+                break
+            time.sleep(0.1)
+        address = json.loads(sched_file.read_text())["address"]
+        procs.append(subprocess.Popen([str(bindir / "dask"), "worker", address, "--nthreads", "1", "--no-nanny",
+                                       "--no-dashboard"], env=env, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL))
+        with Client(address, timeout=30) as c:
+            c.wait_for_workers(1, timeout=30)
+            c.run(_kill_scheduler_at_task_start, procs[0].pid)
+        out = f"{s3_env}/lost"
+        with pytest.raises(DistributedError, match="lost the Dask cluster"):
+            cat.merge(_spec(s3_fam[0]), out=out, budget=0.5, shard_bytes=SHARD, scheduler=address)
+        assert procs[0].wait(timeout=10) == -signal.SIGKILL  # the scheduler was killed (by the worker)
+    finally:
+        for p in procs[::-1]:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=30)
+    assert _table_counts(cat) == before
+    assert list_keys(s3_server, out) == []
