@@ -156,6 +156,29 @@ def test_dask_merge_to_s3_is_byte_identical_and_options_reach_the_workers(s3_ser
     assert _table_counts(cat) == before
 
 
+def test_cli_storage_options_reach_the_workers(s3_server, s3_env, catalog_url, s3_fam, client, tmp_path,
+                                              monkeypatch) -> None:
+    """`mergepipe merge --scheduler ADDR --out s3://... --storage-option ...` with no AWS_* anywhere (not in the
+    CLI's environment, not in the workers'): the single-process merge's output and manifest hash."""
+    import yaml
+    from crashkit import cli
+
+    cat = Catalog.open(catalog_url, storage_options=_options(s3_server))
+    _ingest(cat, s3_fam)
+    one = cat.merge(_spec(s3_fam[0]), out=f"{s3_env}/one", budget=0.5, shard_bytes=SHARD)
+    for k in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(k)
+    spec = tmp_path / "spec.yml"
+    spec.write_text(yaml.safe_dump(_spec(s3_fam[0])))
+    options = [a for k, v in _options(s3_server).items() for a in ("--storage-option", f"{k}={v}")]
+    done = cli(["merge", str(spec), "--out", f"{s3_env}/cli", "--catalog", catalog_url, "--budget", "0.5",
+                "--shard-size", str(SHARD), "--scheduler", client.scheduler.address, "--json", *options])
+    assert done.returncode == 0, done.stderr
+    res = json.loads(done.stdout)
+    assert res["manifest_hash"] == one.manifest_hash and res["timings"]["n_workers"] == 2
+    assert _output(s3_server, f"{s3_env}/cli") == _output(s3_server, f"{s3_env}/one")
+
+
 def _die_after_writing() -> None:
     """In a worker: the next shard task writes all its shards, then the process is SIGKILLed before it returns."""
     import signal
@@ -238,7 +261,7 @@ def _settle(client, workers: set[str]) -> None:
 def test_workers_killed_past_retries_during_an_s3_merge(s3_server, s3_env, catalog_url, s3_fam, client) -> None:
     """No retries (`allowed_failures` 0) and every worker dying in its second written tensor: WorkerLostError,
     the catalog as before, no manifest.json or index under the prefix, and nothing at all once `gc` ran
-    (objects and unfinished uploads). (Last in the module: the nannies start fresh workers.)"""
+    (objects and unfinished uploads). (Last on the module's cluster: the nannies start fresh workers.)"""
     from s3server import list_keys
 
     cat = Catalog.open(catalog_url, storage_options=_options(s3_server))
