@@ -151,6 +151,13 @@ class DaskExecutor:
         remote = _remote_staging(staging)
         if remote is None:
             (staging / ATTEMPTS_DIR).mkdir()
+        else:  # each shard will be one server-side copy
+            from mergepipe_db.io.s3 import check_copyable
+
+            sizes = [0] * len(names)
+            for ot in out_tensors:
+                sizes[ot.shard] += ot.nbytes
+            check_copyable(sizes)
         options = _storage_options()
         run_id = uuid.uuid4().hex[:12]
         futures = []

@@ -57,6 +57,8 @@ PART_BYTES = 4 << 20
 IN_FLIGHT = 16
 #: multipart upload part size for outputs
 UPLOAD_PART_BYTES = 8 << 20
+#: the largest object one server-side copy (CopyObject) may make: S3's limit (MinIO's too)
+COPY_MAX_BYTES = 5 << 30
 
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 #: storage options this store takes (``--storage-option KEY=VALUE``), besides obstore's own S3 config keys
@@ -742,6 +744,15 @@ def task_attempt(staging: AttemptPrefix, tag: str) -> AttemptPrefix:
     if not tag or "." in tag or "/" in tag:
         raise ValueError(f"bad task attempt tag {tag!r}")
     return AttemptPrefix(staging.prefix, f"{tag}.{staging.attempt}")
+
+
+def check_copyable(shard_bytes: Iterable[int]) -> None:
+    """StorageConfigError where a shard of a distributed merge (its tensor bytes, plus 1 MiB for its header)
+    would exceed what one server-side copy makes (`COPY_MAX_BYTES`): checked before anything is written."""
+    largest = max(shard_bytes, default=0)
+    if largest + (1 << 20) > COPY_MAX_BYTES:
+        raise StorageConfigError(f"a distributed merge to s3:// copies each shard server-side, at most "
+                                 f"{COPY_MAX_BYTES} bytes, and a shard holds {largest}: give a smaller --shard-size")
 
 
 def publish_task_shards(staging: AttemptPrefix, task: AttemptPrefix, names: Iterable[str]) -> None:

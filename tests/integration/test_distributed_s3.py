@@ -123,7 +123,7 @@ def _published_keys(s3_server, out: str) -> list[str]:
 
 
 def test_dask_merge_to_s3_is_byte_identical_and_options_reach_the_workers(s3_server, s3_env, catalog_url, s3_fam,
-                                                                          client) -> None:
+                                                                          client, monkeypatch) -> None:
     """s3:// inputs, --out s3://: workers with no AWS_* environment read and write through the coordinator's
     storage options; the output (every object), the manifest and its hash are the single-process S3 merge's;
     only the published keys are left under the prefix. The same merge with the options only in the
@@ -153,6 +153,14 @@ def test_dask_merge_to_s3_is_byte_identical_and_options_reach_the_workers(s3_ser
     with pytest.raises(StorageConfigError, match="no S3 credentials"):
         cat.merge(_spec(fam), out=f"{s3_env}/no-options", budget=0.5, shard_bytes=SHARD, client=client)
     assert list_keys(s3_server, f"{s3_env}/no-options") == []
+    assert _table_counts(cat) == before
+
+    # a shard larger than one server-side copy may make: refused before anything is written
+    monkeypatch.setattr(s3io, "COPY_MAX_BYTES", (1 << 20) + SHARD // 2)
+    s3io.set_storage_options(_options(s3_server))
+    with pytest.raises(StorageConfigError, match="smaller --shard-size"):
+        cat.merge(_spec(fam), out=f"{s3_env}/too-large", budget=0.5, shard_bytes=SHARD, client=client)
+    assert list_keys(s3_server, f"{s3_env}/too-large") == []
     assert _table_counts(cat) == before
 
 
