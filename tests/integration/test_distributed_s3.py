@@ -329,10 +329,10 @@ def test_scheduler_lost_mid_merge_is_typed_with_nothing_visible(s3_server, s3_en
     cat = Catalog.open(catalog_url, storage_options=_options(s3_server))
     _ingest(cat, s3_fam)
     before = _table_counts(cat)
-    bindir, sched_file = Path(sys.executable).parent, tmp_path / "scheduler.json"
+    sched_file = tmp_path / "scheduler.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "MERGEPIPE_FAULT"))}
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # this module's functions, by reference
-    procs = [subprocess.Popen([str(bindir / "dask"), "scheduler", "--host", "127.0.0.1", "--port", "0",
+    procs = [subprocess.Popen([sys.executable, "-m", "dask", "scheduler", "--host", "127.0.0.1", "--port", "0",
                                "--no-dashboard", "--scheduler-file", str(sched_file)], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
     try:
@@ -341,7 +341,7 @@ def test_scheduler_lost_mid_merge_is_typed_with_nothing_visible(s3_server, s3_en
                 break
             time.sleep(0.1)
         address = json.loads(sched_file.read_text())["address"]
-        procs.append(subprocess.Popen([str(bindir / "dask"), "worker", address, "--nthreads", "1", "--no-nanny",
+        procs.append(subprocess.Popen([sys.executable, "-m", "dask", "worker", address, "--nthreads", "1", "--no-nanny",
                                        "--no-dashboard"], env=env, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL))
         with Client(address, timeout=30) as c:
