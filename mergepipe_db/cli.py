@@ -349,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
                         help="setting of the s3:// object store, over the AWS_* environment (repeatable): "
                         "endpoint, access_key_id, secret_access_key, session_token, region, max_retries, "
-                        "retry_timeout (seconds), allow_http")
+                        "retry_timeout (seconds), allow_http; a distributed merge sends them to its Dask workers")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     s = sub.add_parser("init", parents=[common], help="create the catalog (or check it is current)",

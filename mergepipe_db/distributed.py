@@ -15,6 +15,16 @@ Dask runs the task again on another worker, or, past `distributed.scheduler.allo
 fails with `WorkerLostError` and nothing is visible. Staging and checkpoints must be paths every worker sees
 (a shared file system) or object storage.
 
+An output in an object store (``--out s3://bucket/prefix``: staging is an `io.s3.AttemptPrefix`): each task
+attempt writes through the byte store under keys of its own (`io.s3.task_attempt`:
+``NAME.<task>.<attempt>.safetensors``, owned by the merge's attempt); the coordinator copies the returned
+attempts' shards server-side to the keys the index names (``NAME.<attempt>.safetensors``) and deletes every
+task key (a dead worker's too; an upload it left unfinished is aborted by `gc`). Index, manifest, catalog
+commit and ``manifest.json`` last are then the single-process S3 merge's. The coordinator's storage options
+(`io.s3.storage_options`: ``--storage-option``, ``storage_options=``) travel with each task and are applied
+in the worker process before it reads or writes, so workers need no ``AWS_*`` environment of their own
+(they are process-wide there: tasks of merges with different options must not share a worker at once).
+
 `dask`/`distributed` are imported inside the functions, so `mergepipe --help` does not load them.
 """
 
@@ -75,17 +85,45 @@ def split_tasks(costs: list[int], n_tasks: int) -> list[list[int]]:
 
 
 def run_shard_task(plan: Plan, layout: tuple[list[OutTensor], list[str]], shards: list[int], staging: str,
-                   verify_reads: bool) -> tuple[list[int], str, ExecutionResult]:
-    """On a worker: execute `shards` of `plan` into a new attempt directory in `staging`. Returns (shards,
-    attempt directory, result). The attempt directory's parent must exist (the coordinator made it): once the
-    merge is abandoned, a late attempt fails instead of re-creating staging."""
+                   verify_reads: bool, storage_options: dict[str, str] | None = None
+                   ) -> tuple[list[int], str, ExecutionResult]:
+    """On a worker: execute `shards` of `plan` into a new attempt of its own in `staging`. Returns (shards,
+    attempt, result). `storage_options` (the coordinator's, `io.s3.storage_options`) are applied in this
+    process first, so a worker needs no ``AWS_*`` environment of its own.
+
+    A local `staging` directory: the attempt is a directory in its `ATTEMPTS_DIR`, which must exist (the
+    coordinator made it: once the merge is abandoned, a late attempt fails instead of re-creating staging).
+    An object-store `staging` (the record of an `io.s3.AttemptPrefix`): the attempt is a key space of its own
+    under the output prefix (`io.s3.task_attempt`), returned as its record."""
+    import sys
+
     from mergepipe_db.core import faults
     from mergepipe_db.pipeline.execute import execute_shards
 
-    attempt = Path(staging) / ATTEMPTS_DIR / f"{shards[0]:05d}-{uuid.uuid4().hex[:12]}"
-    attempt.mkdir()
+    if storage_options or "mergepipe_db.io.s3" in sys.modules:  # the coordinator's settings, not a stale task's
+        from mergepipe_db.io.s3 import set_storage_options
+
+        set_storage_options(storage_options)
+    tag = f"{shards[0]:05d}-{uuid.uuid4().hex[:12]}"
+    remote = _remote_staging(staging)
+    if remote is not None:
+        from mergepipe_db.io.s3 import task_attempt
+
+        attempt: Any = task_attempt(remote, f"t{tag}")
+    else:
+        attempt = Path(staging) / ATTEMPTS_DIR / tag
+        attempt.mkdir()
     faults.point("task_started")
     return shards, str(attempt), execute_shards(plan, attempt, layout, shards, verify_reads=verify_reads)
+
+
+def _remote_staging(staging: Any) -> Any:
+    """The `io.s3.AttemptPrefix` a staging record names; None for a local staging directory."""
+    if not str(staging).lower().startswith("s3://"):
+        return None
+    from mergepipe_db.io.s3 import AttemptPrefix
+
+    return AttemptPrefix.parse(str(staging))
 
 
 class DaskExecutor:
@@ -110,14 +148,24 @@ class DaskExecutor:
         n_workers = max(1, len(self.client.scheduler_info().get("workers", {})))
         groups = split_tasks(shard_costs(plan, out_tensors, len(names)), self.tasks_per_worker * n_workers)
         self.n_tasks = len(groups)
-        (staging / ATTEMPTS_DIR).mkdir()
+        remote = _remote_staging(staging)
+        if remote is None:
+            (staging / ATTEMPTS_DIR).mkdir()
+        else:  # each shard will be one server-side copy
+            from mergepipe_db.io.s3 import check_copyable
+
+            sizes = [0] * len(names)
+            for ot in out_tensors:
+                sizes[ot.shard] += ot.nbytes
+            check_copyable(sizes)
+        options = _storage_options()
         run_id = uuid.uuid4().hex[:12]
         futures = []
         for i, shards in enumerate(groups):
             wanted = set(shards)
             part = restrict_plan(plan, {ot.idx for ot in out_tensors if ot.shard in wanted})
             futures.append(self.client.submit(run_shard_task, part, layout, shards, str(staging), verify_reads,
-                                              key=f"mergepipe-shards-{run_id}-{i:05d}", pure=False))
+                                              options, key=f"mergepipe-shards-{run_id}-{i:05d}", pure=False))
         t_dispatch = time.perf_counter() - t0
         parts: list[tuple[list[int], ExecutionResult]] = []
         attempts: dict[int, str] = {}
@@ -137,15 +185,35 @@ class DaskExecutor:
         t_tasks = time.perf_counter() - t0
         t0 = time.perf_counter()
         result = combine_shard_results(plan, layout, parts)
-        store = open_store(staging)
-        for shards, _res in parts:  # the attempts that returned: their shards under their final names
-            src = Path(attempts[shards[0]])
-            for s in shards:
-                store.publish(src / names[s], staging / names[s])
-        shutil.rmtree(staging / ATTEMPTS_DIR)  # and what killed attempts left
+        if remote is not None:  # the attempts that returned: their shards copied to the keys the index names
+            from mergepipe_db.io.s3 import AttemptPrefix, publish_task_shards, remove_task_attempts
+
+            for shards, _res in parts:
+                task = AttemptPrefix.parse(attempts[shards[0]])
+                assert task is not None
+                publish_task_shards(remote, task, [names[s] for s in shards])
+            remove_task_attempts(remote, keep={remote.object_name(n) for n in names})  # and what killed ones left
+        else:
+            store = open_store(staging)
+            for shards, _res in parts:  # the attempts that returned: their shards under their final names
+                src = Path(attempts[shards[0]])
+                for s in shards:
+                    store.publish(src / names[s], staging / names[s])
+            shutil.rmtree(staging / ATTEMPTS_DIR)  # and what killed attempts left
         result.timings.update({"dispatch": t_dispatch, "tasks": t_tasks, "gather": time.perf_counter() - t0,
                                "n_tasks": float(len(groups)), "n_workers": float(n_workers)})
         return result
+
+
+def _storage_options() -> dict[str, str]:
+    """The coordinator's storage options (`--storage-option`, ``storage_options=``), handed to every task."""
+    import sys
+
+    if "mergepipe_db.io.s3" not in sys.modules:
+        return {}
+    from mergepipe_db.io.s3 import storage_options
+
+    return storage_options()
 
 
 def _task_result(fut: Any) -> tuple[list[int], str, ExecutionResult]:

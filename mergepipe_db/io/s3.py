@@ -57,6 +57,8 @@ PART_BYTES = 4 << 20
 IN_FLIGHT = 16
 #: multipart upload part size for outputs
 UPLOAD_PART_BYTES = 8 << 20
+#: the largest object one server-side copy (CopyObject) may make: S3's limit (MinIO's too)
+COPY_MAX_BYTES = 5 << 30
 
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 #: storage options this store takes (``--storage-option KEY=VALUE``), besides obstore's own S3 config keys
@@ -83,6 +85,13 @@ def set_storage_options(options: Mapping[str, str] | None) -> None:
             store = _STORE
             if store is not None:
                 store.reset()
+
+
+def storage_options() -> dict[str, str]:
+    """The storage options in force in this process (`set_storage_options`; not the environment's): what a
+    distributed merge hands its workers with each task."""
+    with _options_lock:
+        return dict(_options)
 
 
 def parse_options(pairs: Iterable[str]) -> dict[str, str]:
@@ -598,6 +607,20 @@ class S3Store(ByteStore):
     def sync(self, location: Location) -> None:
         """Nothing to do: an object is durable once its put (or upload) completed."""
 
+    def copy(self, src: Location, dst: Location) -> None:
+        """Server-side copy of object `src` to `dst` in the same bucket (CopyObject: no bytes pass through this
+        process; S3 limits one copy to 5 GiB)."""
+        import obstore
+
+        client, src_key = self.client_for(src)
+        dst_bucket, dst_key = parse_uri(dst)
+        if dst_bucket != parse_uri(src)[0]:
+            raise StorageConfigError(f"cannot copy {src} to another bucket ({dst})")
+        try:
+            obstore.copy(client, src_key, dst_key, overwrite=True)
+        except Exception as e:  # noqa: BLE001 - translated
+            raise translate(e, str(src)) from None
+
     def publish(self, staging: Location, final: Location) -> None:
         raise StorageConfigError("object stores have no rename: outputs to s3:// are committed by the catalog "
                                  "(io.s3 outputs), not published by renaming")
@@ -712,6 +735,45 @@ class AttemptPrefix:
             return None
         prefix, _, attempt = record.rpartition(f"/{ATTEMPT_MARK}")
         return cls(prefix, attempt)
+
+
+def task_attempt(staging: AttemptPrefix, tag: str) -> AttemptPrefix:
+    """Where one task attempt of a distributed merge (`mergepipe_db.distributed`) writes its shards: keys
+    ``NAME.<tag>.<attempt>.safetensors`` under the output prefix, unique to the task attempt (`tag`: no dots)
+    and owned by `staging`'s attempt (its `owns`, so `abandon_attempt` and gc's stray check cover them)."""
+    if not tag or "." in tag or "/" in tag:
+        raise ValueError(f"bad task attempt tag {tag!r}")
+    return AttemptPrefix(staging.prefix, f"{tag}.{staging.attempt}")
+
+
+def check_copyable(shard_bytes: Iterable[int]) -> None:
+    """StorageConfigError where a shard of a distributed merge (its tensor bytes, plus 1 MiB for its header)
+    would exceed what one server-side copy makes (`COPY_MAX_BYTES`): checked before anything is written."""
+    largest = max(shard_bytes, default=0)
+    if largest + (1 << 20) > COPY_MAX_BYTES:
+        raise StorageConfigError(f"a distributed merge to s3:// copies each shard server-side, at most "
+                                 f"{COPY_MAX_BYTES} bytes, and a shard holds {largest}: give a smaller --shard-size")
+
+
+def publish_task_shards(staging: AttemptPrefix, task: AttemptPrefix, names: Iterable[str]) -> None:
+    """The shards `names` that task attempt `task` wrote, copied (server-side) to the keys `staging`'s index
+    names (``NAME.<attempt>.safetensors``)."""
+    st = store()
+    for name in names:
+        st.copy(task / name, staging / name)
+
+
+def remove_task_attempts(staging: AttemptPrefix, keep: Iterable[str]) -> list[str]:
+    """Remove every shard object of `staging`'s task attempts under its prefix (winners', once copied, and
+    those of attempts whose worker died) except the names in `keep` (the attempt's own shard keys); returns
+    their URIs. Multipart uploads a dead worker left unfinished are not objects: `gc` aborts them."""
+    keep = set(keep)
+    gone = []
+    for n in _names(staging.prefix):
+        if n.endswith(f".{staging.attempt}{_ST}") and n not in keep:
+            store().delete(staging.prefix / n)
+            gone.append(str(staging.prefix / n))
+    return gone
 
 
 def _names(prefix: ObjectPath) -> dict[str, dict[str, Any]]:
