@@ -23,7 +23,7 @@ def build_manifest(plan: Plan, result: ExecutionResult, *, parents: list[str]) -
             "base_model": plan.base.name,
             "models": [{"model": e.checkpoint.name, "parameters": {"weight": e.weight, "density": e.density,
                                                                    "gamma": e.gamma}} for e in plan.experts],
-            "parameters": {"normalize": s.normalize, "lambda": s.lam, "t": s.t},
+            "parameters": {"normalize": s.normalize, "lambda": s.lam, "t": s.t, **dict(s.options)},
             "dtype": plan.out_dtype,
         },
         "seed": s.seed,

@@ -181,8 +181,11 @@ class Plan:
 
 def canonical_head(spec: MergeSpec, out_dtype: str | None, base_id: str, experts: list[ExpertPlan],
                    budget_bytes: int) -> dict[str, Any]:
-    """The canonical content of a plan other than its access set (`Plan.canonical`)."""
+    """The canonical content of a plan other than its access set (`Plan.canonical`); method options appear only
+    when a spec has them (so plans without them keep their hashes)."""
+    options = {"options": [[k, v] for k, v in spec.options]} if spec.options else {}
     return {
+        **options,
         "method": spec.method,
         "normalize": spec.normalize,
         "lambda": spec.lam,

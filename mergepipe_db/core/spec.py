@@ -23,7 +23,8 @@ from typing import Any
 
 from mergepipe_db.errors import BudgetError, SpecError
 
-METHODS = ("linear", "task_arithmetic", "ties", "dare_linear", "dare_ties", "breadcrumbs", "slerp")
+METHODS = ("linear", "task_arithmetic", "ties", "dare_linear", "dare_ties", "breadcrumbs", "slerp",
+           "model_stock", "nuslerp", "multislerp", "karcher")
 DTYPES = {
     "float32": "F32", "fp32": "F32", "f32": "F32",
     "bfloat16": "BF16", "bf16": "BF16",
@@ -33,6 +34,11 @@ _TOP_KEYS = {"merge_method", "base_model", "models", "parameters", "dtype", "bud
              "name", "out_dtype"}
 _MODEL_PARAMS = {"weight", "density", "gamma"}
 _GLOBAL_PARAMS = {"normalize", "lambda", "t", "int8_mask", "rescale"}
+#: method options (MergeKit 0.1.5's names): kept in `MergeSpec.options`, checked by the method's operator
+_OPTION_PARAMS = {"filter_wise", "nuslerp_flatten", "nuslerp_row_wise", "normalize_weights", "eps", "max_iter",
+                  "tol"}
+#: methods whose models take no `weight` (MergeKit's signatures have none)
+_NO_WEIGHT = ("slerp", "model_stock", "karcher")
 _UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -106,6 +112,8 @@ class MergeSpec:
     budget: Budget | None = None
     seed: int = 0
     source: str = field(default="<dict>", compare=False)
+    #: method options (`_OPTION_PARAMS`) as sorted (name, value) pairs; () when none is given
+    options: tuple[tuple[str, Any], ...] = ()
 
 
 def _number(value: Any, what: str) -> float:
@@ -160,7 +168,7 @@ def load_spec(source: str | Path | dict[str, Any]) -> MergeSpec:
     gparams = raw.get("parameters") or {}
     if not isinstance(gparams, dict):
         raise SpecError(f"spec {label}: parameters must be a mapping")
-    bad = set(gparams) - _GLOBAL_PARAMS
+    bad = set(gparams) - _GLOBAL_PARAMS - _OPTION_PARAMS
     if bad:
         raise SpecError(f"spec {label}: unknown parameter(s) {', '.join(sorted(map(repr, bad)))}")
     normalize = gparams.get("normalize")
@@ -168,6 +176,10 @@ def load_spec(source: str | Path | dict[str, Any]) -> MergeSpec:
         raise SpecError(f"spec {label}: normalize must be true or false")
     lam = _number(gparams.get("lambda", 1.0), "lambda")
     t = _number(gparams["t"], "t") if "t" in gparams else None
+    options = tuple(sorted((k, v) for k, v in gparams.items() if k in _OPTION_PARAMS))
+    for k, v in options:
+        if not isinstance(v, (bool, int, float)):
+            raise SpecError(f"spec {label}: parameters.{k} must be a single number or true/false, got {v!r}")
 
     models_raw = raw.get("models")
     if not isinstance(models_raw, list) or not models_raw:
@@ -184,7 +196,7 @@ def load_spec(source: str | Path | dict[str, Any]) -> MergeSpec:
             raise SpecError(f"spec {label}: models[{i}] unknown parameter(s) {', '.join(sorted(map(repr, bad)))}")
         if m["model"] == base:
             continue  # MergeKit lists the base among the models; it is not an expert
-        needs_weight = method not in ("slerp",)
+        needs_weight = method not in _NO_WEIGHT
         if needs_weight and "weight" not in p:
             raise SpecError(f"spec {label}: models[{i}] ({m['model']}) needs parameters.weight")
         weight = _number(p.get("weight", 1.0), f"models[{i}].weight")
@@ -215,4 +227,5 @@ def load_spec(source: str | Path | dict[str, Any]) -> MergeSpec:
     seed = raw.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
         raise SpecError(f"spec {label}: seed must be an integer in [0, 2^63)")
-    return MergeSpec(method, base, tuple(models), normalize, lam, t, dtype, budget, seed, source=label)
+    return MergeSpec(method, base, tuple(models), normalize, lam, t, dtype, budget, seed, source=label,
+                     options=options)

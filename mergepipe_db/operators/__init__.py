@@ -26,7 +26,7 @@ How to add a merge method:
 from __future__ import annotations
 
 # the family modules: importing them registers their methods
-from mergepipe_db.operators import additive, linear, sign_consensus, slerp  # noqa: F401
+from mergepipe_db.operators import additive, geometric, linear, sign_consensus, slerp  # noqa: F401
 from mergepipe_db.operators.base import ExpertParams, MergeOperator, TensorContext, block_bounds, live_ranges
 from mergepipe_db.operators.dare import dare_keep_mask
 from mergepipe_db.operators.inputs import ExpertInput, empty_buffer

@@ -186,8 +186,11 @@ class MergeOperator(abc.ABC):
     #: inputs kept for a fused pass over the tensor (a `fold.Stash`, or TIES's list); empty or None: none held
     _stash: Any = None
 
+    #: method options this operator takes (`MergeSpec.options`), with their defaults; others are refused
+    option_defaults: ClassVar[dict[str, Any]] = {}
+
     def __init__(self, experts: Sequence[ExpertParams], *, normalize: bool | None = None, lam: float = 1.0,
-                 t: float | None = None) -> None:
+                 t: float | None = None, options: Any = None) -> None:
         experts = tuple(experts)
         if not experts:
             raise SpecError(f"{self.name} needs at least one expert model")
@@ -219,6 +222,12 @@ class MergeOperator(abc.ABC):
         self._next = 0
         self._skip: np.ndarray | None = None
         self._table: np.ndarray | None = None
+        given = dict(options or {})
+        unknown = sorted(set(given) - set(self.option_defaults))
+        if unknown:
+            raise SpecError(f"{self.name}: unknown parameter {unknown[0]!r}"
+                            + (f"; it takes {', '.join(sorted(self.option_defaults))}" if self.option_defaults else ""))
+        self.options: dict[str, Any] = {**self.option_defaults, **given}
         self._validate()
 
     def _validate(self) -> None:

@@ -8,7 +8,7 @@ as the spec layer cannot import the operators.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from mergepipe_db.errors import SpecError
 from mergepipe_db.operators.base import ExpertParams, MergeOperator
@@ -46,6 +46,7 @@ def get(method: str) -> type[MergeOperator]:
 
 
 def make_operator(method: str, experts: Sequence[ExpertParams], *, normalize: bool | None = None,
-                  lam: float = 1.0, t: float | None = None) -> MergeOperator:
-    """The operator for ``method`` (SpecError for an unknown method or bad parameters)."""
-    return get(method)(experts, normalize=normalize, lam=lam, t=t)
+                  lam: float = 1.0, t: float | None = None, options: Any = None) -> MergeOperator:
+    """The operator for ``method`` (SpecError for an unknown method or bad parameters); ``options`` are the
+    spec's method options (`MergeSpec.options`: pairs or a mapping)."""
+    return get(method)(experts, normalize=normalize, lam=lam, t=t, options=options)

@@ -563,7 +563,8 @@ def _execute(
         return item
 
     try:
-        op = make_operator(spec.method, params, normalize=spec.normalize, lam=spec.lam, t=spec.t)
+        op = make_operator(spec.method, params, normalize=spec.normalize, lam=spec.lam, t=spec.t,
+                           options=spec.options)
         table = BaseOnly(op) if any(ot.dtype == "BF16" for ot in out_tensors) else None
         # an operator that keeps θ_k past add() (slerp keeps its one expert until finish) gets fresh memory
         reuse_theta = not op.tensor_granular

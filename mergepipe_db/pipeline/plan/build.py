@@ -120,7 +120,7 @@ def load_experts(conn: sa.Connection, spec: MergeSpec, expert_ids: list[str]) ->
         spec.method,
         [ExpertParams(key=info.id, weight=m.weight, density=m.density, gamma=m.gamma)
          for info, m in zip(infos, spec.models)],
-        normalize=spec.normalize, lam=spec.lam, t=spec.t,
+        normalize=spec.normalize, lam=spec.lam, t=spec.t, options=spec.options,
     )
     experts = []
     for pos, (info, m) in enumerate(zip(infos, spec.models)):

@@ -44,6 +44,7 @@ def plan_from_manifest(conn: sa.Connection, manifest: dict[str, Any]) -> Plan:
                                 float(m["parameters"]["gamma"])) for m in sp["models"]),
         normalize=gp["normalize"], lam=float(gp["lambda"]), t=gp["t"], dtype=sp["dtype"], budget=None,
         seed=int(manifest["seed"]), source="<manifest>",
+        options=tuple(sorted((k, v) for k, v in gp.items() if k not in ("normalize", "lambda", "t"))),
     )
     base = load_checkpoint_info(conn, inputs["base"]["id"])
     base_tensors = load_tensors(conn, base.id)
