@@ -25,7 +25,7 @@ DEFAULT_CATALOG = "./mergepipe.duckdb"
 ENV_CATALOG = "MERGEPIPE_CATALOG"
 ENV_LOCK_TIMEOUT = "MERGEPIPE_LOCK_TIMEOUT"
 #: the newest migration in migrations/versions (tests/integration/test_catalog.py checks it is alembic's only head)
-SCHEMA_HEAD = "0005"
+SCHEMA_HEAD = "wt_methods_b_gram"
 
 
 def resolve_url(catalog: str | None) -> str:

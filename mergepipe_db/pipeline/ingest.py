@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import sqlalchemy as sa
 
 from mergepipe_db import sources
@@ -36,6 +37,7 @@ from mergepipe_db.core.version import __version__
 from mergepipe_db.db import schema
 from mergepipe_db.db.checkpoints import now_iso, write_checkpoint
 from mergepipe_db.db.engine import Database
+from mergepipe_db.db.gram import has_tensor_gram, write_tensor_gram
 from mergepipe_db.errors import (
     BadCheckpointError,
     DuplicateNameError,
@@ -362,6 +364,34 @@ def _reader(layouts, plans, base, out: queue.Queue, shas: list[list[str]], stop:
 ScanResult = tuple[list[dict], list[dict], list[dict], list[str], int]
 
 
+_GRAM = "_gram"  # a row's inner-product statistics, written to mp_tensor_gram (`_write`), not to its own table
+
+
+def _expert_block_stats(data: Any, base: Any, dtype: str, start: int) -> dict[str, Any]:
+    """A block's catalog statistics (`delta_block_stats`) and its inner-product statistics (`gram_block_stats`,
+    under `_GRAM`), from the same bytes in memory."""
+    from mergepipe_db.kernels.gram_stats import gram_block_stats
+
+    return {**delta_block_stats(data, base, dtype), _GRAM: gram_block_stats(data, base, dtype, start)}
+
+
+def _base_block_square(data: Any, dtype: str) -> dict[str, Any]:
+    from mergepipe_db.kernels.gram_stats import base_square
+
+    return {_GRAM: base_square(data, dtype)}
+
+
+def _tensor_gram(rows: list[dict[str, Any]], delta: bool) -> dict[str, Any]:
+    """A tensor's inner-product statistics from its blocks' (a block equal to the base's contributes 0); a delta
+    checkpoint's base was not read, so it has no <θ₀, Δ>."""
+    from mergepipe_db.kernels.gram_stats import GRAM_DIM
+
+    parts = [g for g in (r.pop(_GRAM, None) for r in rows) if g is not None]
+    proj = np.zeros(GRAM_DIM) if not parts else np.sum([g[2] for g in parts], axis=0)
+    return {"base_dot": None if delta else math.fsum(g[0] for g in parts), "delta_sq": math.fsum(g[1] for g in parts),
+            "proj": proj}
+
+
 def scan(
     layout: CheckpointLayout,
     *,
@@ -433,6 +463,9 @@ def scan_group(
             arithmetic = bt is not None and entry.dtype in ARITHMETIC_DTYPES
             hashers = [xxhash.xxh3_128() for _ in layouts]
             stat_rows: list[list[dict[str, Any]]] = [[] for _ in layouts]  # blocks with delta statistics
+            own_rows: list[list[dict[str, Any]]] = [[] for _ in layouts]  # a base's blocks (||θ||², gram_stats)
+            original = base is None and not delta and entry.dtype in ARITHMETIC_DTYPES
+            row_numel = math.prod(entry.shape[1:]) if len(entry.shape) >= 2 else 1
             all_equal = [True for _ in layouts]
             for bi, rows in enumerate(ranges):
                 rel, length = block_byte_range(entry.shape, DTYPE_BITS[entry.dtype], rows)
@@ -459,12 +492,17 @@ def scan_group(
                             row.update(zero_block_stats(length, entry.dtype))
                         else:
                             assert delta or item.base is not None  # the reader reads the base for such a block
-                            pending.append((row, pool.submit(delta_block_stats, item.data, item.base, entry.dtype)))
+                            pending.append((row, pool.submit(_expert_block_stats, item.data, item.base, entry.dtype,
+                                                             rows[0] * row_numel)))
                             settle(_STATS_WORKERS * 2)
                         stat_rows[k].append(row)
                         all_equal[k] &= same_as_base or delta
                     elif bt is not None:
                         all_equal[k] &= same_as_base
+                    elif original:
+                        pending.append((row, pool.submit(_base_block_square, item.data, entry.dtype)))
+                        settle(_STATS_WORKERS * 2)
+                        own_rows[k].append(row)
                     block_rows[k].append(row)
                     bar.update(length)
             settle(0)
@@ -485,6 +523,8 @@ def scan_group(
                     "xxh3": hashers[k].hexdigest(),
                     "delta_l2": (l2sq ** 0.5) if arithmetic else None,
                     "equal_to_base": equal if bt is not None else None,
+                    _GRAM: (_tensor_gram(stat_rows[k], delta) if arithmetic
+                            else {"base_sq": math.fsum(r.pop(_GRAM) for r in own_rows[k])} if original else None),
                 })
         tail = q.get()
         if isinstance(tail, BaseException):
@@ -653,9 +693,13 @@ def _write(conn: sa.Connection, p: _Pending, *, base_id: str | None, block_bytes
     file_ids = [hashlib.sha256(f"{cid}/{fr['relpath']}".encode()).hexdigest()[:32] for fr in file_rows]
     for fr, fid in zip(file_rows, file_ids):
         fr["id"], fr["checkpoint_id"] = fid, cid
+    grams = []
     for tr in tensor_rows:
         tr["checkpoint_id"] = cid
         tr["file_id"] = file_ids[tr.pop("file_idx")]
+        g = tr.pop(_GRAM, None)
+        if g is not None:
+            grams.append((tr["tensor_idx"], g))
     for br in block_rows:
         br["checkpoint_id"] = cid
     total_bytes = sum(t["nbytes"] for t in tensor_rows)
@@ -668,6 +712,8 @@ def _write(conn: sa.Connection, p: _Pending, *, base_id: str | None, block_bytes
         for fr in file_rows:
             conn.execute(schema.source_file.update().where(schema.source_file.c.id == fr["id"])
                          .values(size=fr["size"], mtime_ns=fr["mtime_ns"], path=fr["path"]))
+        if not has_tensor_gram(conn, cid):  # catalogued before mp_tensor_gram existed
+            write_tensor_gram(conn, cid, grams)
         return IngestResult(cid, p.name, p.kind, len(tensor_rows), len(block_rows), total_bytes, bytes_read, False)
     if by_name is not None:
         raise DuplicateNameError(
@@ -680,4 +726,5 @@ def _write(conn: sa.Connection, p: _Pending, *, base_id: str | None, block_bytes
         "block_bytes": block_bytes, "n_tensors": len(tensor_rows), "total_bytes": total_bytes,
         "has_stats": base_id is not None, "created_at": now_iso(), "tool_version": __version__,
     }, file_rows, tensor_rows, block_rows)
+    write_tensor_gram(conn, cid, grams)
     return IngestResult(cid, p.name, p.kind, len(tensor_rows), len(block_rows), total_bytes, bytes_read, True)
