@@ -121,9 +121,11 @@ class Plan:
     sources: tuple[Any, ...] = ()  # a `sources.base.ExpertSource` per expert, by position
     pruned_bytes: int = 0  # TIES: read cost of nonzero-delta blocks that trim to zero (never candidates)
     pruned_blocks: int = 0
+    #: geometric methods under a budget: [a₀, [c_k]] by tensor name, from catalog statistics (docs/SEMANTICS.md)
+    coefficients: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _freeze(self, "access", "full_selection", "bound_per_tensor", "sketches")
+        _freeze(self, "access", "full_selection", "bound_per_tensor", "sketches", "coefficients")
 
     def selected_blocks(self, position: int, tensor_idx: int) -> tuple[int, ...]:
         """The block indices expert `position` reads of base tensor `tensor_idx` (all of its blocks for a

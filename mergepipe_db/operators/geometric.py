@@ -196,15 +196,44 @@ class GramFold(MergeOperator):
     #: how a tensor is grouped for its coefficients ("flat", "rows", "cols")
     _deltas: list[np.ndarray | None]
 
+    #: coefficients from catalog statistics, by tensor name: [a0, [c_1 … c_K]] (`use_coefficients`)
+    _table: Any = None
+
     def group_mode(self) -> str:
         return "flat"
 
+    @property
+    def plans_from_gram(self) -> bool:
+        """Whether a partial read takes this method's coefficients from catalog statistics (per-tensor
+        coefficients: the "flat" mode), so that it can be planned by blocks."""
+        return self.group_mode() == "flat"
+
+    def coefficients_from_gram(self, g: np.ndarray) -> tuple[float, list[float]]:
+        """(a0, [c_k]) of one tensor from its (K+1, K+1) Gram matrix of [θ₀, Δ_1 … Δ_K] (float64)."""
+        a0, c = self._coefficients(np.asarray(g, np.float64))
+        return float(np.asarray(a0).reshape(-1)[0]), [float(v) for v in np.asarray(c).reshape(-1)]
+
+    def use_coefficients(self, table: Any) -> None:
+        """The plan's coefficients (`coefficients_from_gram` of the catalog's statistics, by tensor name): a tensor
+        not read whole for every expert is combined with them; a tensor read whole with its exact Gram matrix."""
+        self._table = dict(table or {})
+
     def _begin(self) -> None:
         self._deltas = []
+        self._full: list[bool] = []
 
     def _add(self, x: ExpertInput) -> None:
         d = x.delta if x.selected_blocks else None
         self._deltas.append(None if d is None else np.array(d, dtype=np.float32, copy=True))
+        self._full.append(bool(x.full))
+
+    def _planned(self) -> tuple[float, list[float]] | None:
+        """The plan's coefficients of this tensor, when it has them and some expert was not read whole."""
+        assert self._ctx is not None
+        if not self._table or all(self._full) or self._ctx.name not in self._table:
+            return None
+        a0, c = self._table[self._ctx.name]
+        return float(a0), [float(v) for v in c]
 
     def _coefficients(self, g: np.ndarray) -> tuple[Any, np.ndarray]:
         raise NotImplementedError
@@ -212,15 +241,18 @@ class GramFold(MergeOperator):
     def _finish(self) -> np.ndarray:
         base = self._base
         assert base is not None
-        if all(d is None for d in self._deltas):  # no expert read on this tensor: θ₀
-            return base.copy()
         mode = self.group_mode()
+        planned = self._planned() if mode == "flat" else None
+        if planned is None and all(d is None for d in self._deltas):  # no expert read on this tensor: θ₀
+            return base.copy()
         vecs = [_groups(base, mode)] + [None if d is None else _groups(d, mode) for d in self._deltas]
-        g = gram(vecs)
-        if mode == "flat":
-            a0, c = self._coefficients(g[0])
+        if planned is not None:
+            a0s, cs = np.array([planned[0]], np.float64), np.asarray(planned[1], np.float64)[None, :]
+        elif mode == "flat":
+            a0, c = self._coefficients(gram(vecs)[0])
             a0s, cs = np.array([a0], np.float64), np.asarray(c, np.float64)[None, :]
         else:
+            g = gram(vecs)
             a0s, cs = self._coefficients(g)
         b = vecs[0]
         a0f = a0s.astype(np.float32)[:, None]
@@ -246,6 +278,8 @@ class ModelStock(GramFold):
             raise SpecError(f"model_stock needs at least three models including the base; got the base and "
                             f"{self.n_experts} other")
         _flag(self.options["filter_wise"], "filter_wise", self.name)
+        if self.options["filter_wise"]:  # row-local: plan block rows of all experts together
+            self.tensor_granular, self.joint_election = False, True
 
     def group_mode(self) -> str:
         return "rows" if self.options["filter_wise"] else "flat"
@@ -272,6 +306,8 @@ class NuSlerp(GramFold):
             raise SpecError(f"nuslerp merges exactly two models besides the base; got {self.n_experts}")
         _flag(self.options["nuslerp_flatten"], "nuslerp_flatten", self.name)
         _flag(self.options["nuslerp_row_wise"], "nuslerp_row_wise", self.name)
+        if self.group_mode() == "rows":  # row-local: plan block rows of both experts together
+            self.tensor_granular, self.joint_election = False, True
         total = self.weights[0] + self.weights[1]
         self.t_interp = 0.5 if abs(total) < 1e-6 else self.weights[1] / total
 
@@ -318,6 +354,10 @@ class MultiSlerp(GramFold):
         if self.n_experts == 1:  # MergeKit returns the one model's tensor itself
             self._theta1 = None if not x.selected_blocks else np.array(x.theta, dtype=np.float32, copy=True)
 
+    @property
+    def plans_from_gram(self) -> bool:
+        return self.n_experts > 1
+
     def _finish(self) -> np.ndarray:
         if self.n_experts == 1:
             assert self._base is not None
@@ -351,6 +391,11 @@ class Karcher(GramFold):
         return karcher_coefficients(g, int(self.options["max_iter"]), float(self.options["tol"]))
 
     def _finish(self) -> np.ndarray:
+        if self._planned() is not None:
+            return super()._finish()
+        return self._finish_read()
+
+    def _finish_read(self) -> np.ndarray:
         """Full read: the iteration on the tensors themselves in float32 (`karcher_float32`): near the base the
         angles are ~1e-4 and float32 rounding of ``cos θ`` moves them by ~1e-4 relative, which MergeKit's
         result carries; the Gram form (`karcher_coefficients`, exact in float64) differs from it by that much."""
@@ -360,12 +405,18 @@ class Karcher(GramFold):
         return karcher_float32(thetas, int(self.options["max_iter"]), float(self.options["tol"]))
 
     def _begin(self) -> None:
+        super()._begin()
         self._thetas: list[np.ndarray | None] = []
 
     def _add(self, x: ExpertInput) -> None:
+        if self._table and self._ctx is not None and self._ctx.name in self._table:
+            super()._add(x)  # Δ_k, for the planned coefficients if some expert is read in part
+        else:
+            self._full.append(bool(x.full))
         self._thetas.append(np.array(x.theta, dtype=np.float32, copy=True) if x.selected_blocks else None)
 
     def _end(self) -> None:
+        super()._end()
         self._thetas = []
 
 

@@ -565,6 +565,8 @@ def _execute(
     try:
         op = make_operator(spec.method, params, normalize=spec.normalize, lam=spec.lam, t=spec.t,
                            options=spec.options)
+        if plan.coefficients:  # a geometric method's coefficients from catalog statistics
+            op.use_coefficients(plan.coefficients)
         table = BaseOnly(op) if any(ot.dtype == "BF16" for ot in out_tensors) else None
         # an operator that keeps θ_k past add() (slerp keeps its one expert until finish) gets fresh memory
         reuse_theta = not op.tensor_granular

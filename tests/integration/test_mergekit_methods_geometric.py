@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 pytestmark = [pytest.mark.mergekit, pytest.mark.catalog]
 
@@ -102,6 +103,7 @@ def merged(tmp_path_factory: pytest.TempPathFactory):
         cat.merge(_spec(method, models, params), out=root / f"mp-{case}")
         out[case] = (load_dir(root / f"mk-{case}"), load_dir(root / f"mp-{case}"))
     out["base"] = load_dir(fam.base)
+    out["experts"] = {n: load_dir(p) for n, p in zip(EXPERTS, fam.experts)}
     return out, cat, root
 
 
@@ -170,16 +172,34 @@ def test_bad_input_is_one_line_before_reading(merged, tmp_path: Path, capsys, me
     assert cat.sql("SELECT count(*) FROM snapshots")[1] == before
 
 
-@pytest.mark.parametrize("case", ["model_stock", "nuslerp_rows", "multislerp", "karcher"])
+@pytest.mark.parametrize("case", ["model_stock", "model_stock_fw", "nuslerp", "nuslerp_rows", "nuslerp_cols",
+                                  "multislerp", "karcher"])
 def test_partial_budget_is_sound_deterministic_and_replayable(merged, tmp_path: Path, case: str) -> None:
-    """Under a budget these methods read whole (expert, tensor)s: realized bytes == planned ≤ budget, the same
-    plan twice, and replay gives the same bytes."""
+    """Under a budget: realized bytes == planned ≤ budget, the same plan twice, and replay gives the same bytes.
+    The row-local modes (model_stock filter_wise, nuslerp per row) read the same block rows of every expert,
+    and some tensor only in part."""
     _outputs, cat, _root = merged
     _c, method, models, params = next(c for c in CASES if c[0] == case)
     spec = {**_spec(method, models, params), "budget": 0.4}
     p1, p2 = cat.plan(spec), cat.plan(spec)
     assert p1.plan_hash == p2.plan_hash
     assert 0 < p1.planned_bytes <= p1.budget_bytes < p1.full_bytes
+    if case in ("model_stock_fw", "nuslerp_rows"):
+        # block rows of every expert together: a row block read for one expert is read for every expert whose
+        # Δ is nonzero there (the others have Δ = 0 there: nothing to read)
+        outputs = _outputs
+        partial = False
+        for t in p1.base_tensors:
+            read = set().union(*(p1.selected_blocks(e.position, t.idx) for e in p1.experts))
+            for (m, _p), e in zip(models, p1.experts):
+                d = outputs["experts"][m][t.name].float() - outputs["base"][t.name].float()
+                for blk in range(t.n_blocks):
+                    nonzero = bool(d.reshape(d.shape[0] if d.dim() else 1, -1)[
+                        blk * t.rows_per_block:(blk + 1) * t.rows_per_block].abs().sum() > 0) if t.n_blocks > 1 \
+                        else bool(d.abs().sum() > 0)
+                    assert (blk in p1.selected_blocks(e.position, t.idx)) == (blk in read and nonzero), (t.name, m)
+            partial |= 0 < len(read) < t.n_blocks
+        assert partial
     res = cat.merge(spec, out=tmp_path / "a")
     doc = json.loads((tmp_path / "a" / "manifest.json").read_text())["manifest"]
     assert doc["realized"]["total"] == doc["planned_bytes"] == p1.planned_bytes
@@ -187,3 +207,64 @@ def test_partial_budget_is_sound_deterministic_and_replayable(merged, tmp_path: 
     again = json.loads((tmp_path / "b" / "manifest.json").read_text())["manifest"]
     assert again["outputs"] == doc["outputs"]
     assert res is not None
+
+
+@pytest.mark.parametrize("case", ["model_stock", "nuslerp", "multislerp", "karcher_short"])
+def test_budget_coefficients_come_from_the_catalog(merged, tmp_path: Path, case: str) -> None:
+    """Under a budget the per-tensor methods are planned by blocks with coefficients from the catalog's
+    statistics: the plan records them for every tensor some expert reads in part; the output there is
+    a₀·θ₀ + Σ c_k·Δ_k with Δ_k zero on the rows not read (computed here from the files and the access set); the
+    coefficients of tensors of at most 1,024 elements (exact sketches) equal those of the exact Gram matrix;
+    replay reproduces the bytes from the manifest's coefficients."""
+    from mergekit_peer import load_dir
+
+    from mergepipe_db.operators import ExpertParams, make_operator
+
+    outputs, cat, _root = merged
+    _c, method, models, params = next(c for c in CASES if c[0] == case)
+    spec = {**_spec(method, models, params), "budget": 0.5}
+    plan = cat.plan(spec)
+    partial = {t.name for t in plan.base_tensors if any(not plan.full_selection.get((e.position, t.idx), True)
+                                                        for e in plan.experts)}
+    assert partial and set(plan.coefficients) == partial
+    assert any(0 < len(plan.selected_blocks(e.position, t.idx)) < t.n_blocks
+               for t in plan.base_tensors for e in plan.experts)
+    cat.merge(spec, out=tmp_path / "a")
+    got = load_dir(tmp_path / "a")
+    base = outputs["base"]
+    thetas = [outputs["experts"][m] for m, _p in models]
+    op = make_operator(method, [ExpertParams(str(k), weight=float(p.get("weight", 1.0))) for k, (_m, p) in
+                                enumerate(models)], options=params)
+    for t in plan.base_tensors:
+        if t.name not in partial:
+            continue
+        a0, c = plan.coefficients[t.name]
+        b = base[t.name].float()
+        want = b * a0
+        deltas = []
+        for e, th in zip(plan.experts, thetas):
+            d = th[t.name].float() - b
+            keep = torch.zeros(d.shape[0], dtype=torch.bool)
+            for blk in plan.selected_blocks(e.position, t.idx):
+                keep[blk * t.rows_per_block:(blk + 1) * t.rows_per_block] = True
+            d = torch.where(keep.view(-1, *([1] * (d.dim() - 1))), d, torch.zeros_like(d))
+            deltas.append(d)
+            want = want + d * float(c[e.position])
+        assert _rel(got[t.name], want) <= 1e-6, t.name
+    # at a small budget the small tensors are cut too: their sketches are exact, so are their coefficients
+    small = 0
+    tiny = cat.plan({**spec, "budget": 0.05})
+    for t in tiny.base_tensors:
+        b = base[t.name].float()
+        if t.name in tiny.coefficients and b.numel() <= 1024:
+            a0, c = tiny.coefficients[t.name]
+            full = [b.reshape(1, -1).double()] + [(th[t.name].float() - b).reshape(1, -1).double() for th in thetas]
+            g = np.array([[float((x * y).sum()) for y in full] for x in full])
+            ea0, ec = op.coefficients_from_gram(g)
+            assert a0 == pytest.approx(ea0, rel=1e-9) and c == pytest.approx(ec, rel=1e-6, abs=1e-9), t.name
+            small += 1
+    assert small > 0
+    man = json.loads((tmp_path / "a" / "manifest.json").read_text())["manifest"]
+    assert set(man["coefficients"]) == partial
+    cat.replay(str(tmp_path / "a" / "manifest.json"), out=tmp_path / "b", verify=True)
+    assert json.loads((tmp_path / "b" / "manifest.json").read_text())["manifest"]["outputs"] == man["outputs"]

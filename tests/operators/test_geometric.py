@@ -119,15 +119,19 @@ def data(shape, k, seed, scale=0.3):
     return base, [base + common + torch.randn(shape, generator=g) * scale for _ in range(k)]
 
 
-def stream(method, base, thetas, weights=None, *, selected=None, **options):
+def stream(method, base, thetas, weights=None, *, selected=None, rows=None, **options):
     params = [ExpertParams(str(k), weight=1.0 if weights is None else weights[k]) for k in range(len(thetas))]
     op = make_operator(method, params, options=options)
-    rows = base.shape[0] if base.dim() >= 2 else 1
-    ctx = TensorContext("t", tuple(base.shape), 1, rows, seed=0)  # one block per row (1-d: one block)
+    n_rows = base.shape[0] if base.dim() >= 2 else 1
+    ctx = TensorContext("t", tuple(base.shape), 1, n_rows, seed=0)  # one block per row (1-d: one block)
     op.begin(base.numpy(), ctx)
     for k, th in enumerate(thetas):
         if selected is not None and k not in selected:
             op.add(ExpertInput(k, params[k], (), False, base=base.numpy()))
+        elif rows is not None:  # these blocks (rows) only; θ_k given on them, anything elsewhere
+            junk = th.clone()
+            junk[[r for r in range(ctx.n_blocks) if r not in rows]] = 1e30
+            op.add(ExpertInput(k, params[k], rows, False, base=base.numpy(), theta=junk.numpy()))
         else:
             op.add(ExpertInput(k, params[k], range(ctx.n_blocks), True, base=base.numpy(), theta=th.numpy()))
     return torch.from_numpy(op.finish().copy())
@@ -182,6 +186,28 @@ def test_omitted_expert_tensor_is_the_base() -> None:
         want = stream(method, base, [th[0], base.clone(), th[2]], w, **kw)
         assert torch.equal(got, want), method
         assert rel(got, stream(method, base, th, w, **kw)) > 1e-4
+
+
+def test_row_local_modes_on_selected_rows() -> None:
+    """model_stock filter_wise and nuslerp per row are planned by block rows of all experts together: on the
+    rows read the result is the formula's, on the others θ₀ (their Δ are 0)."""
+    from mergepipe_db.operators import operator_class
+
+    base, th = data((40, 9), 3, 60)
+    rows = [0, 1, 2, 7, 8, 20, 39]
+    part = [base.clone() for _ in th]
+    for p, t in zip(part, th):
+        p[rows] = t[rows]
+    for method, kw, w, ths, ps in (("model_stock", {"filter_wise": True}, None, th, part),
+                                   ("nuslerp", {"nuslerp_flatten": False}, [0.3, 0.7], th[:2], part[:2])):
+        op = make_operator(method, [ExpertParams(str(k), weight=1.0 if w is None else w[k]) for k in range(len(ths))],
+                           options=kw)
+        assert not op.tensor_granular and op.joint_election and operator_class(method).tensor_granular
+        got = stream(method, base, ths, w, rows=rows, **kw)
+        want = ref_model_stock(base, ps, True) if method == "model_stock" else ref_nuslerp(base, ps, w, False)
+        assert rel(got, want) <= 1e-6
+        rest = [r for r in range(40) if r not in rows]
+        assert torch.equal(got[rest], base[rest])
 
 
 # --- the Gram form ---------------------------------------------------------------------------------------
