@@ -12,7 +12,7 @@ import sqlalchemy as sa
 
 from mergepipe_db.db import schema
 
-__all__ = ["TensorGram", "has_tensor_gram", "tensor_gram", "write_tensor_gram"]
+__all__ = ["TensorGram", "has_tensor_gram", "tensor_cross", "tensor_gram", "write_tensor_gram"]
 
 
 @dataclass(frozen=True)
@@ -26,9 +26,15 @@ class TensorGram:
     proj: np.ndarray | None
 
 
-def write_tensor_gram(conn: sa.Connection, checkpoint_id: str, rows: Sequence[tuple[int, dict[str, Any]]]) -> None:
-    """Insert the statistics of one checkpoint's tensors ((tensor_idx, values) pairs) in the caller's
+def write_tensor_gram(conn: sa.Connection, checkpoint_id: str, rows: Sequence[tuple[int, dict[str, Any]]],
+                      crosses: Sequence[tuple[int, str, float]] = ()) -> None:
+    """Insert the statistics of one checkpoint's tensors ((tensor_idx, values) pairs) and its exact products
+    with the experts ingested with it ((tensor_idx, other checkpoint id, ⟨Δ, Δ_other⟩)) in the caller's
     transaction."""
+    if crosses:
+        conn.execute(schema.tensor_cross.insert(), [
+            {"checkpoint_id": checkpoint_id, "other_id": other, "tensor_idx": int(tidx), "dot": float(dot)}
+            for tidx, other, dot in crosses])
     out = []
     for tidx, g in rows:
         proj = g.get("proj")
@@ -53,3 +59,10 @@ def tensor_gram(conn: sa.Connection, checkpoint_id: str) -> dict[int, TensorGram
                         .where(tg.c.checkpoint_id == checkpoint_id, tg.c.complete))
     return {int(t): TensorGram(bd, dd, bs, None if p is None else np.frombuffer(p, "<f8").copy())
             for t, bd, dd, bs, p in rows}
+
+
+def tensor_cross(conn: sa.Connection, checkpoint_id: str) -> dict[tuple[int, str], float]:
+    """{(its tensor_idx, other checkpoint id): ⟨Δ, Δ_other⟩} for the experts ingested with this one."""
+    tc = schema.tensor_cross
+    rows = conn.execute(sa.select(tc.c.tensor_idx, tc.c.other_id, tc.c.dot).where(tc.c.checkpoint_id == checkpoint_id))
+    return {(int(t), str(o)): float(d) for t, o, d in rows}

@@ -136,6 +136,16 @@ tensor_gram = sa.Table(
     sa.Column("complete", sa.Boolean, nullable=False),
 )
 
+# Exact <Δ_a, Δ_b> of one tensor for two experts ingested together (one scan group): tensor_idx is checkpoint_id's.
+tensor_cross = sa.Table(
+    "mp_tensor_cross",
+    metadata,
+    sa.Column("checkpoint_id", sa.String(64), primary_key=True),
+    sa.Column("other_id", sa.String(64), primary_key=True),
+    sa.Column("tensor_idx", sa.Integer, primary_key=True),
+    sa.Column("dot", sa.Double, nullable=False),
+)
+
 snapshot = sa.Table(
     "mp_snapshot",
     metadata,

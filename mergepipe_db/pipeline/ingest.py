@@ -375,6 +375,17 @@ def _expert_block_stats(data: Any, base: Any, dtype: str, start: int) -> dict[st
     return {**delta_block_stats(data, base, dtype), _GRAM: gram_block_stats(data, base, dtype, start)}
 
 
+def _cross_products(changed: list[tuple[int, Any]], base: Any, dtype: str) -> list[tuple[int, int, float]]:
+    """⟨Δ_i, Δ_j⟩ of one block for every pair of members (i, j), i < j, whose Δ is not 0 there (float32 dot
+    products; the tensor's sum is taken in float64)."""
+    from mergepipe_db.core.dtypes import as_float32, numpy_storage_dtype
+
+    dt = numpy_storage_dtype(dtype)
+    b = as_float32(np.frombuffer(base, dt))
+    ds = [(k, as_float32(np.frombuffer(data, dt)) - b) for k, data in changed]
+    return [(i, j, float(np.dot(di, dj))) for a, (i, di) in enumerate(ds) for (j, dj) in ds[a + 1:]]
+
+
 def _base_block_square(data: Any, dtype: str) -> dict[str, Any]:
     from mergepipe_db.kernels.gram_stats import base_square
 
@@ -467,8 +478,12 @@ def scan_group(
             original = base is None and not delta and entry.dtype in ARITHMETIC_DTYPES
             row_numel = math.prod(entry.shape[1:]) if len(entry.shape) >= 2 else 1
             all_equal = [True for _ in layouts]
+            crossing = arithmetic and not delta and len(layouts) > 1  # experts read together: exact ⟨Δ_i, Δ_j⟩
+            cross: list[Future] = []
             for bi, rows in enumerate(ranges):
                 rel, length = block_byte_range(entry.shape, DTYPE_BITS[entry.dtype], rows)
+                changed: list[tuple[int, Any]] = []  # (member, block bytes) of the members whose Δ is not 0 here
+                block_base = None
                 for k, (fi, own, _r, _g) in enumerate(entries):  # `own`: where the tensor lies in member k's files
                     item = q.get()
                     if isinstance(item, BaseException):
@@ -495,6 +510,9 @@ def scan_group(
                             pending.append((row, pool.submit(_expert_block_stats, item.data, item.base, entry.dtype,
                                                              rows[0] * row_numel)))
                             settle(_STATS_WORKERS * 2)
+                            if crossing:
+                                changed.append((k, item.data))
+                                block_base = item.base
                         stat_rows[k].append(row)
                         all_equal[k] &= same_as_base or delta
                     elif bt is not None:
@@ -505,7 +523,13 @@ def scan_group(
                         own_rows[k].append(row)
                     block_rows[k].append(row)
                     bar.update(length)
+                if len(changed) > 1:
+                    cross.append(pool.submit(_cross_products, changed, block_base, entry.dtype))
             settle(0)
+            cross_sums: dict[tuple[int, int], float] = {}
+            for fut in cross:
+                for i, j, dot in fut.result():
+                    cross_sums[(i, j)] = cross_sums.get((i, j), 0.0) + dot
             for k, (fi, own, _r, _g) in enumerate(entries):
                 l2sq = math.fsum(r["delta_l2"] ** 2 for r in stat_rows[k])
                 equal = all_equal[k] and all(r["delta_max"] == 0.0 for r in stat_rows[k])
@@ -523,7 +547,9 @@ def scan_group(
                     "xxh3": hashers[k].hexdigest(),
                     "delta_l2": (l2sq ** 0.5) if arithmetic else None,
                     "equal_to_base": equal if bt is not None else None,
-                    _GRAM: (_tensor_gram(stat_rows[k], delta) if arithmetic
+                    _GRAM: ({**_tensor_gram(stat_rows[k], delta),
+                             "cross": {j if i == k else i: v for (i, j), v in cross_sums.items() if k in (i, j)}
+                             if crossing else None} if arithmetic
                             else {"base_sq": math.fsum(r.pop(_GRAM) for r in own_rows[k])} if original else None),
                 })
         tail = q.get()
@@ -605,6 +631,8 @@ class _Pending:
     kind: str
     layout: CheckpointLayout
     scanned: ScanResult | None = None
+    #: the members of its scan group, itself included, in member order (their ⟨Δ_i, Δ_j⟩ are exact)
+    group: list[_Pending] | None = None
 
 
 def ingest_many(
@@ -673,6 +701,7 @@ def ingest_many(
         scanned = scan_group([p.layout for p in members], block_bytes=bb, base=base_tensors, progress=progress)
         for p, result in zip(members, scanned):
             p.scanned = result
+            p.group = members
 
     if todo:
         faults.point("ingest_scanned")
@@ -693,13 +722,17 @@ def _write(conn: sa.Connection, p: _Pending, *, base_id: str | None, block_bytes
     file_ids = [hashlib.sha256(f"{cid}/{fr['relpath']}".encode()).hexdigest()[:32] for fr in file_rows]
     for fr, fid in zip(file_rows, file_ids):
         fr["id"], fr["checkpoint_id"] = fid, cid
-    grams = []
+    partner_ids = [None if q.scanned is None else checkpoint_id(q.kind, base_id, block_bytes, q.scanned[1])
+                   for q in (p.group or [])]
+    grams, crosses = [], []
     for tr in tensor_rows:
         tr["checkpoint_id"] = cid
         tr["file_id"] = file_ids[tr.pop("file_idx")]
         g = tr.pop(_GRAM, None)
         if g is not None:
             grams.append((tr["tensor_idx"], g))
+            for j, dot in (g.get("cross") or {}).items():
+                crosses.append((tr["tensor_idx"], partner_ids[j], dot))
     for br in block_rows:
         br["checkpoint_id"] = cid
     total_bytes = sum(t["nbytes"] for t in tensor_rows)
@@ -713,7 +746,7 @@ def _write(conn: sa.Connection, p: _Pending, *, base_id: str | None, block_bytes
             conn.execute(schema.source_file.update().where(schema.source_file.c.id == fr["id"])
                          .values(size=fr["size"], mtime_ns=fr["mtime_ns"], path=fr["path"]))
         if not has_tensor_gram(conn, cid):  # catalogued before mp_tensor_gram existed
-            write_tensor_gram(conn, cid, grams)
+            write_tensor_gram(conn, cid, grams, crosses)
         return IngestResult(cid, p.name, p.kind, len(tensor_rows), len(block_rows), total_bytes, bytes_read, False)
     if by_name is not None:
         raise DuplicateNameError(
@@ -726,5 +759,5 @@ def _write(conn: sa.Connection, p: _Pending, *, base_id: str | None, block_bytes
         "block_bytes": block_bytes, "n_tensors": len(tensor_rows), "total_bytes": total_bytes,
         "has_stats": base_id is not None, "created_at": now_iso(), "tool_version": __version__,
     }, file_rows, tensor_rows, block_rows)
-    write_tensor_gram(conn, cid, grams)
+    write_tensor_gram(conn, cid, grams, crosses)
     return IngestResult(cid, p.name, p.kind, len(tensor_rows), len(block_rows), total_bytes, bytes_read, True)

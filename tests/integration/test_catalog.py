@@ -82,6 +82,7 @@ def test_block_statistics_keep_float64_and_0005_widens_an_older_duckdb_catalog(c
             for col in cols:
                 conn.execute(sa.text(f'ALTER TABLE {table} ALTER COLUMN "{col}" TYPE FLOAT'))
         conn.execute(sa.text("DROP TABLE mp_tensor_gram"))  # (added after 0005)
+        conn.execute(sa.text("DROP TABLE mp_tensor_cross"))
         conn.execute(sa.text("UPDATE alembic_version SET version_num = '0004'"))
     rounded = _block_l2(catalog, check_schema=False)
     assert rounded == [float(np.float32(v)) for v in l2]

@@ -214,8 +214,9 @@ def test_budget_coefficients_come_from_the_catalog(merged, tmp_path: Path, case:
     """Under a budget the per-tensor methods are planned by blocks with coefficients from the catalog's
     statistics: the plan records them for every tensor some expert reads in part; the output there is
     a₀·θ₀ + Σ c_k·Δ_k with Δ_k zero on the rows not read (computed here from the files and the access set); the
-    coefficients of tensors of at most 1,024 elements (exact sketches) equal those of the exact Gram matrix;
-    replay reproduces the bytes from the manifest's coefficients."""
+    experts were ingested together, so the cross products are exact and the coefficients equal those of the
+    exact Gram matrix (computed here from the files); replay reproduces the bytes from the manifest's
+    coefficients."""
     from mergekit_peer import load_dir
 
     from mergepipe_db.operators import ExpertParams, make_operator
@@ -251,19 +252,18 @@ def test_budget_coefficients_come_from_the_catalog(merged, tmp_path: Path, case:
             deltas.append(d)
             want = want + d * float(c[e.position])
         assert _rel(got[t.name], want) <= 1e-6, t.name
-    # at a small budget the small tensors are cut too: their sketches are exact, so are their coefficients
     small = 0
     tiny = cat.plan({**spec, "budget": 0.05})
     for t in tiny.base_tensors:
         b = base[t.name].float()
-        if t.name in tiny.coefficients and b.numel() <= 1024:
+        if t.name in tiny.coefficients:
             a0, c = tiny.coefficients[t.name]
             full = [b.reshape(1, -1).double()] + [(th[t.name].float() - b).reshape(1, -1).double() for th in thetas]
             g = np.array([[float((x * y).sum()) for y in full] for x in full])
             ea0, ec = op.coefficients_from_gram(g)
-            assert a0 == pytest.approx(ea0, rel=1e-9) and c == pytest.approx(ec, rel=1e-6, abs=1e-9), t.name
+            assert a0 == pytest.approx(ea0, rel=1e-7) and c == pytest.approx(ec, rel=1e-4, abs=1e-8), t.name
             small += 1
-    assert small > 0
+    assert small > 10
     man = json.loads((tmp_path / "a" / "manifest.json").read_text())["manifest"]
     assert set(man["coefficients"]) == partial
     cat.replay(str(tmp_path / "a" / "manifest.json"), out=tmp_path / "b", verify=True)

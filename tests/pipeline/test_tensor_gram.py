@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from mergepipe_db.db.gram import tensor_gram
+from mergepipe_db.db.gram import tensor_cross, tensor_gram
 from mergepipe_db.kernels.gram_stats import GRAM_DIM, gram_block_stats
 
 pytestmark = pytest.mark.catalog
@@ -51,6 +51,7 @@ def test_ingest_stores_the_inner_products(catalog, request, fixture: str) -> Non
     ids = {n: catalog.checkpoint_id(n) for n in ("base", "a", "b")}
     with catalog.db.connect() as conn:
         grams = {n: tensor_gram(conn, i) for n, i in ids.items()}
+        crosses = {n: tensor_cross(conn, ids[n]) for n in ("a", "b")}
         names = {n: dict(conn.execute(__import__("sqlalchemy").text(
             "SELECT tensor_idx, name FROM mp_tensor WHERE checkpoint_id = :c"), {"c": i}).all())
             for n, i in ids.items()}
@@ -71,19 +72,29 @@ def test_ingest_stores_the_inner_products(catalog, request, fixture: str) -> Non
             assert g.delta_sq == pytest.approx(float((dd * dd).sum()), rel=1e-9, abs=1e-15)
             if d.numel() <= 20000:
                 np.testing.assert_allclose(g.proj, plain_sketch(d.numpy()), rtol=1e-5, atol=1e-6 * float(dd.norm()))
-    # the sketches of two experts estimate their inner product: exact for tensors of at most GRAM_DIM elements
+    # the sketches of two experts estimate their inner product: exact for tensors of at most GRAM_DIM elements;
+    # ingested together (ingest_many), the product itself is stored (where both Δ are nonzero somewhere)
+    n_exact = 0
     for tidx, ga in grams["a"].items():
         name = names["a"][tidx]
         tb = next(t for t, nm in names["b"].items() if nm == name)
         da = (experts["a"][name].float() - base[name].float()).double()
         db = (experts["b"][name].float() - base[name].float()).double()
         got, want = float(ga.proj @ grams["b"][tb].proj), float((da * db).sum())
+        ex_a, ex_b = crosses["a"].get((tidx, ids["b"])), crosses["b"].get((tb, ids["a"]))
+        assert ex_a == ex_b
+        if ex_a is not None:
+            assert ex_a == pytest.approx(want, rel=1e-5, abs=1e-12 * float(da.norm() * db.norm()) + 1e-30)
+            n_exact += 1
+        else:  # no block where both changed
+            assert want == 0.0 or float(da.norm() * db.norm()) == 0.0 or (da * db != 0).sum() == 0
         if da.numel() <= GRAM_DIM or float(da.norm() * db.norm()) == 0.0:
             assert got == pytest.approx(want, rel=1e-5, abs=1e-9)
         else:
             est.append(got)
             true.append(want)
             bound.append(float(da.norm() * db.norm()) * (2 / GRAM_DIM) ** 0.5)
+    assert n_exact >= 3
     z = (np.array(est) - np.array(true)) / np.array(bound)
     assert len(z) >= 3 and np.all(np.abs(z) < 6) and abs(z.mean()) < 1.5
 

@@ -3,8 +3,9 @@ inner-product statistics (mp_tensor_gram), before any expert byte is read: the p
 planned by blocks under a budget (docs/SEMANTICS.md, "Inner-product statistics").
 
 Per tensor, the Gram matrix of [θ₀, Δ_1 … Δ_K] is assembled from ‖θ₀‖² (the base's row), ⟨θ₀, Δ_k⟩ and ‖Δ_k‖²
-(exact sums taken at ingest) and ⟨Δ_i, Δ_j⟩ ≈ ⟨proj_i, proj_j⟩ (count sketches: exact for tensors of at most
-`GRAM_DIM` elements, an unbiased estimate otherwise); the operator turns it into (a₀, c_k)
+(exact sums taken at ingest) and ⟨Δ_i, Δ_j⟩: exact where the two experts were ingested together (mp_tensor_cross),
+else ⟨proj_i, proj_j⟩ (count sketches: exact for tensors of at most `GRAM_DIM` elements, an unbiased estimate
+otherwise); the operator turns it into (a₀, c_k)
 (`coefficients_from_gram`). The plan and the manifest carry them, so replay needs nothing else."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sqlalchemy as sa
 
 from mergepipe_db.core.dtypes import ARITHMETIC_DTYPES
 from mergepipe_db.core.plan import CheckpointInfo, ExpertPlan, TensorInfo
-from mergepipe_db.db.gram import tensor_gram
+from mergepipe_db.db.gram import tensor_cross, tensor_gram
 
 __all__ = ["gram_coefficients", "plans_from_gram"]
 
@@ -35,6 +36,7 @@ def gram_matrices(conn: sa.Connection, base: CheckpointInfo, base_tensors: list[
         return None
     base_rows = tensor_gram(conn, base.id)
     rows = [tensor_gram(conn, e.checkpoint.id) for e in experts]
+    exact = [tensor_cross(conn, e.checkpoint.id) for e in experts]
     out: dict[str, np.ndarray] = {}
     for t in base_tensors:
         if t.dtype not in ARITHMETIC_DTYPES:
@@ -60,7 +62,8 @@ def gram_matrices(conn: sa.Connection, base: CheckpointInfo, base_tensors: list[
             for j in range(i + 1, k):
                 gj = stats[j]
                 if gj is not None:
-                    m[i + 1, j + 1] = m[j + 1, i + 1] = float(gi.proj @ gj.proj)
+                    dot = exact[i].get((experts[i].tensors[t.name].idx, experts[j].checkpoint.id))
+                    m[i + 1, j + 1] = m[j + 1, i + 1] = float(gi.proj @ gj.proj) if dot is None else dot
         out[t.name] = m
     return out
 
