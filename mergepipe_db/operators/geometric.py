@@ -8,8 +8,10 @@ coefficient functions (`model_stock_coefficients`, `nuslerp_coefficients`, `mult
 and a planner that knows G from catalog statistics before reading anything. docs/SEMANTICS.md states the
 formulas; at full selection they equal MergeKit's outputs within float32 rounding (≤ 1e-6 relative).
 
-These methods read whole tensors (`tensor_granular`): an omitted (expert, tensor) means Δ_k = 0 there. They
-hold the tensor's K + 1 inputs in memory (as MergeKit does), float32, plus a float64 copy of one at a time.
+Without a budget they read whole tensors (`tensor_granular`): an omitted (expert, tensor) means Δ_k = 0 there;
+under a budget a plan may read blocks (row-local modes, or coefficients from statistics: `use_coefficients`).
+They hold the tensor's inputs in memory (as MergeKit does), float32, plus float64 copies of one chunk of each
+(`gram`).
 """
 
 from __future__ import annotations
@@ -39,23 +41,27 @@ __all__ = [
 
 def gram(vectors: list[np.ndarray | None]) -> np.ndarray:
     """Gram matrices per group: ``vectors[i]`` is a (groups, n) float32 array, or None for a zero vector;
-    returns float64 (groups, m, m) with ``G[g, i, j] = Σ_n v_i[g, n]·v_j[g, n]`` summed in float64."""
+    returns float64 (groups, m, m) with ``G[g, i, j] = Σ_n v_i[g, n]·v_j[g, n]`` summed in float64, over
+    column chunks of ~2^16 elements (the float64 copies are of one chunk at a time)."""
     present = [v for v in vectors if v is not None]
     groups = present[0].shape[0] if present else 1
+    n = present[0].shape[1] if present else 0
     m = len(vectors)
     g = np.zeros((groups, m, m), np.float64)
-    wide: list[np.ndarray | None] = [None if v is None else v.astype(np.float64) for v in vectors]
-    for i in range(m):
-        vi = wide[i]
-        if vi is None:
-            continue
-        for j in range(i, m):
-            vj = wide[j]
-            if vj is None:
+    step = max(1, (1 << 16) // max(groups, 1))
+    for s in range(0, n, step):
+        wide = [None if v is None else v[:, s:s + step].astype(np.float64) for v in vectors]
+        for i in range(m):
+            vi = wide[i]
+            if vi is None:
                 continue
-            d = np.einsum("gn,gn->g", vi, vj)
-            g[:, i, j] = d
-            g[:, j, i] = d
+            for j in range(i, m):
+                vj = wide[j]
+                if vj is not None:
+                    g[:, i, j] += np.einsum("gn,gn->g", vi, vj)
+    for i in range(m):
+        for j in range(i + 1, m):
+            g[:, j, i] = g[:, i, j]
     return g
 
 

@@ -102,6 +102,7 @@ def merged(tmp_path_factory: pytest.TempPathFactory):
     for case, method, models, params in CASES:
         cat.merge(_spec(method, models, params), out=root / f"mp-{case}")
         out[case] = (load_dir(root / f"mk-{case}"), load_dir(root / f"mp-{case}"))
+    out["fam"] = fam
     out["base"] = load_dir(fam.base)
     out["experts"] = {n: load_dir(p) for n, p in zip(EXPERTS, fam.experts)}
     return out, cat, root
@@ -268,3 +269,29 @@ def test_budget_coefficients_come_from_the_catalog(merged, tmp_path: Path, case:
     assert set(man["coefficients"]) == partial
     cat.replay(str(tmp_path / "a" / "manifest.json"), out=tmp_path / "b", verify=True)
     assert json.loads((tmp_path / "b" / "manifest.json").read_text())["manifest"]["outputs"] == man["outputs"]
+
+
+def test_experts_ingested_one_at_a_time_plan_from_sketches(merged, tmp_path: Path) -> None:
+    """Experts catalogued one at a time have no exact cross products: the planner estimates them from the count
+    sketches — the same coefficients as the exact ones for tensors of at most 1,024 elements, other ones for
+    some larger tensor — and the merge is still sound and replayable."""
+    from mergepipe_db import Catalog
+
+    outputs, cat, _root = merged
+    fam = outputs["fam"]
+    sep = Catalog.open(str(tmp_path / "sep.duckdb"))
+    sep.ingest(fam.base, name="base", block_bytes=4096)
+    for name, path in zip(EXPERTS, fam.experts):
+        sep.ingest(path, name=name, base="base")
+    spec = {**_spec("model_stock", [(e, {}) for e in EXPERTS], {}), "budget": 0.05}
+    exact, est = cat.plan(spec), sep.plan(spec)
+    assert exact.coefficients.keys() == est.coefficients.keys() and exact.coefficients
+    sizes = {t.name: int(np.prod(t.shape)) for t in exact.base_tensors}
+    same = {n: est.coefficients[n][1] == pytest.approx(exact.coefficients[n][1], rel=1e-4, abs=1e-8)
+            for n in exact.coefficients}
+    assert all(same[n] for n in same if sizes[n] <= 1024)
+    assert not all(same[n] for n in same if sizes[n] > 1024)
+    sep.merge(spec, out=tmp_path / "a")
+    doc = json.loads((tmp_path / "a" / "manifest.json").read_text())["manifest"]
+    assert doc["realized"]["total"] == doc["planned_bytes"] <= doc["budget_bytes"]
+    sep.replay(str(tmp_path / "a" / "manifest.json"), out=tmp_path / "b", verify=True)
