@@ -19,6 +19,10 @@ the high bits (splitmix64): one table lookup per element, never the same pair of
 tensor. `count_sketch` is the same sketch written plainly in numpy (tests, and blocks given as float32 Δ).
 
 `base_square` is ``‖θ‖²`` of a block (float64), taken when a base checkpoint is ingested.
+
+Cost, measured (2 shared cores, load ~4–6, warm page cache, `ingest_many` of 3 × 134 MB F32 experts): median
+0.66 s without these statistics, 0.86 s with them — the count sketch is most of it (0.85 s without the cross
+products). Not yet at the I/O floor: the sketch loop is a candidate for the tiling `block_stats` uses.
 """
 
 from __future__ import annotations
