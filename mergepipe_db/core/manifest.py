@@ -50,6 +50,9 @@ def build_manifest(plan: Plan, result: ExecutionResult, *, parents: list[str]) -
             "files": [[n, h] for n, h in zip(result.shard_names, result.shard_sha256)],
         },
         "parents": parents,
+        # the geometric methods' coefficients from catalog statistics, where a budget cut a tensor's reads
+        **({"coefficients": {k: [v[0], list(v[1])] for k, v in plan.coefficients.items()}}
+           if plan.coefficients else {}),
     }
     if plan.recipe is not None:  # a config resolved per tensor: its text verbatim and every tensor's parameters
         r = plan.recipe

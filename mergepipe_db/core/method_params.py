@@ -45,7 +45,10 @@ OPTION_DEFAULTS: dict[str, dict[str, float]] = {
     "ram": {"epsilon": 1e-5},
     "ramplus_tl": {"r": 0.1, "alpha": 0.2, "epsilon": 1e-5},
 }
-OPTION_NAMES = frozenset({"rescale", "select_topk", "r", "alpha", "epsilon"})
+#: the geometric methods' options (operators/geometric.py checks their values and holds their defaults)
+GEOMETRIC_OPTIONS = frozenset({"filter_wise", "nuslerp_flatten", "nuslerp_row_wise", "normalize_weights", "eps",
+                               "max_iter", "tol"})
+OPTION_NAMES = frozenset({"rescale", "select_topk", "r", "alpha", "epsilon"}) | GEOMETRIC_OPTIONS
 #: methods that take exactly one model besides the base (MergeKit's min/max inputs 2)
 _TWO_MODELS = frozenset({"slerp", "nearswap", "arcee_fusion"})
 #: methods whose models carry no weight (MergeKit declares none)
@@ -92,6 +95,12 @@ def parse_options(method: str, gparams: dict[str, Any], label: str) -> tuple[tup
         if name not in defaults:
             raise MethodParameterError(f"spec {label}: parameter {name!r} does not apply to {method}")
         out[name] = _num(gparams[name], name, label)
+    for name in sorted(GEOMETRIC_OPTIONS & set(gparams)):  # given ones only: plans without them keep their hashes
+        v = gparams[name]
+        if not isinstance(v, (bool, int, float)):
+            raise MethodParameterError(f"spec {label}: parameters.{name} must be a single number or true/false, "
+                                       f"got {str(v)[:40]!r}")
+        out[name] = v
     return tuple(sorted(out.items()))
 
 

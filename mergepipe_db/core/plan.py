@@ -126,8 +126,11 @@ class Plan:
     recipe: Any = None
     tensor_params: dict[int, Any] | None = None
 
+    #: geometric methods under a budget: [a₀, [c_k]] by tensor name, from catalog statistics (docs/SEMANTICS.md)
+    coefficients: dict[str, Any] = field(default_factory=dict)
+
     def __post_init__(self) -> None:
-        _freeze(self, "access", "full_selection", "bound_per_tensor", "sketches", "tensor_params")
+        _freeze(self, "access", "full_selection", "bound_per_tensor", "sketches", "tensor_params", "coefficients")
 
     def selected_blocks(self, position: int, tensor_idx: int) -> tuple[int, ...]:
         """The block indices expert `position` reads of base tensor `tensor_idx` (all of its blocks for a

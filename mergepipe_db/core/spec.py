@@ -29,7 +29,8 @@ from mergepipe_db.core import method_params
 from mergepipe_db.errors import BudgetError, SpecError
 
 METHODS = ("linear", "task_arithmetic", "ties", "dare_linear", "dare_ties", "breadcrumbs", "slerp", "passthrough",
-           "breadcrumbs_ties", "della", "della_linear", "sce", "nearswap", "ram", "ramplus_tl", "arcee_fusion")
+           "breadcrumbs_ties", "della", "della_linear", "sce", "nearswap", "ram", "ramplus_tl", "arcee_fusion",
+           "model_stock", "nuslerp", "multislerp", "karcher")
 DTYPES = {
     "float32": "F32", "fp32": "F32", "f32": "F32",
     "bfloat16": "BF16", "bf16": "BF16",
@@ -76,10 +77,16 @@ METHOD_PARAMS: dict[str, MethodParams] = {
     "ram": MethodParams((), ("epsilon",)),
     "ramplus_tl": MethodParams((), ("epsilon", "r", "alpha")),
     "arcee_fusion": MethodParams((), ()),
+    "model_stock": MethodParams((), ("filter_wise",)),
+    "nuslerp": MethodParams(("weight",), ("nuslerp_flatten", "nuslerp_row_wise"), ("weight",)),
+    "multislerp": MethodParams(("weight",), ("normalize_weights", "eps"), ("weight",)),
+    "karcher": MethodParams((), ("max_iter", "tol")),
 }
 #: parameter types other than float (a number)
 #: (`object`: any scalar, checked by the method: rescale is true, false or "classic", core.method_params)
-PARAM_TYPES: dict[str, type] = {"normalize": bool, "int8_mask": bool, "rescale": object}
+PARAM_TYPES: dict[str, type] = {"normalize": bool, "int8_mask": bool, "rescale": object, "filter_wise": bool,
+                                "nuslerp_flatten": bool, "nuslerp_row_wise": bool, "normalize_weights": bool,
+                                "max_iter": object}
 #: parameters MergeKit has that mergepipe's operators do not read (accepted, without effect: docs/SEMANTICS.md)
 UNUSED_PARAMS = ("int8_mask",)
 

@@ -32,7 +32,7 @@ DEFAULT_CATALOG = "./mergepipe.duckdb"
 ENV_CATALOG = "MERGEPIPE_CATALOG"
 ENV_LOCK_TIMEOUT = "MERGEPIPE_LOCK_TIMEOUT"
 #: the newest migration in migrations/versions (tests/integration/test_catalog.py checks it is alembic's only head)
-SCHEMA_HEAD = "0005"
+SCHEMA_HEAD = "0006"
 #: URL schemes a catalog may use (a path without ``://`` is a DuckDB file)
 SUPPORTED_SCHEMES = ("duckdb", "postgresql", "postgres")
 CREATE_HINT = "create one with `mergepipe init`, `mergepipe ingest` or `mergepipe demo`"

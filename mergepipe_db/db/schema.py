@@ -120,6 +120,32 @@ tensor_sketch = sa.Table(
     sa.Column("complete", sa.Boolean, nullable=False),
 )
 
+# Per tensor of a checkpoint: the inner-product statistics the geometric methods (model_stock, nuslerp, multislerp,
+# karcher) take their coefficients from before reading (`kernels/gram_stats.py`). An expert catalogued against a
+# base: base_dot = <θ₀, Δ>, delta_sq = ||Δ||², proj = the count sketch of Δ (float64 little-endian, GRAM_DIM
+# values). A base (an original checkpoint): base_sq = ||θ||². complete: every block of the tensor contributed.
+tensor_gram = sa.Table(
+    "mp_tensor_gram",
+    metadata,
+    sa.Column("checkpoint_id", sa.String(64), primary_key=True),
+    sa.Column("tensor_idx", sa.Integer, primary_key=True),
+    sa.Column("base_dot", sa.Double, nullable=True),
+    sa.Column("delta_sq", sa.Double, nullable=True),
+    sa.Column("base_sq", sa.Double, nullable=True),
+    sa.Column("proj", sa.LargeBinary, nullable=True),
+    sa.Column("complete", sa.Boolean, nullable=False),
+)
+
+# Exact <Δ_a, Δ_b> of one tensor for two experts ingested together (one scan group): tensor_idx is checkpoint_id's.
+tensor_cross = sa.Table(
+    "mp_tensor_cross",
+    metadata,
+    sa.Column("checkpoint_id", sa.String(64), primary_key=True),
+    sa.Column("other_id", sa.String(64), primary_key=True),
+    sa.Column("tensor_idx", sa.Integer, primary_key=True),
+    sa.Column("dot", sa.Double, nullable=False),
+)
+
 snapshot = sa.Table(
     "mp_snapshot",
     metadata,

@@ -31,6 +31,7 @@ from __future__ import annotations
 from mergepipe_db.operators import (  # noqa: F401
     additive,
     fusion,
+    geometric,
     linear,
     nearswap,
     passthrough,

@@ -187,6 +187,9 @@ class MergeOperator(abc.ABC):
     #: inputs kept for a fused pass over the tensor (a `fold.Stash`, or TIES's list); empty or None: none held
     _stash: Any = None
 
+    #: method options this operator takes (`MergeSpec.options`), with their defaults; others are refused
+    option_defaults: ClassVar[dict[str, Any]] = {}
+
     def __init__(self, experts: Sequence[ExpertParams], *, normalize: bool | None = None, lam: float = 1.0,
                  t: float | None = None, options: Any = None) -> None:
         experts = tuple(experts)
@@ -213,8 +216,6 @@ class MergeOperator(abc.ABC):
         self.lam = finite(lam, "lambda", self.name)
         self.t = None if t is None else finite(t, "t", self.name)
         self.weight_sum = weight_sum(self.weights)
-        #: method-level options (`core.method_params`: rescale, select_topk, epsilon, r, alpha), by name
-        self.options: dict[str, Any] = dict(options or ())
         self._pool: dict[str, np.ndarray] = {}
         self._base: np.ndarray | None = None
         self._bflat: np.ndarray | None = None
@@ -222,6 +223,14 @@ class MergeOperator(abc.ABC):
         self._next = 0
         self._skip: np.ndarray | None = None
         self._table: np.ndarray | None = None
+        #: method-level options (`core.method_params`: rescale, select_topk, ..., filter_wise, max_iter, ...), by name;
+        #: a method that declares `option_defaults` refuses the names it does not declare
+        given = dict(options or {})
+        unknown = sorted(set(given) - set(self.option_defaults)) if self.option_defaults else []
+        if unknown:
+            raise SpecError(f"{self.name}: unknown parameter {unknown[0]!r}"
+                            + (f"; it takes {', '.join(sorted(self.option_defaults))}" if self.option_defaults else ""))
+        self.options: dict[str, Any] = {**self.option_defaults, **given}
         self._validate()
 
     def _validate(self) -> None:

@@ -571,6 +571,8 @@ def _execute(
     try:
         op: Any = make_operator(spec.method, params, normalize=spec.normalize, lam=spec.lam, t=spec.t,
                                 options=spec.options) if plan.tensor_params is None else None
+        if op is not None and plan.coefficients:  # a geometric method's coefficients from catalog statistics
+            op.use_coefficients(plan.coefficients)
         table = BaseOnly(op) if op is not None and any(ot.dtype == "BF16" for ot in out_tensors) else None
         tensor_ops = _TensorOps(plan) if op is None else None
         # an operator that keeps θ_k past add() (slerp keeps its one expert until finish) gets fresh memory

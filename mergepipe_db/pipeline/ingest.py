@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import sqlalchemy as sa
 
 from mergepipe_db import sources
@@ -36,6 +37,7 @@ from mergepipe_db.core.version import __version__
 from mergepipe_db.db import schema
 from mergepipe_db.db.checkpoints import now_iso, write_checkpoint
 from mergepipe_db.db.engine import Database
+from mergepipe_db.db.gram import has_tensor_gram, write_tensor_gram
 from mergepipe_db.errors import (
     AlreadyCataloguedError,
     BadCheckpointError,
@@ -365,6 +367,45 @@ def _reader(layouts, plans, base, out: queue.Queue, shas: list[list[str]], stop:
 ScanResult = tuple[list[dict], list[dict], list[dict], list[str], int]
 
 
+_GRAM = "_gram"  # a row's inner-product statistics, written to mp_tensor_gram (`_write`), not to its own table
+
+
+def _expert_block_stats(data: Any, base: Any, dtype: str, start: int) -> dict[str, Any]:
+    """A block's catalog statistics (`delta_block_stats`) and its inner-product statistics (`gram_block_stats`,
+    under `_GRAM`), from the same bytes in memory."""
+    from mergepipe_db.kernels.gram_stats import gram_block_stats
+
+    return {**delta_block_stats(data, base, dtype), _GRAM: gram_block_stats(data, base, dtype, start)}
+
+
+def _cross_products(changed: list[tuple[int, Any]], base: Any, dtype: str) -> list[tuple[int, int, float]]:
+    """⟨Δ_i, Δ_j⟩ of one block for every pair of members (i, j), i < j, whose Δ is not 0 there (float32 dot
+    products; the tensor's sum is taken in float64)."""
+    from mergepipe_db.core.dtypes import as_float32, numpy_storage_dtype
+
+    dt = numpy_storage_dtype(dtype)
+    b = as_float32(np.frombuffer(base, dt))
+    ds = [(k, as_float32(np.frombuffer(data, dt)) - b) for k, data in changed]
+    return [(i, j, float(np.dot(di, dj))) for a, (i, di) in enumerate(ds) for (j, dj) in ds[a + 1:]]
+
+
+def _base_block_square(data: Any, dtype: str) -> dict[str, Any]:
+    from mergepipe_db.kernels.gram_stats import base_square
+
+    return {_GRAM: base_square(data, dtype)}
+
+
+def _tensor_gram(rows: list[dict[str, Any]], delta: bool) -> dict[str, Any]:
+    """A tensor's inner-product statistics from its blocks' (a block equal to the base's contributes 0); a delta
+    checkpoint's base was not read, so it has no <θ₀, Δ>."""
+    from mergepipe_db.kernels.gram_stats import GRAM_DIM
+
+    parts = [g for g in (r.pop(_GRAM, None) for r in rows) if g is not None]
+    proj = np.zeros(GRAM_DIM) if not parts else np.sum([g[2] for g in parts], axis=0)
+    return {"base_dot": None if delta else math.fsum(g[0] for g in parts), "delta_sq": math.fsum(g[1] for g in parts),
+            "proj": proj}
+
+
 def scan(
     layout: CheckpointLayout,
     *,
@@ -436,9 +477,16 @@ def scan_group(
             arithmetic = bt is not None and entry.dtype in ARITHMETIC_DTYPES
             hashers = [xxhash.xxh3_128() for _ in layouts]
             stat_rows: list[list[dict[str, Any]]] = [[] for _ in layouts]  # blocks with delta statistics
+            own_rows: list[list[dict[str, Any]]] = [[] for _ in layouts]  # a base's blocks (||θ||², gram_stats)
+            original = base is None and not delta and entry.dtype in ARITHMETIC_DTYPES
+            row_numel = math.prod(entry.shape[1:]) if len(entry.shape) >= 2 else 1
             all_equal = [True for _ in layouts]
+            crossing = arithmetic and not delta and len(layouts) > 1  # experts read together: exact ⟨Δ_i, Δ_j⟩
+            cross: list[Future] = []
             for bi, rows in enumerate(ranges):
                 rel, length = block_byte_range(entry.shape, DTYPE_BITS[entry.dtype], rows)
+                changed: list[tuple[int, Any]] = []  # (member, block bytes) of the members whose Δ is not 0 here
+                block_base = None
                 for k, (fi, own, _r, _g) in enumerate(entries):  # `own`: where the tensor lies in member k's files
                     item = q.get()
                     if isinstance(item, BaseException):
@@ -462,15 +510,29 @@ def scan_group(
                             row.update(zero_block_stats(length, entry.dtype))
                         else:
                             assert delta or item.base is not None  # the reader reads the base for such a block
-                            pending.append((row, pool.submit(delta_block_stats, item.data, item.base, entry.dtype)))
+                            pending.append((row, pool.submit(_expert_block_stats, item.data, item.base, entry.dtype,
+                                                             rows[0] * row_numel)))
                             settle(_STATS_WORKERS * 2)
+                            if crossing:
+                                changed.append((k, item.data))
+                                block_base = item.base
                         stat_rows[k].append(row)
                         all_equal[k] &= same_as_base or delta
                     elif bt is not None:
                         all_equal[k] &= same_as_base
+                    elif original:
+                        pending.append((row, pool.submit(_base_block_square, item.data, entry.dtype)))
+                        settle(_STATS_WORKERS * 2)
+                        own_rows[k].append(row)
                     block_rows[k].append(row)
                     bar.update(length)
+                if len(changed) > 1:
+                    cross.append(pool.submit(_cross_products, changed, block_base, entry.dtype))
             settle(0)
+            cross_sums: dict[tuple[int, int], float] = {}
+            for fut in cross:
+                for i, j, dot in fut.result():
+                    cross_sums[(i, j)] = cross_sums.get((i, j), 0.0) + dot
             for k, (fi, own, _r, _g) in enumerate(entries):
                 l2sq = math.fsum(r["delta_l2"] ** 2 for r in stat_rows[k])
                 equal = all_equal[k] and all(r["delta_max"] == 0.0 for r in stat_rows[k])
@@ -488,6 +550,10 @@ def scan_group(
                     "xxh3": hashers[k].hexdigest(),
                     "delta_l2": (l2sq ** 0.5) if arithmetic else None,
                     "equal_to_base": equal if bt is not None else None,
+                    _GRAM: ({**_tensor_gram(stat_rows[k], delta),
+                             "cross": {j if i == k else i: v for (i, j), v in cross_sums.items() if k in (i, j)}
+                             if crossing else None} if arithmetic
+                            else {"base_sq": math.fsum(r.pop(_GRAM) for r in own_rows[k])} if original else None),
                 })
         tail = q.get()
         if isinstance(tail, BaseException):
@@ -580,6 +646,8 @@ class _Pending:
     kind: str
     layout: CheckpointLayout
     scanned: ScanResult | None = None
+    #: the members of its scan group, itself included, in member order (their ⟨Δ_i, Δ_j⟩ are exact)
+    group: list[_Pending] | None = None
 
 
 def ingest_many(
@@ -648,6 +716,7 @@ def ingest_many(
         scanned = scan_group([p.layout for p in members], block_bytes=bb, base=base_tensors, progress=progress)
         for p, result in zip(members, scanned):
             p.scanned = result
+            p.group = members
 
     if todo:
         faults.point("ingest_scanned")
@@ -668,9 +737,17 @@ def _write(conn: sa.Connection, p: _Pending, *, base_id: str | None, block_bytes
     file_ids = [hashlib.sha256(f"{cid}/{fr['relpath']}".encode()).hexdigest()[:32] for fr in file_rows]
     for fr, fid in zip(file_rows, file_ids):
         fr["id"], fr["checkpoint_id"] = fid, cid
+    partner_ids = [None if q.scanned is None else checkpoint_id(q.kind, base_id, block_bytes, q.scanned[1])
+                   for q in (p.group or [])]
+    grams, crosses = [], []
     for tr in tensor_rows:
         tr["checkpoint_id"] = cid
         tr["file_id"] = file_ids[tr.pop("file_idx")]
+        g = tr.pop(_GRAM, None)
+        if g is not None:
+            grams.append((tr["tensor_idx"], g))
+            for j, dot in (g.get("cross") or {}).items():
+                crosses.append((tr["tensor_idx"], partner_ids[j], dot))
     for br in block_rows:
         br["checkpoint_id"] = cid
     total_bytes = sum(t["nbytes"] for t in tensor_rows)
@@ -683,6 +760,8 @@ def _write(conn: sa.Connection, p: _Pending, *, base_id: str | None, block_bytes
         for fr in file_rows:
             conn.execute(schema.source_file.update().where(schema.source_file.c.id == fr["id"])
                          .values(size=fr["size"], mtime_ns=fr["mtime_ns"], path=fr["path"]))
+        if not has_tensor_gram(conn, cid):  # catalogued before mp_tensor_gram existed
+            write_tensor_gram(conn, cid, grams, crosses)
         return IngestResult(cid, p.name, p.kind, len(tensor_rows), len(block_rows), total_bytes, bytes_read, False)
     if by_name is not None:
         raise DuplicateNameError(
@@ -697,4 +776,5 @@ def _write(conn: sa.Connection, p: _Pending, *, base_id: str | None, block_bytes
         "block_bytes": block_bytes, "n_tensors": len(tensor_rows), "total_bytes": total_bytes,
         "has_stats": base_id is not None, "created_at": now_iso(), "tool_version": __version__,
     }, file_rows, tensor_rows, block_rows)
+    write_tensor_gram(conn, cid, grams, crosses)
     return IngestResult(cid, p.name, p.kind, len(tensor_rows), len(block_rows), total_bytes, bytes_read, True)

@@ -28,6 +28,7 @@ from mergepipe_db.operators import (
 
 METHODS = ("linear", "task_arithmetic", "ties", "dare_linear", "dare_ties", "breadcrumbs", "slerp", "passthrough")
 METHODS_A = ("breadcrumbs_ties", "della", "della_linear", "sce", "nearswap", "ram", "ramplus_tl", "arcee_fusion")
+GEOMETRIC = ("model_stock", "nuslerp", "multislerp", "karcher")  # tests/operators/test_geometric.py
 
 # --------------------------------------------------------------------------------------------------
 # The literal formulas (SEMANTICS.md), whole tensors
@@ -712,8 +713,9 @@ def test_registry_methods_are_the_spec_methods() -> None:
     from mergepipe_db.core import spec
     from mergepipe_db.operators import methods, register
 
-    # issue 35's methods have their own tests (tests/operators/test_methods_a.py, the MergeKit suites)
-    assert sorted(methods()) == sorted(spec.METHODS) == sorted(METHODS + METHODS_A)
+    # issue 35's methods have their own tests (tests/integration/test_methods_a.py, test_geometric.py, the MergeKit
+    # suites)
+    assert sorted(methods()) == sorted(spec.METHODS) == sorted(METHODS + METHODS_A + GEOMETRIC)
     assert len(set(spec.METHODS)) == len(spec.METHODS)
     for m in METHODS:
         assert operator_class(m).name == m

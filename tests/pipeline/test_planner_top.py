@@ -209,10 +209,10 @@ def test_migration_writes_the_summaries_of_an_older_catalog(catalog, tiny_family
     with catalog.db.connect(check_schema=False) as conn:  # back to 0002: no summaries, no index, no sketches
         if conn.dialect.name == "postgresql":
             conn.execute(sa.text("DROP INDEX ix_mp_block_rank"))
-        for table in ("mp_rank_tensor", "mp_rank_bucket", "mp_tensor_sketch"):
+        for table in ("mp_rank_tensor", "mp_rank_bucket", "mp_tensor_sketch", "mp_tensor_gram", "mp_tensor_cross"):
             conn.execute(sa.text(f"DROP TABLE {table}"))
         conn.execute(sa.text("UPDATE alembic_version SET version_num = '0002'"))
-    assert catalog.db.upgrade() == ("0002", "0005")
+    assert catalog.db.upgrade() == ("0002", "0006")
     assert (_summaries(catalog), _tensor_sketches(catalog)) == before
 
 
@@ -221,8 +221,10 @@ def test_migration_0004_writes_the_tensor_sketches_of_a_0003_catalog(catalog, ti
     before = _tensor_sketches(catalog)
     with catalog.db.connect(check_schema=False) as conn:
         conn.execute(sa.text("DROP TABLE mp_tensor_sketch"))
+        conn.execute(sa.text("DROP TABLE mp_tensor_gram"))  # (added after 0005)
+        conn.execute(sa.text("DROP TABLE mp_tensor_cross"))
         conn.execute(sa.text("UPDATE alembic_version SET version_num = '0003'"))
-    assert catalog.db.upgrade() == ("0003", "0005")
+    assert catalog.db.upgrade() == ("0003", "0006")
     assert _tensor_sketches(catalog) == before == _independent_tensor_sketches(catalog)
 
 

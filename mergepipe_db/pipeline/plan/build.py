@@ -45,6 +45,7 @@ from mergepipe_db.db.sql_files import sql_text
 from mergepipe_db.errors import SpecError
 from mergepipe_db.pipeline.plan import layout, ranking
 from mergepipe_db.pipeline.plan.complete import complete_plan
+from mergepipe_db.pipeline.plan.gram import gram_coefficients, plans_from_gram
 from mergepipe_db.sources import packed as blockstore
 from mergepipe_db.sources import source_class
 
@@ -217,6 +218,11 @@ def _build_plan(conn: sa.Connection, spec: MergeSpec, *, base_id: str, expert_id
     full_bytes = sum(e.tensors[t.name].nbytes for e in experts for t in base_tensors
                      if t.dtype in ARITHMETIC_DTYPES and t.name in e.tensors)  # delta/LoRA experts cover a subset
     budget_bytes = budget_spec.resolve(full_bytes)
+    # the geometric methods: coefficients from the catalog's statistics, then planned by blocks (plan/gram.py)
+    coefficients = gram_coefficients(conn, op, base, base_tensors, experts) if (
+        lay is None and plans_from_gram(op) and budget_bytes < full_bytes) else None
+    if coefficients is not None:
+        op.tensor_granular = False
     bounds, sketch_cache = ties_prune_bounds(conn, experts, op, base.id, base_tensors) if lay is None else ({}, {})
 
     # The (expert, tensor) pairs to rank, with the base's tensor_idx matched by name here (never in SQL text).
@@ -304,12 +310,17 @@ def _build_plan(conn: sa.Connection, spec: MergeSpec, *, base_id: str, expert_id
     if not op.additive:
         bound_total, per_tensor = None, None
 
+    if coefficients is not None:  # recorded for the tensors some expert reads in part
+        partial = {t.name for t in base_tensors if any(not full_selection.get((e.position, t.idx), True)
+                                                       for e in experts)}
+        coefficients = {name: c for name, c in coefficients.items() if name in partial}
+
     return complete_plan(
         conn, op, spec=spec, base=base, base_tensors=base_tensors, experts=experts, out_dtype=out_dtype,
         budget_bytes=budget_bytes, full_bytes=full_bytes, candidate_bytes=candidate_bytes,
         planned_bytes=planned_bytes, access=access, full_selection=full_selection, bound_per_tensor=per_tensor,
         bound_total=bound_total, sketch_cache=sketch_cache, packed_ids=packed,
-        layout=None if lay is None else (lay.recipe, lay.params))
+        layout=None if lay is None else (lay.recipe, lay.params), coefficients=coefficients)
 
 
 def _insert_plan_tensors(conn: sa.Connection, pairs: tuple[list[Any], ...], keep: list[bool] | None) -> None:

@@ -41,13 +41,15 @@ def complete_plan(
     sketch_cache: dict[int, dict[int, np.ndarray]] | None = None,
     packed_ids: set[str] | None = None,
     layout: tuple[Any, Any] | None = None,
+    coefficients: dict[str, Any] | None = None,
 ) -> Plan:
     """The plan these fields describe, with its sources, source costs, sketches and hash (`access` is taken
     over: its reads are replaced by those the sources plan).
 
     `sketch_cache`: tensor sketches already loaded (`ties_prune_bounds`), by position and base tensor_idx;
     `packed_ids`: the experts with blocks in the packed store, where the caller has queried them; `layout`: the
-    (recipe, per-tensor parameters) of a config resolved per tensor (`pipeline/plan/layout.py`)."""
+    (recipe, per-tensor parameters) of a config resolved per tensor (`pipeline/plan/layout.py`);
+    `coefficients`: a geometric method's coefficients from catalog statistics, by tensor name (`plan/gram.py`)."""
     sources = sources_for(conn, [e.checkpoint for e in experts], packed_ids)
     if any(s.adjusts_reads for s in sources):  # packed costs, LoRA whole-tensor reads: bytes counted from reads
         by_idx = {t.idx: t for t in base_tensors}
@@ -74,6 +76,7 @@ def complete_plan(
         sketches=sketches, sources=sources,
         recipe=None if layout is None else layout[0], tensor_params=None if layout is None else layout[1],
         pruned_bytes=sum(e.pruned_bytes for e in experts), pruned_blocks=sum(e.blocks_pruned for e in experts),
+        coefficients=coefficients or {},
     )
 
 

@@ -121,7 +121,8 @@ def plan_from_manifest(conn: sa.Connection, manifest: dict[str, Any]) -> Plan:
         budget_bytes=int(manifest["budget_bytes"]), full_bytes=full_bytes, candidate_bytes=candidate_bytes,
         planned_bytes=planned, access=access, full_selection=full_selection,
         bound_per_tensor=dict(bound_per_tensor) if additive else None,
-        bound_total=math.fsum(bound_per_tensor.values()) if additive else None, sketch_cache=sketch_cache)
+        bound_total=math.fsum(bound_per_tensor.values()) if additive else None, sketch_cache=sketch_cache,
+        coefficients=manifest.get("coefficients"))
     if plan.plan_hash != manifest["plan_hash"]:
         raise ReplayError(f"rebuilt plan hash {plan.plan_hash[:16]} != recorded {manifest['plan_hash'][:16]}: "
                           f"the catalog no longer describes the recorded inputs")

@@ -1,0 +1,466 @@
+"""The geometric (Gram) family: model_stock, nuslerp, multislerp and karcher (MergeKit 0.1.5's methods).
+
+Each of them is, per tensor (or per row for model_stock's ``filter_wise`` and nuslerp without
+``nuslerp_flatten``), a linear combination ``out = a₀·θ₀ + Σ_k c_k·Δ_k`` whose coefficients are a function
+of the Gram matrix ``G`` of the vectors ``[θ₀, Δ_1, …, Δ_K]`` alone (inner products in float64; `gram`). The
+coefficient functions (`model_stock_coefficients`, `nuslerp_coefficients`, `multislerp_coefficients`,
+`karcher_coefficients`) take that matrix, so the same code serves the executor (G from the tensors read)
+and a planner that knows G from catalog statistics before reading anything. docs/SEMANTICS.md states the
+formulas; at full selection they equal MergeKit's outputs within float32 rounding (≤ 1e-6 relative).
+
+Without a budget they read whole tensors (`tensor_granular`): an omitted (expert, tensor) means Δ_k = 0 there;
+under a budget a plan may read blocks (row-local modes, or coefficients from statistics: `use_coefficients`).
+They hold the tensor's inputs in memory (as MergeKit does), float32, plus float64 copies of one chunk of each
+(`gram`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from mergepipe_db.errors import SpecError
+from mergepipe_db.operators.base import MergeOperator
+from mergepipe_db.operators.inputs import ExpertInput
+from mergepipe_db.operators.registry import register
+
+__all__ = [
+    "Karcher",
+    "ModelStock",
+    "MultiSlerp",
+    "NuSlerp",
+    "gram",
+    "karcher_coefficients",
+    "model_stock_coefficients",
+    "multislerp_coefficients",
+    "nuslerp_coefficients",
+]
+
+
+def gram(vectors: list[np.ndarray | None]) -> np.ndarray:
+    """Gram matrices per group: ``vectors[i]`` is a (groups, n) float32 array, or None for a zero vector;
+    returns float64 (groups, m, m) with ``G[g, i, j] = Σ_n v_i[g, n]·v_j[g, n]`` summed in float64, over
+    column chunks of ~2^16 elements (the float64 copies are of one chunk at a time)."""
+    present = [v for v in vectors if v is not None]
+    groups = present[0].shape[0] if present else 1
+    n = present[0].shape[1] if present else 0
+    m = len(vectors)
+    g = np.zeros((groups, m, m), np.float64)
+    step = max(1, (1 << 16) // max(groups, 1))
+    for s in range(0, n, step):
+        wide = [None if v is None else v[:, s:s + step].astype(np.float64) for v in vectors]
+        for i in range(m):
+            vi = wide[i]
+            if vi is None:
+                continue
+            for j in range(i, m):
+                vj = wide[j]
+                if vj is not None:
+                    g[:, i, j] += np.einsum("gn,gn->g", vi, vj)
+    for i in range(m):
+        for j in range(i + 1, m):
+            g[:, j, i] = g[:, i, j]
+    return g
+
+
+def _groups(a: np.ndarray, mode: str) -> np.ndarray:
+    """`a` as (groups, n): the whole tensor ("flat"), its rows along the last axis ("rows"; a 1-d tensor is
+    one row), or its columns along dim 0 ("cols": every index of dims 1.. is a group)."""
+    if mode == "flat" or a.ndim <= 1:
+        return a.reshape(1, -1)
+    if mode == "rows":
+        return a.reshape(-1, a.shape[-1])
+    return a.reshape(a.shape[0], -1).T
+
+
+def _ungroup(g: np.ndarray, shape: tuple[int, ...], mode: str) -> np.ndarray:
+    if mode == "cols" and len(shape) > 1:
+        return np.ascontiguousarray(g.T).reshape(shape)
+    return g.reshape(shape)
+
+
+# --- coefficient functions (float64, from Gram matrices) ------------------------------------------------
+
+
+def model_stock_coefficients(g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """model_stock: ``(a0, c)`` per group for ``out = a0·θ₀ + Σ c_k Δ_k``; ``g`` is (groups, K+1, K+1)."""
+    k = g.shape[1] - 1
+    norms = np.sqrt(np.maximum(np.diagonal(g, axis1=1, axis2=2)[:, 1:], 0.0))
+    cos = np.zeros(g.shape[0], np.float64)
+    pairs = 0
+    for i in range(k):
+        for j in range(i + 1, k):
+            c = g[:, 1 + i, 1 + j] / np.maximum(norms[:, i] * norms[:, j], 1e-6)
+            cos = cos + np.clip(c, -1.0, 1.0)
+            pairs += 1
+    cos = cos / pairs
+    den = 1.0 + (k - 1) * cos
+    singular = np.abs(den) < 1e-6
+    t = np.where(singular, 0.0, (k * cos) / np.where(singular, 1.0, den))
+    return np.ones(g.shape[0]), np.repeat((t / k)[:, None], k, axis=1)
+
+
+def nuslerp_coefficients(g: np.ndarray, t: float) -> tuple[np.ndarray, np.ndarray]:
+    """nuslerp between Δ_1 and Δ_2 (the base given): ``(a0, c)`` per group; ``g`` is (groups, 3, 3)."""
+    n0 = np.maximum(np.sqrt(np.maximum(g[:, 1, 1], 0.0)), 1e-7)
+    n1 = np.maximum(np.sqrt(np.maximum(g[:, 2, 2], 0.0)), 1e-7)
+    cos = np.clip(g[:, 1, 2] / (n0 * n1), -1.0, 1.0)
+    colinear = (1.0 - cos * cos) <= 1e-16
+    theta = np.arccos(np.where(colinear, 0.0, cos))
+    s = np.where(colinear, 1.0, np.sin(theta))
+    c0 = np.where(colinear, 1.0 - t, np.sin((1.0 - t) * theta) / s)
+    c1 = np.where(colinear, t, np.sin(t * theta) / s)
+    return np.ones(g.shape[0]), np.stack([c0, c1], axis=1)
+
+
+def multislerp_coefficients(g: np.ndarray, weights: np.ndarray, eps: float) -> tuple[float, np.ndarray]:
+    """multislerp of the task vectors Δ_k (the base given): ``(a0, c)``; ``g`` is the (K+1, K+1) Gram matrix,
+    ``weights`` the (already normalized) weights. SpecError when the weighted mean of the unit vectors is 0
+    (MergeKit's ValueError) with more than two experts."""
+    gd = g[1:, 1:]
+    w = np.asarray(weights, np.float64)
+    norms = np.sqrt(np.maximum(np.diagonal(gd), 0.0))
+    s = 1.0 / (norms + eps)
+    ws = w * s
+    mean_norm = math.sqrt(max(float(ws @ gd @ ws), 0.0))
+    if mean_norm < eps:
+        if len(w) == 2:
+            return 1.0, w.copy()
+        raise SpecError("multislerp: the weighted sum of the unit task vectors is zero (antipodal models with "
+                        "balancing weights); use other weights")
+    m = ws / mean_norm
+    dots = s * (gd @ m)
+    tau = ws - float(w @ dots) * m
+    tn = math.sqrt(max(float(tau @ gd @ tau), 0.0)) + eps
+    r = m * math.cos(tn) + tau * (math.sin(tn) / tn)
+    return 1.0, float(norms @ w) * r
+
+
+def karcher_coefficients(g: np.ndarray, max_iter: int, tol: float) -> tuple[float, np.ndarray]:
+    """karcher over the N = K + 1 models θ₀, θ_1 … θ_K (equal weights 1/N): ``(a0, c)``; ``g`` is the Gram
+    matrix of [θ₀, Δ_1 … Δ_K]. The mean is kept as coefficients μ over the θ_i (its inner products from
+    ``H = Mᵀ G M``, θ_i = θ₀ + Δ_i)."""
+    n = g.shape[0]
+    basis = np.eye(n)
+    basis[0, 1:] = 1.0  # column i: θ_i in the [θ₀, Δ…] basis
+    h = basis.T @ g @ basis
+    norms = np.sqrt(np.maximum(np.diagonal(h), 0.0))
+    alphas = [1.0 / n] * n
+    units = np.diag(np.where(norms == 0.0, 0.0, 1.0 / np.where(norms == 0.0, 1.0, norms)))  # column i: u_i
+
+    def norm(mu: np.ndarray) -> float:
+        return math.sqrt(max(float(mu @ h @ mu), 0.0))
+
+    valid = [i for i in range(n) if norms[i] > tol]
+    if not valid:
+        return 0.0, np.zeros(n - 1)
+    total = sum(alphas[i] for i in valid)
+    na = [alphas[i] / total for i in valid]
+    mean = np.zeros(n)
+    for a, i in zip(na, valid):
+        mean = mean + a * units[:, i]
+    mn = norm(mean)
+    mean = units[:, valid[0]].copy() if mn < tol else mean / mn
+    for _ in range(max_iter):
+        tangent = np.zeros(n)
+        for a, i in zip(na, valid):
+            u = units[:, i]
+            dot = min(1.0, max(-1.0, float(mean @ h @ u)))
+            th = math.acos(dot)
+            if th < tol:
+                continue
+            tangent = tangent + a * (th / math.sin(th)) * (u - dot * mean)
+        tn = norm(tangent)
+        if tn < tol:
+            break
+        mean = math.cos(tn) * mean + math.sin(tn) * (tangent / tn)
+        un = norm(mean)
+        if un > tol:
+            mean = mean / un
+    scale = sum(a * float(x) for a, x in zip(alphas, norms))
+    coef = basis @ (scale * mean)  # back to the [θ₀, Δ…] basis
+    return float(coef[0]), coef[1:]
+
+
+# --- the operators ---------------------------------------------------------------------------------------
+
+
+def _flag(value: Any, what: str, method: str) -> bool:
+    if not isinstance(value, bool):
+        raise SpecError(f"{method}: parameter {what} must be true or false, got {value!r}")
+    return value
+
+
+class GramFold(MergeOperator):
+    """Holds Δ_k of every expert of a tensor (None where nothing was selected: Δ_k = 0) and combines them with
+    coefficients from their Gram matrix at `finish`."""
+
+    tensor_granular = True
+    uses_theta = True
+    #: how a tensor is grouped for its coefficients ("flat", "rows", "cols")
+    _deltas: list[np.ndarray | None]
+
+    #: coefficients from catalog statistics, by tensor name: [a0, [c_1 … c_K]] (`use_coefficients`)
+    _table: Any = None
+
+    def group_mode(self) -> str:
+        return "flat"
+
+    @property
+    def plans_from_gram(self) -> bool:
+        """Whether a partial read takes this method's coefficients from catalog statistics (per-tensor
+        coefficients: the "flat" mode), so that it can be planned by blocks."""
+        return self.group_mode() == "flat"
+
+    def coefficients_from_gram(self, g: np.ndarray) -> tuple[float, list[float]]:
+        """(a0, [c_k]) of one tensor from its (K+1, K+1) Gram matrix of [θ₀, Δ_1 … Δ_K] (float64)."""
+        a0, c = self._coefficients(np.asarray(g, np.float64))
+        return float(np.asarray(a0).reshape(-1)[0]), [float(v) for v in np.asarray(c).reshape(-1)]
+
+    def use_coefficients(self, table: Any) -> None:
+        """The plan's coefficients (`coefficients_from_gram` of the catalog's statistics, by tensor name): a tensor
+        not read whole for every expert is combined with them; a tensor read whole with its exact Gram matrix."""
+        self._table = dict(table or {})
+
+    def _begin(self) -> None:
+        self._deltas = []
+        self._full: list[bool] = []
+
+    def _add(self, x: ExpertInput) -> None:
+        d = x.delta if x.selected_blocks else None
+        self._deltas.append(None if d is None else np.array(d, dtype=np.float32, copy=True))
+        self._full.append(bool(x.full))
+
+    def _planned(self) -> tuple[float, list[float]] | None:
+        """The plan's coefficients of this tensor, when it has them and some expert was not read whole."""
+        assert self._ctx is not None
+        if not self._table or all(self._full) or self._ctx.name not in self._table:
+            return None
+        a0, c = self._table[self._ctx.name]
+        return float(a0), [float(v) for v in c]
+
+    def _coefficients(self, g: np.ndarray) -> tuple[Any, np.ndarray]:
+        raise NotImplementedError
+
+    def _finish(self) -> np.ndarray:
+        base = self._base
+        assert base is not None
+        mode = self.group_mode()
+        planned = self._planned() if mode == "flat" else None
+        if planned is None and all(d is None for d in self._deltas):  # no expert read on this tensor: θ₀
+            return base.copy()
+        vecs = [_groups(base, mode)] + [None if d is None else _groups(d, mode) for d in self._deltas]
+        if planned is not None:
+            a0s, cs = np.array([planned[0]], np.float64), np.asarray(planned[1], np.float64)[None, :]
+        elif mode == "flat":
+            a0, c = self._coefficients(gram(vecs)[0])
+            a0s, cs = np.array([a0], np.float64), np.asarray(c, np.float64)[None, :]
+        else:
+            g = gram(vecs)
+            a0s, cs = self._coefficients(g)
+        b = vecs[0]
+        a0f = a0s.astype(np.float32)[:, None]
+        out = b * a0f if not np.all(a0s == 1.0) else b.copy()
+        for k, v in enumerate(vecs[1:]):
+            if v is not None:
+                out += v * cs[:, k].astype(np.float32)[:, None]
+        return _ungroup(out, base.shape, mode)
+
+    def _end(self) -> None:
+        self._deltas = []
+
+
+@register("model_stock")
+class ModelStock(GramFold):
+    """model_stock (Jang et al.): θ₀ + t·(mean θ_k − θ₀), t from the mean pairwise cosine of the Δ_k; per row
+    with ``filter_wise``."""
+
+    option_defaults = {"filter_wise": False}
+
+    def _validate(self) -> None:
+        if self.n_experts < 2:
+            raise SpecError(f"model_stock needs at least three models including the base; got the base and "
+                            f"{self.n_experts} other")
+        _flag(self.options["filter_wise"], "filter_wise", self.name)
+        if self.options["filter_wise"]:  # row-local: plan block rows of all experts together
+            self.tensor_granular, self.joint_election = False, True
+
+    def group_mode(self) -> str:
+        return "rows" if self.options["filter_wise"] else "flat"
+
+    def coefficient(self, k: int) -> float:
+        return 1.0 / self.n_experts
+
+    def _coefficients(self, g: np.ndarray) -> tuple[Any, np.ndarray]:
+        if g.ndim == 2:
+            a0, c = model_stock_coefficients(g[None])
+            return float(a0[0]), c[0]
+        return model_stock_coefficients(g)
+
+
+@register("nuslerp")
+class NuSlerp(GramFold):
+    """nuslerp between the task vectors of exactly two experts, t = w_2 / (w_1 + w_2) (0.5 when the weights sum
+    to ~0); per tensor (``nuslerp_flatten``, default), per row, or per column (``nuslerp_row_wise``)."""
+
+    option_defaults = {"nuslerp_flatten": True, "nuslerp_row_wise": False}
+
+    def _validate(self) -> None:
+        if self.n_experts != 2:
+            raise SpecError(f"nuslerp merges exactly two models besides the base; got {self.n_experts}")
+        _flag(self.options["nuslerp_flatten"], "nuslerp_flatten", self.name)
+        _flag(self.options["nuslerp_row_wise"], "nuslerp_row_wise", self.name)
+        if self.group_mode() == "rows":  # row-local: plan block rows of both experts together
+            self.tensor_granular, self.joint_election = False, True
+        total = self.weights[0] + self.weights[1]
+        self.t_interp = 0.5 if abs(total) < 1e-6 else self.weights[1] / total
+
+    def group_mode(self) -> str:
+        if self.options["nuslerp_flatten"]:
+            return "flat"
+        return "cols" if self.options["nuslerp_row_wise"] else "rows"
+
+    def coefficient(self, k: int) -> float:
+        return abs(self.t_interp if k == 1 else 1.0 - self.t_interp)
+
+    def _coefficients(self, g: np.ndarray) -> tuple[Any, np.ndarray]:
+        if g.ndim == 2:
+            a0, c = nuslerp_coefficients(g[None], self.t_interp)
+            return float(a0[0]), c[0]
+        return nuslerp_coefficients(g, self.t_interp)
+
+
+@register("multislerp")
+class MultiSlerp(GramFold):
+    """multislerp: barycentric interpolation of the task vectors on the hypersphere (weights required)."""
+
+    option_defaults = {"normalize_weights": True, "eps": 1e-8}
+    _theta1: np.ndarray | None = None
+
+    def _validate(self) -> None:
+        _flag(self.options["normalize_weights"], "normalize_weights", self.name)
+        eps = self.options["eps"]
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+            raise SpecError(f"multislerp: parameter eps must be a finite number >= 0, got {eps!r}")
+        w = np.array(self.weights, np.float32)
+        if self.options["normalize_weights"]:
+            if float(w.sum()) == 0.0:
+                raise SpecError("multislerp: the weights sum to 0, so parameter normalize_weights cannot "
+                                "normalize them")
+            w = w / w.sum()
+        self.norm_weights = w.astype(np.float64)
+
+    def coefficient(self, k: int) -> float:
+        return abs(float(self.norm_weights[k]))
+
+    def _add(self, x: ExpertInput) -> None:
+        super()._add(x)
+        if self.n_experts == 1:  # MergeKit returns the one model's tensor itself
+            self._theta1 = None if not x.selected_blocks else np.array(x.theta, dtype=np.float32, copy=True)
+
+    @property
+    def plans_from_gram(self) -> bool:
+        return self.n_experts > 1
+
+    def _finish(self) -> np.ndarray:
+        if self.n_experts == 1:
+            assert self._base is not None
+            return self._base.copy() if self._theta1 is None else self._theta1
+        return super()._finish()
+
+    def _coefficients(self, g: np.ndarray) -> tuple[Any, np.ndarray]:
+        return multislerp_coefficients(g, self.norm_weights, float(self.options["eps"]))
+
+
+@register("karcher")
+class Karcher(GramFold):
+    """karcher: the Karcher (Riemannian) mean on the hypersphere of the base and the experts, equal weights,
+    rescaled by their mean norm."""
+
+    option_defaults = {"max_iter": 10, "tol": 1e-5}
+    uses_torch = True
+
+    def _validate(self) -> None:
+        mi = self.options["max_iter"]
+        if isinstance(mi, bool) or not isinstance(mi, int) or mi < 0:
+            raise SpecError(f"karcher: parameter max_iter must be an integer >= 0, got {mi!r}")
+        tol = self.options["tol"]
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not math.isfinite(tol) or tol < 0:
+            raise SpecError(f"karcher: parameter tol must be a finite number >= 0, got {tol!r}")
+
+    def coefficient(self, k: int) -> float:
+        return 1.0 / (self.n_experts + 1)
+
+    def _coefficients(self, g: np.ndarray) -> tuple[Any, np.ndarray]:
+        return karcher_coefficients(g, int(self.options["max_iter"]), float(self.options["tol"]))
+
+    def _finish(self) -> np.ndarray:
+        if self._planned() is not None:
+            return super()._finish()
+        return self._finish_read()
+
+    def _finish_read(self) -> np.ndarray:
+        """Full read: the iteration on the tensors themselves in float32 (`karcher_float32`): near the base the
+        angles are ~1e-4 and float32 rounding of ``cos θ`` moves them by ~1e-4 relative, which MergeKit's
+        result carries; the Gram form (`karcher_coefficients`, exact in float64) differs from it by that much."""
+        base = self._base
+        assert base is not None
+        thetas = [base if t is None else t for t in self._thetas] + [base]  # MergeKit's order: the base last
+        return karcher_float32(thetas, int(self.options["max_iter"]), float(self.options["tol"]))
+
+    def _begin(self) -> None:
+        super()._begin()
+        self._thetas: list[np.ndarray | None] = []
+
+    def _add(self, x: ExpertInput) -> None:
+        if self._table and self._ctx is not None and self._ctx.name in self._table:
+            super()._add(x)  # Δ_k, for the planned coefficients if some expert is read in part
+        else:
+            self._full.append(bool(x.full))
+        self._thetas.append(np.array(x.theta, dtype=np.float32, copy=True) if x.selected_blocks else None)
+
+    def _end(self) -> None:
+        super()._end()
+        self._thetas = []
+
+
+def karcher_float32(tensors: list[np.ndarray], max_iter: int, tol: float) -> np.ndarray:
+    """The weighted (1/N) Karcher mean of float32 tensors on the hypersphere, every step a float32 torch
+    operation (norms, dots, the tangent sum in input order), as docs/SEMANTICS.md writes it."""
+    import torch
+
+    ts = [torch.from_numpy(np.ascontiguousarray(t, dtype=np.float32)) for t in tensors]
+    n = len(ts)
+    alphas = [1.0 / n] * n
+    norms = [torch.linalg.vector_norm(t) for t in ts]
+    units = [torch.zeros_like(t) if float(nm) == 0.0 else t / nm for t, nm in zip(ts, norms)]
+    valid = [i for i in range(n) if float(norms[i]) > tol]
+    if not valid:
+        return np.zeros_like(tensors[0])
+    total = sum(alphas[i] for i in valid)
+    na = [alphas[i] / total for i in valid]
+    vu = [units[i] for i in valid]
+    mean = torch.zeros_like(vu[0])
+    for a, u in zip(na, vu):
+        mean += a * u
+    mn = torch.linalg.vector_norm(mean)
+    mean = vu[0].clone() if float(mn) < tol else mean / mn
+    for _ in range(max_iter):
+        tangent = torch.zeros_like(mean)
+        for a, u in zip(na, vu):
+            dot = torch.clamp(torch.dot(mean.flatten(), u.flatten()), -1.0, 1.0)
+            th = torch.arccos(dot)
+            if float(th) < tol:
+                continue
+            tangent += a * (th / torch.sin(th)) * (u - dot * mean)
+        tn = torch.linalg.vector_norm(tangent)
+        if float(tn) < tol:
+            break
+        mean = torch.cos(tn) * mean + torch.sin(tn) * (tangent / tn)
+        un = torch.linalg.vector_norm(mean)
+        if float(un) > tol:
+            mean = mean / un
+    scale = sum(a * nm for a, nm in zip(alphas, norms))
+    return (scale * mean).numpy()

@@ -1,0 +1,276 @@
+"""The geometric family (model_stock, nuslerp, multislerp, karcher): the streamed operators against plain torch
+formulas written here from docs/SEMANTICS.md (whole tensors, float32 as MergeKit computes them), within 1e-6
+relative; the Gram-matrix coefficient form against the same formulas; options and bad parameters."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from mergepipe_db.errors import SpecError
+from mergepipe_db.operators import ExpertInput, ExpertParams, TensorContext, make_operator
+from mergepipe_db.operators.geometric import (
+    gram,
+    karcher_coefficients,
+    model_stock_coefficients,
+    multislerp_coefficients,
+    nuslerp_coefficients,
+)
+
+SHAPES = [(7,), (13, 5), (64, 33), (2, 3, 4), (300, 40)]
+
+
+# --- plain formulas ---------------------------------------------------------------------------------------
+
+
+def ref_model_stock(base, thetas, filter_wise=False):
+    shape = base.shape
+    if filter_wise:
+        w0 = base.reshape(1, -1) if base.dim() == 1 else base
+        ws = [t.reshape(1, -1) if t.dim() == 1 else t for t in thetas]
+    else:
+        w0, ws = base.reshape(-1), [t.reshape(-1) for t in thetas]
+    offs = [w - w0 for w in ws]
+    coss = []
+    for i in range(len(offs)):
+        for j in range(i + 1, len(offs)):
+            np_ = torch.norm(offs[i], dim=-1) * torch.norm(offs[j], dim=-1)
+            coss.append(((offs[i] * offs[j]).sum(dim=-1) / np_.clamp(min=1e-6)).clamp(-1, 1))
+    cos = torch.stack(coss).mean(dim=0).unsqueeze(-1)
+    n = len(ws)
+    den = 1 + (n - 1) * cos
+    sing = den.abs() < 1e-6
+    t = torch.where(sing, torch.zeros_like(cos), n * cos / torch.where(sing, torch.ones_like(den), den))
+    return (t * (sum(ws) / n) + (1 - t) * w0).reshape(shape)
+
+
+def ref_nuslerp(base, thetas, weights, flatten=True, row_wise=False):
+    total = weights[0] + weights[1]
+    t = 0.5 if abs(total) < 1e-6 else weights[1] / total
+    v0, v1 = thetas[0] - base, thetas[1] - base
+    shape = v0.shape
+    if flatten:
+        v0, v1 = v0.reshape(-1), v1.reshape(-1)
+    elif row_wise:
+        v0, v1 = v0.transpose(0, -1), v1.transpose(0, -1)
+    u0 = v0 / torch.norm(v0, dim=-1, keepdim=True).clamp(min=1e-7)
+    u1 = v1 / torch.norm(v1, dim=-1, keepdim=True).clamp(min=1e-7)
+    cos = (u0 * u1).sum(dim=-1, keepdim=True).clamp(-1, 1)
+    col = (1 - cos.square()) <= 1e-16
+    th = torch.acos(torch.where(col, 0, cos))
+    res = (torch.sin((1 - t) * th) * v0 + torch.sin(t * th) * v1) / torch.sin(th)
+    res = torch.where(col, (1 - t) * v0 + t * v1, res)
+    if row_wise and not flatten:
+        res = res.transpose(0, -1)
+    return base + res.reshape(shape)
+
+
+def ref_multislerp(base, thetas, weights, normalize=True, eps=1e-8):
+    if len(thetas) == 1:
+        return thetas[0]
+    ts = torch.stack(thetas) - base
+    flat = ts.view(ts.shape[0], -1)
+    w = torch.tensor(weights, dtype=torch.float32)
+    if normalize:
+        w = w / w.sum()
+    norms = torch.norm(flat, dim=-1, keepdim=True)
+    units = flat / (norms + eps)
+    mean = (units * w.view(-1, 1)).sum(0)
+    mean = mean / torch.norm(mean)
+    dots = (units * mean).sum(-1, keepdim=True)
+    tang = ((units - dots * mean) * w.view(-1, 1)).sum(0)
+    tn = torch.norm(tang) + eps
+    res = mean * torch.cos(tn) + tang * (torch.sin(tn) / tn)
+    return (res * (norms.squeeze(-1) * w).sum()).view(base.shape) + base
+
+
+def ref_karcher(tensors, max_iter=10, tol=1e-5):
+    n = len(tensors)
+    norms = [torch.linalg.vector_norm(t) for t in tensors]
+    units = [t / nm for t, nm in zip(tensors, norms)]
+    mean = sum(u / n for u in units)  # every test tensor has a norm above tol
+    mean = mean / torch.linalg.vector_norm(mean)
+    for _ in range(max_iter):
+        tang = torch.zeros_like(mean)
+        for u in units:
+            dot = torch.clamp(torch.dot(mean.flatten(), u.flatten()), -1.0, 1.0)
+            th = torch.arccos(dot)
+            if th.item() < tol:
+                continue
+            tang = tang + (1.0 / n) * (th / torch.sin(th)) * (u - dot * mean)
+        tn = torch.linalg.vector_norm(tang)
+        if tn.item() < tol:
+            break
+        mean = torch.cos(tn) * mean + torch.sin(tn) * (tang / tn)
+        mean = mean / torch.linalg.vector_norm(mean)
+    return sum(nm / n for nm in norms) * mean
+
+
+# --- helpers ---------------------------------------------------------------------------------------------
+
+
+def data(shape, k, seed, scale=0.3):
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(shape, generator=g)
+    common = torch.randn(shape, generator=g) * scale  # correlated task vectors: cosines well away from 0
+    return base, [base + common + torch.randn(shape, generator=g) * scale for _ in range(k)]
+
+
+def stream(method, base, thetas, weights=None, *, selected=None, rows=None, **options):
+    params = [ExpertParams(str(k), weight=1.0 if weights is None else weights[k]) for k in range(len(thetas))]
+    op = make_operator(method, params, options=options)
+    n_rows = base.shape[0] if base.dim() >= 2 else 1
+    ctx = TensorContext("t", tuple(base.shape), 1, n_rows, seed=0)  # one block per row (1-d: one block)
+    op.begin(base.numpy(), ctx)
+    for k, th in enumerate(thetas):
+        if selected is not None and k not in selected:
+            op.add(ExpertInput(k, params[k], (), False, base=base.numpy()))
+        elif rows is not None:  # these blocks (rows) only; θ_k given on them, anything elsewhere
+            junk = th.clone()
+            junk[[r for r in range(ctx.n_blocks) if r not in rows]] = 1e30
+            op.add(ExpertInput(k, params[k], rows, False, base=base.numpy(), theta=junk.numpy()))
+        else:
+            op.add(ExpertInput(k, params[k], range(ctx.n_blocks), True, base=base.numpy(), theta=th.numpy()))
+    return torch.from_numpy(op.finish().copy())
+
+
+def rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+# --- full selection against the formulas --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_model_stock(shape) -> None:
+    for k, fw in ((2, False), (3, False), (4, True), (3, True)):
+        base, th = data(shape, k, 1 + k)
+        assert rel(stream("model_stock", base, th, filter_wise=fw), ref_model_stock(base, th, fw)) <= 1e-6
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_nuslerp(shape) -> None:
+    for i, (w, flat, rw) in enumerate((([0.3, 0.7], True, False), ([1.0, 2.0], False, False),
+                                       ([0.4, 0.6], False, True), ([1.0, -1.0], True, False))):
+        base, th = data(shape, 2, 10 + i)
+        got = stream("nuslerp", base, th, w, nuslerp_flatten=flat, nuslerp_row_wise=rw)
+        assert rel(got, ref_nuslerp(base, th, w, flat, rw)) <= 1e-6
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_multislerp(shape) -> None:
+    for i, (w, norm) in enumerate((([0.2, 0.3, 0.5], True), ([1.0, 0.5], False), ([0.5, 1.0, 0.25, 2.0], False),
+                                   ([1.0], True))):
+        base, th = data(shape, len(w), 20 + i)
+        got = stream("multislerp", base, th, w, normalize_weights=norm)
+        assert rel(got, ref_multislerp(base, th, w, norm)) <= 1e-6
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_karcher(shape) -> None:
+    for i, (k, mi, tol) in enumerate(((1, 10, 1e-5), (3, 10, 1e-5), (2, 2, 1e-3))):
+        base, th = data(shape, k, 30 + i)
+        got = stream("karcher", base, th, max_iter=mi, tol=tol)
+        assert rel(got, ref_karcher(th + [base], mi, tol)) <= 1e-6
+
+
+def test_omitted_expert_tensor_is_the_base() -> None:
+    """An (expert, tensor) not selected has Δ_k = 0: the same as merging with θ_k = θ₀."""
+    base, th = data((13, 5), 3, 40)
+    for method, kw in (("model_stock", {}), ("multislerp", {}), ("karcher", {})):
+        w = [0.2, 0.3, 0.5] if method == "multislerp" else None
+        got = stream(method, base, th, w, selected={0, 2}, **kw)
+        want = stream(method, base, [th[0], base.clone(), th[2]], w, **kw)
+        assert torch.equal(got, want), method
+        assert rel(got, stream(method, base, th, w, **kw)) > 1e-4
+
+
+def test_row_local_modes_on_selected_rows() -> None:
+    """model_stock filter_wise and nuslerp per row are planned by block rows of all experts together: on the
+    rows read the result is the formula's, on the others θ₀ (their Δ are 0)."""
+    from mergepipe_db.operators import operator_class
+
+    base, th = data((40, 9), 3, 60)
+    rows = [0, 1, 2, 7, 8, 20, 39]
+    part = [base.clone() for _ in th]
+    for p, t in zip(part, th):
+        p[rows] = t[rows]
+    for method, kw, w, ths, ps in (("model_stock", {"filter_wise": True}, None, th, part),
+                                   ("nuslerp", {"nuslerp_flatten": False}, [0.3, 0.7], th[:2], part[:2])):
+        op = make_operator(method, [ExpertParams(str(k), weight=1.0 if w is None else w[k]) for k in range(len(ths))],
+                           options=kw)
+        assert not op.tensor_granular and op.joint_election and operator_class(method).tensor_granular
+        got = stream(method, base, ths, w, rows=rows, **kw)
+        want = ref_model_stock(base, ps, True) if method == "model_stock" else ref_nuslerp(base, ps, w, False)
+        assert rel(got, want) <= 1e-6
+        rest = [r for r in range(40) if r not in rows]
+        assert torch.equal(got[rest], base[rest])
+
+
+# --- the Gram form ---------------------------------------------------------------------------------------
+
+
+def _combine(base, thetas, a0, c):
+    out = base.double() * float(a0)
+    for ck, th in zip(c, thetas):
+        out = out + (th.double() - base.double()) * float(ck)
+    return out.float()
+
+
+def test_coefficients_from_gram_equal_the_formulas() -> None:
+    """The coefficient functions (what a planner evaluates from catalog statistics) give the formulas'
+    outputs when their Gram matrix is exact."""
+    base, th = data((64, 33), 3, 50)
+    vecs = [base.numpy().reshape(1, -1)] + [(t - base).numpy().reshape(1, -1) for t in th]
+    g = gram(vecs)
+    a0, c = model_stock_coefficients(g)
+    assert rel(_combine(base, th, a0[0], c[0]), ref_model_stock(base, th)) <= 1e-6
+    a0, c = nuslerp_coefficients(gram(vecs[:3]), 0.7)
+    assert rel(_combine(base, th[:2], a0[0], c[0]), ref_nuslerp(base, th[:2], [0.3, 0.7])) <= 1e-6
+    w = np.array([0.2, 0.3, 0.5])
+    a0, c1 = multislerp_coefficients(g[0], w, 1e-8)
+    assert rel(_combine(base, th, a0, c1), ref_multislerp(base, th, list(w))) <= 1e-6
+    a0, c1 = karcher_coefficients(g[0], 10, 1e-5)
+    assert rel(_combine(base, th, a0, c1), ref_karcher(th + [base])) <= 1e-6
+
+
+def test_gram_is_float64_inner_products() -> None:
+    rng = np.random.default_rng(0)
+    vs = [rng.standard_normal((3, 50)).astype(np.float32) for _ in range(3)]
+    g = gram([vs[0], None, vs[1], vs[2]])
+    for i, a in enumerate([vs[0], None, vs[1], vs[2]]):
+        for j, b in enumerate([vs[0], None, vs[1], vs[2]]):
+            want = np.zeros(3) if a is None or b is None else (a.astype(np.float64) * b).sum(1)
+            assert np.allclose(g[:, i, j], want, rtol=1e-12, atol=0)
+
+
+# --- parameters ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("method", "k", "options", "match"), [
+    ("model_stock", 1, {}, "at least three models including the base"),
+    ("nuslerp", 1, {}, "exactly two models besides the base"),
+    ("nuslerp", 3, {}, "exactly two models besides the base"),
+    ("model_stock", 2, {"filter_wise": "yes"}, "parameter filter_wise must be true or false"),
+    ("nuslerp", 2, {"nuslerp_flatten": 1}, "parameter nuslerp_flatten must be true or false"),
+    ("nuslerp", 2, {"nuslerp_row_wise": None}, "parameter nuslerp_row_wise must be true or false"),
+    ("multislerp", 2, {"eps": -1.0}, "parameter eps must be a finite number >= 0"),
+    ("karcher", 2, {"max_iter": 2.5}, "parameter max_iter must be an integer >= 0"),
+    ("karcher", 2, {"tol": math.nan}, "parameter tol must be a finite number >= 0"),
+    ("karcher", 2, {"filter_wise": True}, "unknown parameter 'filter_wise'"),
+    ("model_stock", 2, {"max_iter": 3}, "unknown parameter 'max_iter'"),
+])
+def test_bad_parameters_are_named(method, k, options, match) -> None:
+    with pytest.raises(SpecError, match=match) as e:
+        make_operator(method, [ExpertParams(str(i)) for i in range(k)], options=options)
+    assert "\n" not in str(e.value)
+
+
+def test_multislerp_weights_summing_to_zero() -> None:
+    with pytest.raises(SpecError, match="normalize_weights"):
+        make_operator("multislerp", [ExpertParams("a", weight=1.0), ExpertParams("b", weight=-1.0)])
+    make_operator("multislerp", [ExpertParams("a", weight=1.0), ExpertParams("b", weight=-1.0)],
+                  options={"normalize_weights": False})

@@ -1,0 +1,119 @@
+"""Ingest's inner-product statistics (mp_tensor_gram, `kernels/gram_stats.py`): ⟨θ₀, Δ⟩, ‖Δ‖², ‖θ₀‖² and the
+count sketch of Δ against the same quantities computed here from the files, with a sign function written
+again from its description (seeded table of 2^20 signs × splitmix64 of the index's high bits)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mergepipe_db.db.gram import tensor_cross, tensor_gram
+from mergepipe_db.kernels.gram_stats import GRAM_DIM, gram_block_stats
+
+pytestmark = pytest.mark.catalog
+
+M64 = (1 << 64) - 1
+
+
+def splitmix_sign(hi: int) -> float:
+    z = (hi + 0x9E3779B97F4A7C15) & M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+    return -1.0 if (z ^ (z >> 31)) >> 63 else 1.0
+
+
+TABLE = np.where(np.random.default_rng(0x5EED_6A4A).random(1 << 20) < 0.5, -1.0, 1.0)
+
+
+def plain_sketch(delta: np.ndarray) -> np.ndarray:
+    out = np.zeros(GRAM_DIM)
+    d = delta.reshape(-1).astype(np.float64)
+    for g in range(d.shape[0]):
+        out[g % GRAM_DIM] += TABLE[g % (1 << 20)] * splitmix_sign(g >> 20) * d[g]
+    return out
+
+
+def load(path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+@pytest.mark.parametrize("fixture", ["tiny_family_f32", "tiny_family"])
+def test_ingest_stores_the_inner_products(catalog, request, fixture: str) -> None:
+    fam = request.getfixturevalue(fixture)
+    catalog.ingest(fam.base, name="base", block_bytes=4096)
+    catalog.ingest_many(list(fam.experts[:2]), names=["a", "b"], base="base")
+    ids = {n: catalog.checkpoint_id(n) for n in ("base", "a", "b")}
+    with catalog.db.connect() as conn:
+        grams = {n: tensor_gram(conn, i) for n, i in ids.items()}
+        crosses = {n: tensor_cross(conn, ids[n]) for n in ("a", "b")}
+        names = {n: dict(conn.execute(__import__("sqlalchemy").text(
+            "SELECT tensor_idx, name FROM mp_tensor WHERE checkpoint_id = :c"), {"c": i}).all())
+            for n, i in ids.items()}
+    base = load(fam.base)
+    experts = {"a": load(fam.experts[0]), "b": load(fam.experts[1])}
+    assert len(grams["base"]) == len(base) and len(grams["a"]) == len(base)
+    for tidx, g in grams["base"].items():
+        b = base[names["base"][tidx]].double()
+        assert g.base_sq == pytest.approx(float((b * b).sum()), rel=1e-12)
+    est, true, bound = [], [], []
+    for n in ("a", "b"):
+        for tidx, g in grams[n].items():
+            name = names[n][tidx]
+            b32 = base[name].float()
+            d = (experts[n][name].float() - b32)
+            dd = d.double()
+            assert g.base_dot == pytest.approx(float((b32.double() * dd).sum()), rel=1e-9, abs=1e-12)
+            assert g.delta_sq == pytest.approx(float((dd * dd).sum()), rel=1e-9, abs=1e-15)
+            if d.numel() <= 20000:
+                np.testing.assert_allclose(g.proj, plain_sketch(d.numpy()), rtol=1e-5, atol=1e-6 * float(dd.norm()))
+    # the sketches of two experts estimate their inner product: exact for tensors of at most GRAM_DIM elements;
+    # ingested together (ingest_many), the product itself is stored (where both Δ are nonzero somewhere)
+    n_exact = 0
+    for tidx, ga in grams["a"].items():
+        name = names["a"][tidx]
+        tb = next(t for t, nm in names["b"].items() if nm == name)
+        da = (experts["a"][name].float() - base[name].float()).double()
+        db = (experts["b"][name].float() - base[name].float()).double()
+        got, want = float(ga.proj @ grams["b"][tb].proj), float((da * db).sum())
+        ex_a, ex_b = crosses["a"].get((tidx, ids["b"])), crosses["b"].get((tb, ids["a"]))
+        assert ex_a == ex_b
+        if ex_a is not None:
+            assert ex_a == pytest.approx(want, rel=1e-5, abs=1e-12 * float(da.norm() * db.norm()) + 1e-30)
+            n_exact += 1
+        else:  # no block where both changed
+            assert want == 0.0 or float(da.norm() * db.norm()) == 0.0 or (da * db != 0).sum() == 0
+        if da.numel() <= GRAM_DIM or float(da.norm() * db.norm()) == 0.0:
+            assert got == pytest.approx(want, rel=1e-5, abs=1e-9)
+        else:
+            est.append(got)
+            true.append(want)
+            bound.append(float(da.norm() * db.norm()) * (2 / GRAM_DIM) ** 0.5)
+    assert n_exact >= 3
+    z = (np.array(est) - np.array(true)) / np.array(bound)
+    assert len(z) >= 3 and np.all(np.abs(z) < 6) and abs(z.mean()) < 1.5
+
+
+def test_block_sketches_add_up_to_the_tensor_sketch() -> None:
+    """Blocks starting anywhere (also across a 2^20 boundary) sum to the whole tensor's sketch."""
+    rng = np.random.default_rng(3)
+    n = (1 << 20) + 5000
+    b = rng.standard_normal(n).astype(np.float32)
+    e = (b + rng.standard_normal(n).astype(np.float32) * 0.01).astype(np.float32)
+    cuts = [0, 777, (1 << 20) - 3, (1 << 20) + 100, n]
+    total = sum(gram_block_stats(e[s:t].tobytes(), b[s:t].tobytes(), "F32", s)[2] for s, t in zip(cuts, cuts[1:]))
+    whole = gram_block_stats(e.tobytes(), b.tobytes(), "F32", 0)[2]
+    np.testing.assert_allclose(total, whole, rtol=1e-4, atol=1e-6)
+    # and the part past 2^20 follows the high-bit sign: the plain formula on a short tail
+    tail = gram_block_stats(e[1 << 20:].tobytes(), b[1 << 20:].tobytes(), "F32", 1 << 20)[2]
+    d = (e[1 << 20:] - b[1 << 20:]).astype(np.float64)
+    want = np.zeros(GRAM_DIM)
+    for i in range(d.shape[0]):
+        g = (1 << 20) + i
+        want[g % GRAM_DIM] += TABLE[g % (1 << 20)] * splitmix_sign(g >> 20) * d[i]
+    np.testing.assert_allclose(tail, want, rtol=1e-5, atol=1e-9)
