@@ -173,11 +173,11 @@ def test_cli_storage_options_reach_the_workers(s3_server, s3_env, catalog_url, s
 
     cat = Catalog.open(catalog_url, storage_options=_options(s3_server))
     _ingest(cat, s3_fam)
-    one = cat.merge(_spec(s3_fam[0]), out=f"{s3_env}/one", budget=0.5, shard_bytes=SHARD)
+    spec = tmp_path / "spec.yml"  # both merges from the file: a spec given as text also writes MergeKit's extras
+    spec.write_text(yaml.safe_dump(_spec(s3_fam[0])))
+    one = cat.merge(spec, out=f"{s3_env}/one", budget=0.5, shard_bytes=SHARD)
     for k in [k for k in os.environ if k.startswith("AWS_")]:
         monkeypatch.delenv(k)
-    spec = tmp_path / "spec.yml"
-    spec.write_text(yaml.safe_dump(_spec(s3_fam[0])))
     options = [a for k, v in _options(s3_server).items() for a in ("--storage-option", f"{k}={v}")]
     done = cli(["merge", str(spec), "--out", f"{s3_env}/cli", "--catalog", catalog_url, "--budget", "0.5",
                 "--shard-size", str(SHARD), "--scheduler", client.scheduler.address, "--json", *options])

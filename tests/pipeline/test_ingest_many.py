@@ -211,7 +211,7 @@ def test_cli_ingests_several_paths(catalog, catalog_url, tiny_family) -> None:
     out = json.loads(r.stdout)
     assert [x["name"] for x in out] == ["a", "b", "c"] and all(x["created"] for x in out)
     r = cli(["ingest", *map(str, tiny_family.experts), "--base", "base", "--catalog", catalog_url, "-q"])
-    assert r.returncode == 1 and one_line_error(r.stderr, "DuplicateNameError")  # same content, other names
+    assert r.returncode == 1 and one_line_error(r.stderr, "AlreadyCataloguedError")  # same content, other names
     r = cli(["ingest", str(tiny_family.experts[0]), "--name", "a", "--base", "base", "--catalog", catalog_url,
              "--json", "-q"])
     assert r.returncode == 0 and json.loads(r.stdout)["created"] is False  # one path: one object, as before
