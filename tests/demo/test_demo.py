@@ -16,11 +16,13 @@ def test_demo_runs_and_upgrades_its_own_older_catalog(tmp_path, monkeypatch, cap
     url = str(tmp_path / "catalog.duckdb")
     with Catalog.open(url).db.connect(check_schema=False) as conn:  # as schema 0003 left it
         conn.execute(sa.text("DROP TABLE mp_tensor_sketch"))
+        conn.execute(sa.text("DROP TABLE mp_tensor_gram"))  # (added after 0003: 0006)
+        conn.execute(sa.text("DROP TABLE mp_tensor_cross"))
         conn.execute(sa.text("UPDATE alembic_version SET version_num = '0003'"))
     capsys.readouterr()
     assert run_demo(tmp_path, **args) == 0
     out = capsys.readouterr().out
-    assert f"upgraded the demo catalog {url} from schema 0003 to 0005" in out
+    assert f"upgraded the demo catalog {url} from schema 0003 to 0006" in out
     assert (tmp_path / "merged-ties-2" / "manifest.json").is_file()
     with Catalog.open(url).db.connect() as conn:
         assert conn.execute(sa.text("SELECT COUNT(*) FROM mp_tensor_sketch")).scalar_one() > 0
