@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 
 from mergepipe_db.core.plan import TensorInfo
+from mergepipe_db.errors import EnvironmentSettingError
 
 #: the most bytes of source tensors kept at once for later uses (`MERGEPIPE_REUSE_BYTES` overrides; 0 turns
 #: the reuse off: every use is read)
@@ -20,8 +21,17 @@ DEFAULT_KEEP_BYTES = 1 << 30
 
 
 def keep_bytes() -> int:
-    env = os.environ.get("MERGEPIPE_REUSE_BYTES", "")
-    return int(env) if env.strip() else DEFAULT_KEEP_BYTES
+    """The bound on bytes kept: `MERGEPIPE_REUSE_BYTES`, else `DEFAULT_KEEP_BYTES`."""
+    env = os.environ.get("MERGEPIPE_REUSE_BYTES", "").strip()
+    if not env:
+        return DEFAULT_KEEP_BYTES
+    try:
+        n = int(env)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise EnvironmentSettingError(f"MERGEPIPE_REUSE_BYTES={env!r} is not a whole number of bytes >= 0")
+    return n
 
 
 def source_key(t: TensorInfo) -> tuple[str, int, int]:

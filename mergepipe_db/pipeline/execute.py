@@ -244,6 +244,7 @@ def execute(
 ) -> ExecutionResult:
     """Run `plan`, writing output shards into the (existing, empty) `staging` directory."""
     layout = output_layout(plan, shard_bytes)
+    base_reuse.keep_bytes()  # a bad MERGEPIPE_REUSE_BYTES fails here, before anything is read or written
     return _execute_layout(plan, staging, layout, progress=progress, verify_reads=verify_reads, on_tensor=on_tensor)
 
 

@@ -185,3 +185,17 @@ def test_reuse_schedule_keeps_within_the_bound() -> None:
     # once dropped, the bytes are read again for a later use (and kept if there is one after it)
     assert reuse_schedule([_t(0, 0), _t(1, 10), _t(2, 0), _t(3, 10), _t(4, 10)], 10) == [
         keep, read, last, keep, last]
+
+
+@pytest.mark.parametrize("value", ["lots", "-1", "1.5"])
+def test_bad_reuse_bound_writes_nothing(fam, monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    from mergepipe_db.errors import EnvironmentSettingError
+
+    root, _family, cat = fam
+    before = cat.sql("SELECT COUNT(*) FROM mp_snapshot")[1]
+    monkeypatch.setenv("MERGEPIPE_REUSE_BYTES", value)
+    with pytest.raises(EnvironmentSettingError) as ei:
+        cat.merge(str(root / "pt.yml"), out=root / "bad-out", budget=0.0)
+    assert "MERGEPIPE_REUSE_BYTES" in str(ei.value) and len(str(ei.value).splitlines()) == 1
+    assert not (root / "bad-out").exists()
+    assert cat.sql("SELECT COUNT(*) FROM mp_snapshot")[1] == before
