@@ -244,7 +244,6 @@ def execute(
 ) -> ExecutionResult:
     """Run `plan`, writing output shards into the (existing, empty) `staging` directory."""
     layout = output_layout(plan, shard_bytes)
-    base_reuse.keep_bytes()  # a bad MERGEPIPE_REUSE_BYTES fails here, before anything is read or written
     return _execute_layout(plan, staging, layout, progress=progress, verify_reads=verify_reads, on_tensor=on_tensor)
 
 
@@ -252,6 +251,7 @@ def _execute_layout(plan: Plan, staging: Path, layout: tuple[list[OutTensor], li
                     verify_reads: bool, on_tensor: Any) -> ExecutionResult:
     from mergepipe_db.operators import operator_class
 
+    base_reuse.keep_bytes()  # a bad MERGEPIPE_REUSE_BYTES fails here, before anything is read or written
     needs_torch = (operator_class(plan.spec.method).uses_torch or any(s.needs_torch for s in plan.sources)
                    or any(ot.dtype == "F16" for ot in layout[0]))  # `cast_into`
     torch = sys.modules.get("torch")
