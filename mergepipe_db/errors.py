@@ -265,3 +265,8 @@ class LoraAdapterError(BadCheckpointError):
 
 class PackError(MergePipeError):
     """The packed block store cannot hold or serve an expert (not a full checkpoint, store missing, …)."""
+
+
+class EnvironmentSettingError(MergePipeError):
+    """A ``MERGEPIPE_*`` environment variable has a value it cannot take (``MERGEPIPE_REUSE_BYTES``: not a
+    whole number of bytes ≥ 0)."""

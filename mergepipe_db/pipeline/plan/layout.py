@@ -5,8 +5,9 @@ The planner plans over *output* tensors: `base_tensors` are the output tensors i
 i-th output tensor), each pointing at the bytes of the source tensor θ₀ is read from (for passthrough, the
 slice's one source, of whichever model); an expert's `tensors` map an output tensor's name to the expert's source
 tensor (its own catalog index, so the ranking SQL joins the expert's block rows). A source tensor used by two
-output tensors (a layer reused) is two candidates. Per-tensor coefficients (from the gradient- or
-filter-resolved weights) enter the ranking scores through `mp_plan_tensor.coef`.
+output tensors (a layer reused) is two candidates (the executor reads its bytes once: `base_reuse`).
+Per-tensor coefficients (from the gradient- or filter-resolved weights) enter the ranking scores through
+`mp_plan_tensor.coef`.
 """
 
 from __future__ import annotations
