@@ -177,6 +177,13 @@ class DaskExecutor:
                 parts.append((shards, res))
                 attempts[shards[0]] = attempt
                 bar.update(len(shards))
+        except MergePipeError as e:
+            if not isinstance(e, DistributedError) or isinstance(e, WorkerLostError):
+                # the other tasks may still be writing: let them end, so that what they write is removed
+                # with the attempt (a cancelled task runs on in its worker; it cannot be stopped)
+                _settle(futures)
+            self.client.cancel(futures)
+            raise
         except BaseException:
             self.client.cancel(futures)
             raise
@@ -203,6 +210,18 @@ class DaskExecutor:
         result.timings.update({"dispatch": t_dispatch, "tasks": t_tasks, "gather": time.perf_counter() - t0,
                                "n_tasks": float(len(groups)), "n_workers": float(n_workers)})
         return result
+
+
+#: how long a failed merge waits for its other tasks to end before giving up on them (`_settle`)
+SETTLE_TIMEOUT_S = 300.0
+
+
+def _settle(futures: list[Any]) -> None:
+    """Wait (bounded) until every task of a failed merge has finished, failed or lost its worker."""
+    from distributed import wait
+
+    with contextlib.suppress(Exception):
+        wait(futures, timeout=SETTLE_TIMEOUT_S)
 
 
 def _storage_options() -> dict[str, str]:
