@@ -42,6 +42,7 @@ GRAM_DIM = 1024  #: buckets of a tensor's count sketch (8 KiB per tensor, float6
 _LOW_BITS = 20
 _LOW = 1 << _LOW_BITS
 SIGNS = np.where(np.random.default_rng(0x5EED_6A4A).random(_LOW) < 0.5, -1.0, 1.0).astype(np.float32)
+_SIGNS8 = SIGNS.astype(np.int8)  # the kernel's copy: 1 MiB, not 4 (a block read a stream of signs as long as itself)
 _MASK64 = (1 << 64) - 1
 
 
@@ -84,7 +85,7 @@ def _signed_add(p: np.ndarray, sg: np.ndarray, h: float, d: np.ndarray) -> None:
     """p += sg·h·d over contiguous slices (as slices the compiler vectorizes the loop; indexed from one loop
     over the tile it did not: 6× slower)."""
     for t in range(p.shape[0]):
-        p[t] += sg[t] * h * d[t]
+        p[t] += np.float32(sg[t]) * h * d[t]
 
 
 @numba.njit(cache=True, nogil=True)
@@ -203,7 +204,7 @@ def block_and_gram_stats(data: bytes | bytearray | memoryview, base: bytes | byt
     acc = np.zeros(4, np.float64)
     proj = np.zeros(GRAM_DIM, np.float64)
     gacc = np.zeros(2, np.float64)
-    _stats_gram(e, b, int(start), SIGNS, _highs(int(start), e.shape[0]), hist, acc, proj, gacc)
+    _stats_gram(e, b, int(start), _SIGNS8, _highs(int(start), e.shape[0]), hist, acc, proj, gacc)
     l2sq, l1, mx, pos = acc
     n = e.shape[0]
     row = {"delta_l2": float(np.sqrt(l2sq)), "delta_l1": float(l1), "delta_max": float(mx),
