@@ -112,6 +112,20 @@ def _tile_count(bins: np.ndarray, sub: np.ndarray) -> None:
 
 
 @numba.njit(cache=True, nogil=True)
+def _tile_hist(absd: np.ndarray, nz: int, packed: np.ndarray, bins: np.ndarray, sub: np.ndarray) -> int:
+    """The bins of a tile's |Δ| (`nz` of them nonzero) counted into `sub`; how many zeros are left to bin 0."""
+    m = absd.shape[0]
+    if nz * _SPARSE <= m:  # bins and counts for the nonzero |Δ| only; the zeros go to bin 0 at once
+        _tile_pack_nonzero(absd, packed)
+        _tile_bins(packed[:nz], bins[:nz])
+        _tile_count(bins[:nz], sub)
+        return m - nz
+    _tile_bins(absd, bins[:m])
+    _tile_count(bins[:m], sub)
+    return 0
+
+
+@numba.njit(cache=True, nogil=True)
 def _stats(e: np.ndarray, b: np.ndarray, hist: np.ndarray, acc: np.ndarray) -> None:
     """Statistics of Δ = e − b (float32 or BF16 bits) into `hist` and `acc` = [L2², L1, max |Δ|, #positive].
 
@@ -138,14 +152,7 @@ def _stats(e: np.ndarray, b: np.ndarray, hist: np.ndarray, acc: np.ndarray) -> N
         a, c = _tile_sums(absd[:m])
         l2 += a
         l1 += c
-        if nz * _SPARSE <= m:  # bins and counts for the nonzero |Δ| only; the zeros go to bin 0 at once
-            _tile_pack_nonzero(absd[:m], packed)
-            _tile_bins(packed[:nz], bins[:nz])
-            _tile_count(bins[:nz], sub)
-            zeros += m - nz
-        else:
-            _tile_bins(absd[:m], bins[:m])
-            _tile_count(bins[:m], sub)
+        zeros += _tile_hist(absd[:m], nz, packed, bins, sub)
     for j in range(hist.shape[0]):
         hist[j] = sub[:, j].sum()
     hist[0] += zeros

@@ -2,8 +2,9 @@
 nuslerp, multislerp, karcher) know their coefficients before reading any expert byte (docs/SEMANTICS.md,
 "Inner-product statistics").
 
-For an expert block with Δ = e − b (float32, as everywhere) `gram_block_stats` returns, in one pass over the
-bytes ingest already holds:
+For an expert block with Δ = e − b (float32, as everywhere) `block_and_gram_stats` returns, in one pass over the
+bytes ingest already holds — `block_stats`' tiles, fused: the block's catalog statistics bit for bit as
+`delta_block_stats` gives them, and
 
 - ``base_dot`` = Σ b·Δ and ``delta_sq`` = Σ Δ² (float64 sums, reassociated into SIMD lanes),
 - ``proj``: a count sketch of Δ with `GRAM_DIM` buckets — element g of the tensor (its flat index) adds
@@ -20,22 +21,30 @@ tensor. `count_sketch` is the same sketch written plainly in numpy (tests, and b
 
 `base_square` is ``‖θ‖²`` of a block (float64), taken when a base checkpoint is ingested.
 
-Cost, measured (2 shared cores, load ~4–6, warm page cache, `ingest_many` of 3 × 134 MB F32 experts): median
-0.66 s without these statistics, 0.86 s with them — the count sketch is most of it (0.85 s without the cross
-products). Not yet at the I/O floor: the sketch loop is a candidate for the tiling `block_stats` uses.
+Cost, measured with `python -m benchmarks.gram_ingest --both [--cold]` (2 cores shared with other work, load
+~5, `ingest_many` of 3 × 134 MB F32 experts, with and without the statistics interleaved, median of 5): before
+this pass was fused (a second pass over each block, its sketch loop not vectorized, cross products over Δ
+arrays formed in memory) the statistics added 14 % wall / 27 % CPU warm and 15 % wall / 36 % CPU cold; fused,
+9 % wall / 8 % CPU warm and −4 % wall (noise) / 7 % CPU cold. What is left is arithmetic: the float64 sums
+Σ b·Δ, Σ Δ² and the sketch's multiply-add, ~0.13 ms per 1 MiB block beside `delta_stats`' ~0.19.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import numba
 import numpy as np
 
-from mergepipe_db.kernels.float_bits import widen
+from mergepipe_db.core import sketch
+from mergepipe_db.kernels.block_stats import _SUBS, _TILE, _tile_hist, _tile_sums
+from mergepipe_db.kernels.float_bits import bits_to_f32, f32_to_bits, widen
 
 GRAM_DIM = 1024  #: buckets of a tensor's count sketch (8 KiB per tensor, float64)
 _LOW_BITS = 20
 _LOW = 1 << _LOW_BITS
 SIGNS = np.where(np.random.default_rng(0x5EED_6A4A).random(_LOW) < 0.5, -1.0, 1.0).astype(np.float32)
+_SIGNS8 = SIGNS.astype(np.int8)  # the kernel's copy: 1 MiB, not 4 (a block read a stream of signs as long as itself)
 _MASK64 = (1 << 64) - 1
 
 
@@ -49,45 +58,119 @@ def high_sign(hi: int) -> float:
 
 
 @numba.njit(cache=True, nogil=True, fastmath={"reassoc"})
-def _gram(e: np.ndarray, b: np.ndarray, start: int, signs: np.ndarray, highs: np.ndarray, proj: np.ndarray,
-          acc: np.ndarray) -> None:
-    """Δ = e − b (float32 or BF16 bits): acc = [Σ b·Δ, Σ Δ²], proj[g mod M] += sign(g)·Δ for g = start + i.
-    Runs of consecutive g that stay inside one M-aligned row (M divides 2^20) touch consecutive buckets and
-    signs: the inner loop is contiguous, and the compiler vectorizes it (sums reassociated into lanes)."""
-    n = e.shape[0]
-    m = proj.shape[0]
-    lowmask = signs.shape[0] - 1
-    base_hi = start >> 20
-    p32 = np.zeros(m, np.float32)  # a block's sketch in float32 (≤ 256 addends a bucket at 1 MiB blocks)
-    d = np.empty(m, np.float32)
-    y32 = np.empty(m, np.float32)
+def _tile_delta(e: np.ndarray, b: np.ndarray, d: np.ndarray, absd: np.ndarray
+                ) -> tuple[np.int32, np.int32, np.uint32, float, float]:
+    """`block_stats._tile_abs` (the same |Δ| into `absd`, the same counts and max: integer arithmetic, exact)
+    that also keeps Δ in `d` and sums Σ b·Δ and Σ Δ² in float64 (reassociated into SIMD lanes)."""
+    pos = np.int32(0)
+    nonzero = np.int32(0)
+    mx = np.uint32(0)
     bd = 0.0
     dd = 0.0
+    for i in range(e.shape[0]):
+        yv = widen(b[i])
+        dv = widen(e[i]) - yv
+        d[i] = dv
+        a = abs(dv)
+        absd[i] = a
+        pos = np.int32(pos + np.int32(dv > 0))
+        nonzero = np.int32(nonzero + np.int32(a != 0))
+        mx = max(mx, f32_to_bits(a))
+        x = np.float64(dv)
+        bd += np.float64(yv) * x
+        dd += x * x
+    return pos, nonzero, mx, bd, dd
+
+
+@numba.njit(cache=True, nogil=True)
+def _signed_add(p: np.ndarray, sg: np.ndarray, h: float, d: np.ndarray) -> None:
+    """p += sg·h·d over contiguous slices (as slices the compiler vectorizes the loop; indexed from one loop
+    over the tile it did not: 6× slower)."""
+    for t in range(p.shape[0]):
+        p[t] += np.float32(sg[t]) * h * d[t]
+
+
+@numba.njit(cache=True, nogil=True)
+def _tile_sketch(d: np.ndarray, g0: int, base_hi: int, signs: np.ndarray, highs: np.ndarray, p32: np.ndarray
+                 ) -> None:
+    """p32[g mod M] += sign(g)·Δ for the tile's elements g = g0 + i. Runs of consecutive g inside one M-aligned
+    row (M divides 2^20) touch consecutive buckets and signs: contiguous inner loops, vectorized."""
+    n = d.shape[0]
+    m = p32.shape[0]
+    lowmask = signs.shape[0] - 1
     i = 0
     while i < n:
-        g = start + i
+        g = g0 + i
         k0 = g % m
         run = min(n - i, m - k0)
         h = highs[(g >> 20) - base_hi]
         s0 = g & lowmask
-        for t in range(run):
-            y = widen(b[i + t])
-            y32[t] = y
-            d[t] = widen(e[i + t]) - y
-        for t in range(run):
-            bd += np.float64(y32[t]) * np.float64(d[t])
-            dd += np.float64(d[t]) * np.float64(d[t])
-        for t in range(run):
-            p32[k0 + t] += signs[s0 + t] * h * d[t]
+        _signed_add(p32[k0:k0 + run], signs[s0:s0 + run], h, d[i:i + run])
         i += run
-    for k in range(m):
-        proj[k] += np.float64(p32[k])
-    acc[0] += bd
-    acc[1] += dd
 
 
 @numba.njit(cache=True, nogil=True)
+def _stats_gram(e: np.ndarray, b: np.ndarray, start: int, signs: np.ndarray, highs: np.ndarray, hist: np.ndarray,
+                acc: np.ndarray, proj: np.ndarray, gacc: np.ndarray) -> None:
+    """`block_stats._stats` (the same tiles, the same arithmetic: `hist` and `acc` bit for bit) fused with the
+    inner products: while a tile of Δ = e − b is in L1, gacc = [Σ b·Δ, Σ Δ²] and proj[g mod M] += sign(g)·Δ
+    for g = start + i. A tile whose Δ is zero throughout adds nothing to either (its b is finite: an inf or
+    NaN in b makes Δ NaN), so it is skipped as `_stats` skips it. The block's sketch is summed in float32
+    (≤ 256 addends a bucket at 1 MiB blocks), then added to `proj` in float64."""
+    n = e.shape[0]
+    m = proj.shape[0]
+    base_hi = start >> 20
+    absd = np.empty(_TILE, np.float32)
+    d = np.empty(_TILE, np.float32)
+    packed = np.empty(_TILE, np.float32)
+    bins = np.empty(_TILE, np.int32)
+    sub = np.zeros((_SUBS, hist.shape[0]), np.int64)
+    p32 = np.zeros(m, np.float32)
+    l2 = 0.0
+    l1 = 0.0
+    bd = 0.0
+    dd = 0.0
+    pos = 0
+    zeros = 0
+    mx = np.uint32(0)
+    for s in range(0, n, _TILE):
+        t = min(_TILE, n - s)
+        p, nz, tm, x, z = _tile_delta(e[s:s + t], b[s:s + t], d[:t], absd[:t])
+        if nz == 0:  # (then p == 0 and tm == 0 too)
+            zeros += t
+            continue
+        pos += p
+        mx = max(mx, tm)
+        a, c = _tile_sums(absd[:t])
+        l2 += a
+        l1 += c
+        zeros += _tile_hist(absd[:t], nz, packed, bins, sub)
+        bd += x
+        dd += z
+        _tile_sketch(d[:t], start + s, base_hi, signs, highs, p32)
+    for j in range(hist.shape[0]):
+        hist[j] = sub[:, j].sum()
+    hist[0] += zeros
+    acc[0], acc[1], acc[2], acc[3] = l2, l1, bits_to_f32(mx), pos
+    for k in range(m):
+        proj[k] += np.float64(p32[k])
+    gacc[0] += bd
+    gacc[1] += dd
+
+
+@numba.njit(cache=True, nogil=True, fastmath={"reassoc"})
+def _cross(x: np.ndarray, y: np.ndarray, b: np.ndarray) -> float:
+    """⟨x − b, y − b⟩: each Δ in float32, their products summed in float64 (reassociated into SIMD lanes)."""
+    s = 0.0
+    for i in range(b.shape[0]):
+        v = widen(b[i])
+        s += np.float64(widen(x[i]) - v) * np.float64(widen(y[i]) - v)
+    return s
+
+
+@numba.njit(cache=True, nogil=True, fastmath={"reassoc"})
 def _square(x: np.ndarray) -> float:
+    """Σ x² in float64, reassociated into SIMD lanes (in order, each add waited on the one before: ~4× slower)."""
     s = 0.0
     for i in range(x.shape[0]):
         v = np.float64(widen(x[i]))
@@ -101,23 +184,50 @@ def _highs(start: int, n: int) -> np.ndarray:
 
 
 def _values(buf: bytes | bytearray | memoryview, dtype: str) -> np.ndarray:
+    """A writable view (or copy) of a block's values, as `block_stats._writable`: every call hits the one
+    compiled signature (BF16 as its bits, F16 widened to float32)."""
     if dtype == "BF16":
-        return np.frombuffer(buf, np.uint16)
-    if dtype == "F16":
+        arr = np.frombuffer(buf, np.uint16)
+    elif dtype == "F16":
         return np.frombuffer(buf, np.float16).astype(np.float32)
-    return np.frombuffer(buf, np.float32)
+    else:
+        arr = np.frombuffer(buf, np.float32)
+    return arr if arr.flags.writeable else arr.copy()
+
+
+def block_and_gram_stats(data: bytes | bytearray | memoryview, base: bytes | bytearray | memoryview | None,
+                         dtype: str, start: int) -> tuple[dict[str, Any], tuple[float, float, np.ndarray]]:
+    """A block's catalog statistics — exactly `block_stats.delta_block_stats`'s — and its inner-product
+    statistics (Σ b·Δ, Σ Δ², count sketch of Δ), in one pass over raw bytes whose first element is element
+    `start` of its tensor; `base` None: `data` is Δ itself (a delta checkpoint), b = 0."""
+    e = _values(data, dtype)
+    b = np.zeros_like(e) if base is None else _values(base, dtype)
+    hist = np.zeros(sketch.NBINS, dtype=np.int64)
+    acc = np.zeros(4, np.float64)
+    proj = np.zeros(GRAM_DIM, np.float64)
+    gacc = np.zeros(2, np.float64)
+    _stats_gram(e, b, int(start), _SIGNS8, _highs(int(start), e.shape[0]), hist, acc, proj, gacc)
+    l2sq, l1, mx, pos = acc
+    n = e.shape[0]
+    row = {"delta_l2": float(np.sqrt(l2sq)), "delta_l1": float(l1), "delta_max": float(mx),
+           "pos_frac": (pos / n if n else 0.0), "sketch": sketch.encode(hist)}
+    return row, (float(gacc[0]), float(gacc[1]), proj)
 
 
 def gram_block_stats(data: bytes | bytearray | memoryview, base: bytes | bytearray | memoryview | None, dtype: str,
                      start: int) -> tuple[float, float, np.ndarray]:
     """(Σ b·Δ, Σ Δ², count sketch of Δ) of one block of raw bytes whose first element is element `start` of its
     tensor; `base` None: `data` is Δ itself (a delta checkpoint), b = 0."""
-    e = _values(data, dtype)
-    b = np.zeros_like(e) if base is None else _values(base, dtype)
-    proj = np.zeros(GRAM_DIM, np.float64)
-    acc = np.zeros(2, np.float64)
-    _gram(e, b, int(start), SIGNS, _highs(int(start), e.shape[0]), proj, acc)
-    return float(acc[0]), float(acc[1]), proj
+    return block_and_gram_stats(data, base, dtype, start)[1]
+
+
+def cross_products(changed: list[tuple[int, bytes | bytearray | memoryview]], base: bytes | bytearray | memoryview,
+                   dtype: str) -> list[tuple[int, int, float]]:
+    """(i, j, ⟨Δ_i, Δ_j⟩) of one block for every pair of `changed` members (member, block bytes), i before j in
+    their order: one pass over the three blocks a pair, no Δ formed in memory."""
+    b = _values(base, dtype)
+    xs = [(k, _values(data, dtype)) for k, data in changed]
+    return [(i, j, float(_cross(x, y, b))) for a, (i, x) in enumerate(xs) for (j, y) in xs[a + 1:]]
 
 
 def base_square(data: bytes | bytearray | memoryview, dtype: str) -> float:

@@ -48,7 +48,7 @@ from mergepipe_db.errors import (
 from mergepipe_db.formats.hf_layout import CheckpointLayout
 from mergepipe_db.io import is_remote, open_store
 from mergepipe_db.io.local import ALIGN, RecyclingPool, SequentialReader, memory_for_cache
-from mergepipe_db.kernels.block_stats import delta_block_stats, zero_block_stats
+from mergepipe_db.kernels.block_stats import zero_block_stats
 
 _READ_AHEAD = 8  # blocks queued between the reader thread and the hashing/statistics thread
 _STATS_WORKERS = 2  # blocks whose statistics are computed at once (this machine class has 2 cores)
@@ -371,22 +371,20 @@ _GRAM = "_gram"  # a row's inner-product statistics, written to mp_tensor_gram (
 
 
 def _expert_block_stats(data: Any, base: Any, dtype: str, start: int) -> dict[str, Any]:
-    """A block's catalog statistics (`delta_block_stats`) and its inner-product statistics (`gram_block_stats`,
-    under `_GRAM`), from the same bytes in memory."""
-    from mergepipe_db.kernels.gram_stats import gram_block_stats
+    """A block's catalog statistics (those of `delta_block_stats`) and its inner-product statistics (under
+    `_GRAM`), in one fused pass over the bytes in memory (`block_and_gram_stats`)."""
+    from mergepipe_db.kernels.gram_stats import block_and_gram_stats
 
-    return {**delta_block_stats(data, base, dtype), _GRAM: gram_block_stats(data, base, dtype, start)}
+    row, gram = block_and_gram_stats(data, base, dtype, start)
+    return {**row, _GRAM: gram}
 
 
 def _cross_products(changed: list[tuple[int, Any]], base: Any, dtype: str) -> list[tuple[int, int, float]]:
-    """⟨Δ_i, Δ_j⟩ of one block for every pair of members (i, j), i < j, whose Δ is not 0 there (float32 dot
-    products; the tensor's sum is taken in float64)."""
-    from mergepipe_db.core.dtypes import as_float32, numpy_storage_dtype
+    """⟨Δ_i, Δ_j⟩ of one block for every pair of members (i, j), i < j, whose Δ is not 0 there (`cross_products`:
+    float64 sums of float32 Δ products; the tensor's sum is taken in float64 here)."""
+    from mergepipe_db.kernels.gram_stats import cross_products
 
-    dt = numpy_storage_dtype(dtype)
-    b = as_float32(np.frombuffer(base, dt))
-    ds = [(k, as_float32(np.frombuffer(data, dt)) - b) for k, data in changed]
-    return [(i, j, float(np.dot(di, dj))) for a, (i, di) in enumerate(ds) for (j, dj) in ds[a + 1:]]
+    return cross_products(changed, base, dtype)
 
 
 def _base_block_square(data: Any, dtype: str) -> dict[str, Any]:

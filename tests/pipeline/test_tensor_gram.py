@@ -117,3 +117,56 @@ def test_block_sketches_add_up_to_the_tensor_sketch() -> None:
         g = (1 << 20) + i
         want[g % GRAM_DIM] += TABLE[g % (1 << 20)] * splitmix_sign(g >> 20) * d[i]
     np.testing.assert_allclose(tail, want, rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("dtype", ["F32", "F16", "BF16"])
+def test_fused_pass_gives_the_block_statistics_bit_for_bit_and_the_plain_inner_products(dtype: str) -> None:
+    """`block_and_gram_stats` (the one pass ingest runs) returns exactly `delta_block_stats`'s catalog row, and
+    inner products equal to the plain formulas, for blocks with zero tiles, a NaN, starts off the 1,024 grid and
+    across a 2^20 boundary."""
+    from mergepipe_db.kernels.block_stats import delta_block_stats
+    from mergepipe_db.kernels.gram_stats import block_and_gram_stats
+
+    rng = np.random.default_rng(5)
+    tdt = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[dtype]
+    for n, start, nan in [(9000, 0, False), (9000, 3 * 2048 + 513, True), (5000, (1 << 20) - 1000, False),
+                          (100, 7, False), (0, 0, False)]:
+        b = torch.from_numpy(rng.standard_normal(n).astype(np.float32)).to(tdt)
+        e = (b.float() + torch.from_numpy(rng.standard_normal(n).astype(np.float32)) * 0.02).to(tdt)
+        e[:4500] = b[:4500]  # two whole tiles with Δ = 0 (skipped) and part of a third
+        if nan:
+            e[-10] = float("nan")
+        raw = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[tdt]
+        eb, bb = (bytearray(x.view(raw).numpy().tobytes()) for x in (e, b))
+        row, (bd, dd, proj) = block_and_gram_stats(eb, bb, dtype, start)
+        want = delta_block_stats(eb, bb, dtype)
+        assert str(row) == str(want)  # (str: NaN equal to NaN)
+        d = (e.float() - b.float()).double()
+        ref = np.zeros(GRAM_DIM)
+        for i in range(n):
+            g = start + i
+            ref[g % GRAM_DIM] += TABLE[g % (1 << 20)] * splitmix_sign(g >> 20) * float(d[i])
+        if nan:
+            assert np.isnan(bd) and np.isnan(dd) and np.isnan(proj).any()
+            continue
+        assert bd == pytest.approx(float((b.double() * d).sum()), rel=1e-9, abs=1e-12)
+        assert dd == pytest.approx(float((d * d).sum()), rel=1e-9, abs=1e-15)
+        np.testing.assert_allclose(proj, ref, rtol=1e-5, atol=1e-6 * float(d.norm()) + 1e-30)
+
+
+@pytest.mark.parametrize("dtype", ["F32", "F16", "BF16"])
+def test_cross_products_are_the_plain_dot_products_of_the_deltas(dtype: str) -> None:
+    from mergepipe_db.kernels.gram_stats import cross_products
+
+    rng = np.random.default_rng(6)
+    tdt = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[dtype]
+    raw = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[tdt]
+    n = 7001
+    b = torch.from_numpy(rng.standard_normal(n).astype(np.float32)).to(tdt)
+    es = [(b.float() + torch.from_numpy(rng.standard_normal(n).astype(np.float32)) * 0.02).to(tdt) for _ in range(3)]
+    got = cross_products([(k, bytearray(e.view(raw).numpy().tobytes())) for k, e in zip((0, 2, 5), es)],
+                         bytearray(b.view(raw).numpy().tobytes()), dtype)
+    ds = {k: (e.float() - b.float()).double() for k, e in zip((0, 2, 5), es)}
+    assert [(i, j) for i, j, _ in got] == [(0, 2), (0, 5), (2, 5)]
+    for i, j, v in got:
+        assert v == pytest.approx(float((ds[i] * ds[j]).sum()), rel=1e-9, abs=1e-12)
