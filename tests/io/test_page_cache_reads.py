@@ -123,9 +123,13 @@ def test_sha256_file_leaves_the_page_cache_as_it_found_it(tmp_path: Path) -> Non
     try:
         assert storage.page_cached(fd, 0, PAGE) is False and storage.page_cached(fd, len(data) - PAGE, PAGE) is False
         assert not any(storage.page_cached(fd, off, 16 << 20) for off in range(0, len(data), 16 << 20))
-        with open(path, "rb") as fh:  # now cached: a rehash keeps it so
-            fh.read()
-        assert storage.page_cached(fd, 0, len(data))
+        for _ in range(3):  # now cached: a rehash keeps it so
+            with open(path, "rb") as fh:
+                fh.read()
+            if storage.page_cached(fd, 0, len(data)):
+                break
+        else:  # the precondition is the machine's, not the code's: other work's memory pressure evicts pages
+            pytest.skip("256 MiB just read did not stay in the page cache (memory pressure from other work)")
         assert storage.sha256_file(path) == hashlib.sha256(data).hexdigest()
         assert storage.page_cached(fd, 0, len(data))
     finally:
