@@ -177,10 +177,11 @@ class DaskExecutor:
                 parts.append((shards, res))
                 attempts[shards[0]] = attempt
                 bar.update(len(shards))
-        except MergePipeError as e:
-            if not isinstance(e, DistributedError) or isinstance(e, WorkerLostError):
-                # the other tasks may still be writing: let them end, so that what they write is removed
-                # with the attempt (a cancelled task runs on in its worker; it cannot be stopped)
+        except MergePipeError as e:  # WorkerLostError and DistributedError are MergePipeErrors
+            # the other tasks may still be writing: let them end, so that what they write is removed with the
+            # attempt (a cancelled task runs on in its worker). Not when the scheduler itself is gone.
+            scheduler_lost = isinstance(e, DistributedError) and not isinstance(e, WorkerLostError)
+            if not scheduler_lost:
                 _settle(futures)
             self.client.cancel(futures)
             raise
