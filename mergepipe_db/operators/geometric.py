@@ -203,7 +203,7 @@ class GramFold(MergeOperator):
     _deltas: list[np.ndarray | None]
 
     #: coefficients from catalog statistics, by tensor name: [a0, [c_1 … c_K]] (`use_coefficients`)
-    _table: Any = None
+    _planned_coefficients: Any = None
 
     def group_mode(self) -> str:
         return "flat"
@@ -222,7 +222,7 @@ class GramFold(MergeOperator):
     def use_coefficients(self, table: Any) -> None:
         """The plan's coefficients (`coefficients_from_gram` of the catalog's statistics, by tensor name): a tensor
         not read whole for every expert is combined with them; a tensor read whole with its exact Gram matrix."""
-        self._table = dict(table or {})
+        self._planned_coefficients = dict(table or {})
 
     def _begin(self) -> None:
         self._deltas = []
@@ -236,9 +236,9 @@ class GramFold(MergeOperator):
     def _planned(self) -> tuple[float, list[float]] | None:
         """The plan's coefficients of this tensor, when it has them and some expert was not read whole."""
         assert self._ctx is not None
-        if not self._table or all(self._full) or self._ctx.name not in self._table:
+        if not self._planned_coefficients or all(self._full) or self._ctx.name not in self._planned_coefficients:
             return None
-        a0, c = self._table[self._ctx.name]
+        a0, c = self._planned_coefficients[self._ctx.name]
         return float(a0), [float(v) for v in c]
 
     def _coefficients(self, g: np.ndarray) -> tuple[Any, np.ndarray]:
@@ -415,7 +415,7 @@ class Karcher(GramFold):
         self._thetas: list[np.ndarray | None] = []
 
     def _add(self, x: ExpertInput) -> None:
-        if self._table and self._ctx is not None and self._ctx.name in self._table:
+        if self._planned_coefficients and self._ctx is not None and self._ctx.name in self._planned_coefficients:
             super()._add(x)  # Δ_k, for the planned coefficients if some expert is read in part
         else:
             self._full.append(bool(x.full))
