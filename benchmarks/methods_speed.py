@@ -131,8 +131,8 @@ def run_ours(method: str, cfg_path: Path, catalog: Path, budget: str) -> dict[st
         rec["error"] = m.stderr.strip().splitlines()[-1:] or ["(no stderr)"]
     else:
         res = json.loads(m.stdout[m.stdout.index("{"):])
-        rec.update({k: res.get(k) for k in ("expert_bytes", "candidate_bytes", "full_bytes", "base_bytes",
-                                            "output_bytes", "planned_bytes")})
+        rec.update({k: res.get(k) for k in ("realized_bytes", "candidate_bytes", "full_bytes", "base_bytes",
+                                            "output_bytes", "planned_bytes", "budget_bytes")})
     rmtree(out)
     return rec
 
@@ -152,9 +152,9 @@ def run_mergekit(method: str, cfg_path: Path, timeout: float) -> dict[str, Any]:
 
 
 def floor_s(rec: dict[str, Any], rates: dict[str, float]) -> float | None:
-    if rec.get("expert_bytes") is None or rec.get("base_bytes") is None:
+    if rec.get("realized_bytes") is None or rec.get("base_bytes") is None:
         return None
-    return ((rec["expert_bytes"] + rec["base_bytes"]) / rates["read_Bps"]
+    return ((rec["realized_bytes"] + rec["base_bytes"]) / rates["read_Bps"]
             + (rec.get("output_bytes") or 0) / rates["write_Bps"])
 
 
@@ -175,8 +175,8 @@ def to_markdown(raw: dict[str, Any]) -> str:
             return f"{x['wall']:.1f} s"
 
         fl = floor_s(full, rates) if not full.get("rc") else None
-        frac = (tenth["expert_bytes"] / full["expert_bytes"]
-                if tenth and not tenth.get("rc") and full.get("expert_bytes") else None)
+        frac = (tenth["realized_bytes"] / tenth["full_bytes"]
+                if tenth and not tenth.get("rc") and tenth.get("full_bytes") else None)
         vs_mk = (f"{full['wall'] / mk['wall']:.2f}" if mk and not mk.get("rc") and not full.get("rc") else
                  (f"< {full['wall'] / mk['wall']:.2f}" if mk and mk.get("timed_out") else "–"))
         rows.append([
@@ -186,7 +186,7 @@ def to_markdown(raw: dict[str, Any]) -> str:
             f"{tenth['read_bytes'] / 1e9:.2f} / {full['read_bytes'] / 1e9:.2f}" if tenth else "–",
             w(mk), f"{mk['maxrss'] / 2**30:.2f} GiB" if mk else "–", vs_mk])
     return md_table(["method", "experts", "ours @1.0", "I/O floor", "ours / floor", "ours peak RSS",
-                     "ours @0.1", "expert bytes 0.1/1.0", "read GB 0.1 / 1.0 (/proc)", "MergeKit", "MergeKit RSS",
+                     "ours @0.1", "expert bytes read @0.1 / all", "read GB 0.1 / 1.0 (/proc)", "MergeKit", "MergeKit RSS",
                      "ours@1.0 / MergeKit"], rows)
 
 
