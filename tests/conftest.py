@@ -167,3 +167,16 @@ def s3_env(s3_server, monkeypatch: pytest.MonkeyPatch):
     yield f"s3://{BUCKET}/t-{uuid.uuid4().hex[:12]}"
     s3io.set_storage_options(None)
     s3io.store().reset()
+
+
+@pytest.fixture
+def byte_reads(monkeypatch):  # noqa: ANN001, ANN201 - a store_reads.ReadLog
+    """Counts reads at the byte store, independently of the executor's own count (`ReadLog`)."""
+    from store_reads import ReadLog
+
+    from mergepipe_db.io import local
+
+    log = ReadLog()
+    for name, size_arg in ReadLog.METHODS.items():
+        monkeypatch.setattr(local.RangeReader, name, log.wrap(getattr(local.RangeReader, name), size_arg))
+    return log

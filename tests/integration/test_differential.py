@@ -39,13 +39,10 @@ MERGEPIPE_FUZZ_FIRST_SEED (default 1000). A failing seed is reproduced alone wit
 
 from __future__ import annotations
 
-import functools
-import inspect
 import json
 import math
 import os
 import random
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,6 +58,7 @@ from reference_merge import (
     row_blocks,
 )
 from safetensors.torch import save_file
+from store_reads import ReadLog, catalogued_files, merge_counted, reads_per_expert
 
 from mergepipe_db.demo.family import write_model_dir
 
@@ -401,125 +399,6 @@ def rounding_slack(draw: Draw, base: Path, experts: list[Path], given: list[dict
             m[n] += term.abs() * (abs(w) / div * lam)
     norm = math.sqrt(sum(float((t ** 2).sum()) for t in m.values()))
     return 2 * (2 * len(weights) + 3) * 2.0 ** -24 * norm
-
-
-class ReadLog:
-    """Every read issued through the byte reader's public methods (`io.local.RangeReader.read_aligned`,
-    `read_into`, `read`, wrapped at class level: every instance, every thread), as (path, offset, bytes asked
-    for). A read made inside another (`read` calls `read_into`) counts once: the outer one."""
-
-    METHODS = {"read_aligned": "n", "read_into": "buf", "read": "length"}
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._depth = threading.local()
-        self.calls: list[tuple[str, int, int]] = []
-
-    def clear(self) -> None:
-        with self._lock:
-            self.calls = []
-
-    def take(self) -> list[tuple[str, int, int]]:
-        with self._lock:
-            calls, self.calls = self.calls, []
-        return calls
-
-    def wrap(self, original, size_arg: str):
-        sig = inspect.signature(original)
-
-        @functools.wraps(original)
-        def counted(*args, **kwargs):
-            depth = getattr(self._depth, "n", 0)
-            if depth == 0:
-                a = sig.bind(*args, **kwargs).arguments
-                size = a[size_arg]
-                n = size if isinstance(size, int) else memoryview(size).nbytes
-                with self._lock:
-                    self.calls.append((os.path.realpath(a["path"]), int(a["offset"]), int(n)))
-            self._depth.n = depth + 1
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self._depth.n = depth
-
-        return counted
-
-
-@pytest.fixture
-def byte_reads(monkeypatch) -> ReadLog:
-    """Counts reads at the byte store, independently of the executor's own count (`ReadLog`)."""
-    from mergepipe_db.io import local
-
-    log = ReadLog()
-    for name, size_arg in ReadLog.METHODS.items():
-        monkeypatch.setattr(local.RangeReader, name, log.wrap(getattr(local.RangeReader, name), size_arg))
-    return log
-
-
-def catalogued_files(catalog) -> tuple[dict[str, set[str]], dict[tuple[str, int], set[str]]]:
-    """Which checkpoints each catalogued file belongs to (by real path), and each packed block's blob in a block
-    store ((real path, offset): the checkpoints whose blocks it holds)."""
-    _c, rows = catalog.sql("SELECT c.name, f.path FROM mp_file f JOIN mp_checkpoint c ON c.id = f.checkpoint_id")
-    owner: dict[str, set[str]] = {}
-    for name, path in rows:
-        owner.setdefault(os.path.realpath(path), set()).add(name)
-    _c, rows = catalog.sql('SELECT c.name, b.store_path, b."offset" FROM mp_packed_block p '
-                           "JOIN mp_blob b ON b.hash = p.blob_hash JOIN mp_checkpoint c ON c.id = p.checkpoint_id")
-    blobs: dict[tuple[str, int], set[str]] = {}
-    for name, path, offset in rows:
-        blobs.setdefault((os.path.realpath(path), int(offset)), set()).add(name)
-    return owner, blobs
-
-
-def reads_per_expert(files, calls: list[tuple[str, int, int]], experts: list[str]) -> dict[frozenset, int]:
-    """Expert bytes of `calls`, by the files each expert is catalogued with (`catalogued_files`: its files and
-    its packed blocks in a block store), keyed by groups of experts: one expert each, unless packed experts
-    share a block (one blob in the store, content-addressed), whose reads cannot tell them apart. Reads of the
-    base's files are left out; a read of any other file fails the test."""
-    owner, blobs = files
-    merged = set(experts)
-    group = {n: frozenset([n]) for n in experts}
-    attributed: list[tuple[frozenset, int]] = []
-    for path, offset, n in calls:
-        names = owner.get(path) or blobs.get((path, offset), set())
-        if names == {"base"}:
-            continue
-        mine = names & merged
-        assert mine, f"read of {n} bytes at {offset} of {path}, a file no merged expert is catalogued with ({names})"
-        if len(mine) > 1:
-            joined = frozenset().union(*(group[m] for m in mine))
-            for m in joined:
-                group[m] = joined
-        attributed.append((frozenset(mine), n))
-    out: dict[frozenset, int] = {g: 0 for g in group.values()}
-    for names, n in attributed:
-        out[group[next(iter(names))]] += n
-    return out
-
-
-def merge_counted(catalog, byte_reads: ReadLog, files, spec: dict, out: Path, budget, **kw):
-    """Plan, then merge, counting the expert bytes read at the byte store (`byte_reads`; `files`:
-    `catalogued_files`): per expert they must equal the plan's bytes for that expert and the manifest's
-    realized bytes; the base's reads are not counted. Returns (merge result, plan, manifest)."""
-    plan = catalog.plan(spec, budget=budget)
-    byte_reads.clear()
-    res = catalog.merge(spec, out=out, budget=budget, **kw)
-    calls = byte_reads.take()
-    manifest = json.loads((out / "manifest.json").read_text())["manifest"]
-    assert res.plan_hash == plan.plan_hash, f"budget {budget}: planned twice, two plans"
-    names = {e.position: e.checkpoint.name for e in plan.experts}
-    counted = reads_per_expert(files, calls, list(names.values()))
-    planned = dict.fromkeys(counted, 0)
-    realized = dict.fromkeys(counted, 0)
-    for e in plan.experts:
-        g = next(g for g in counted if e.checkpoint.name in g)
-        planned[g] += e.planned_bytes
-        realized[g] += manifest["realized"]["per_expert"][e.position]
-    assert counted == planned == realized, (
-        f"budget {budget}: expert bytes read at the byte store {counted}, planned {planned}, "
-        f"realized (manifest) {realized}")
-    assert sum(counted.values()) == plan.planned_bytes == manifest["planned_bytes"] <= plan.budget_bytes
-    return res, plan, manifest
 
 
 # methods whose output at a partial budget is the reference merge with every unselected block's Δ zeroed, byte for

@@ -8,11 +8,11 @@ from __future__ import annotations
 import collections
 import json
 import struct
-import threading
 from pathlib import Path
 
 import pytest
 from safetensors.numpy import load_file
+from store_reads import ReadLog
 
 from mergepipe_db.core.plan import TensorInfo
 from mergepipe_db.pipeline.base_reuse import Use, reuse_schedule
@@ -64,44 +64,10 @@ def _header_ranges(model_dir: Path) -> dict[tuple[str, int, int], str]:
     return out
 
 
-class _StoreReads:
-    """Every range read through the local store's range reader while active: (resolved path, offset, n)."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        from mergepipe_db.io import local
-
-        self.ranges: list[tuple[str, int, int]] = []
-        self._lock = threading.Lock()
-        inside = threading.local()
-        aligned, read_into = local.RangeReader.read_aligned, local.RangeReader.read_into
-
-        def record(path: str, offset: int, n: int) -> None:
-            with self._lock:
-                self.ranges.append((str(Path(path).resolve()), offset, n))
-
-        def read_aligned(reader, path, offset, arr, pos, n):  # noqa: ANN001, ANN202
-            record(path, offset, n)
-            inside.on = True
-            try:
-                return aligned(reader, path, offset, arr, pos, n)
-            finally:
-                inside.on = False
-
-        def read_into_(reader, path, offset, buf):  # noqa: ANN001, ANN202
-            if not getattr(inside, "on", False):  # not a piece of a read_aligned already recorded
-                record(path, offset, len(buf))
-            return read_into(reader, path, offset, buf)
-
-        monkeypatch.setattr(local.RangeReader, "read_aligned", read_aligned)
-        monkeypatch.setattr(local.RangeReader, "read_into", read_into_)
-
-
-def _merge_counting(monkeypatch: pytest.MonkeyPatch, cat, spec: Path, out: Path
-                    ) -> tuple[collections.Counter, int]:
-    with monkeypatch.context() as m:
-        reads = _StoreReads(m)
-        r = cat.merge(str(spec), out=out, budget=0.0)
-    return collections.Counter(reads.ranges), r.realized_bytes
+def _merge_counting(byte_reads: ReadLog, cat, spec: Path, out: Path) -> tuple[collections.Counter, int]:
+    byte_reads.clear()
+    r = cat.merge(str(spec), out=out, budget=0.0)
+    return collections.Counter(byte_reads.take()), r.realized_bytes
 
 
 def _expected_sources(family) -> dict[str, tuple[str, str]]:
@@ -120,7 +86,7 @@ def _expected_sources(family) -> dict[str, tuple[str, str]]:
     return out
 
 
-def test_reused_layers_are_read_once(fam, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_reused_layers_are_read_once(fam, monkeypatch: pytest.MonkeyPatch, byte_reads: ReadLog) -> None:
     root, family, cat = fam
     dirs = {"base": family.base, "e0": family.experts[0]}
     ranges = {m: _header_ranges(d) for m, d in dirs.items()}
@@ -128,7 +94,7 @@ def test_reused_layers_are_read_once(fam, monkeypatch: pytest.MonkeyPatch) -> No
     uses = collections.Counter(expected.values())
     assert max(uses.values()) == 2  # the config reuses layers
 
-    counts, realized = _merge_counting(monkeypatch, cat, root / "pt.yml", root / "once")
+    counts, realized = _merge_counting(byte_reads, cat, root / "pt.yml", root / "once")
     assert realized == 0
     # every byte range read is one source tensor's whole range (nothing else, nothing partial) ...
     names = {k: (m, n) for m, rs in ranges.items() for k, n in rs.items()}
@@ -150,12 +116,12 @@ def test_reused_layers_are_read_once(fam, monkeypatch: pytest.MonkeyPatch) -> No
     # with the reuse off every use is a read of its own (the count above can see a second read), and the
     # output files are byte-identical
     monkeypatch.setenv("MERGEPIPE_REUSE_BYTES", "0")
-    counts_off, _ = _merge_counting(monkeypatch, cat, root / "pt.yml", root / "every")
+    counts_off, _ = _merge_counting(byte_reads, cat, root / "pt.yml", root / "every")
     assert {names[k]: c for k, c in counts_off.items()} == dict(uses)
     # a bound of one layer's attention projection: some uses kept, the others read again; same bytes
     q = src["base"]["model.layers.1.self_attn.q_proj.weight"].nbytes
     monkeypatch.setenv("MERGEPIPE_REUSE_BYTES", str(q))
-    counts_small, _ = _merge_counting(monkeypatch, cat, root / "pt.yml", root / "bounded")
+    counts_small, _ = _merge_counting(byte_reads, cat, root / "pt.yml", root / "bounded")
     small = {names[k]: c for k, c in counts_small.items()}
     assert set(small) == set(uses) and any(c == 2 for c in small.values()) and \
         sum(small.values()) < sum(uses.values())
