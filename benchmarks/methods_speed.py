@@ -186,8 +186,8 @@ def to_markdown(raw: dict[str, Any]) -> str:
             f"{tenth['read_bytes'] / 1e9:.2f} / {full['read_bytes'] / 1e9:.2f}" if tenth else "–",
             w(mk), f"{mk['maxrss'] / 2**30:.2f} GiB" if mk else "–", vs_mk])
     return md_table(["method", "experts", "ours @1.0", "I/O floor", "ours / floor", "ours peak RSS",
-                     "ours @0.1", "expert bytes read @0.1 / all", "read GB 0.1 / 1.0 (/proc)", "MergeKit", "MergeKit RSS",
-                     "ours@1.0 / MergeKit"], rows)
+                     "ours @0.1", "expert bytes read @0.1 / all", "read GB 0.1 / 1.0 (/proc)", "MergeKit",
+                     "MergeKit RSS", "ours@1.0 / MergeKit"], rows)
 
 
 def main(argv: list[str] | None = None) -> int:
