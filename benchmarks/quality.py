@@ -341,26 +341,25 @@ def make_spec(method: str, tasks: tuple[str, ...], lam: float | None, density: f
     return {"merge_method": method, "base_model": "base", "models": models, "parameters": params, "seed": seed}
 
 
-def method_grid(cfg: Config, method: str) -> list[dict[str, Any]]:
-    """The validation grid of a method (full budget): points {"lambda", "density", "t"} (None: not given)."""
+def method_grid(cfg: Config, method: str) -> list[tuple[float | None, float | None]]:
+    """The (λ, density) validation grid of a method (full budget; None: not given). slerp's and nearswap's t
+    grid is `t_grid`; the validation grid is the product of the two."""
     kind = GRID_KIND.get(method, "none" if method in ALL_METHODS else None)
-    lam0 = None if method in NO_LAMBDA else 1.0
-
-    def pt(lam: float | None, d: float | None = None, t: float | None = None) -> dict[str, Any]:
-        return {"lambda": lam, "density": d, "t": t}
     if kind == "ta":
-        return [pt(lam) for lam in cfg.ta_lambdas]
+        return [(lam, None) for lam in cfg.ta_lambdas]
     if kind == "ties":
-        return [pt(lam, d) for d in cfg.ties_densities for lam in cfg.ties_lambdas]
+        return [(lam, d) for d in cfg.ties_densities for lam in cfg.ties_lambdas]
     if kind == "dare":
-        return [pt(lam, d) for d in cfg.dare_densities for lam in cfg.dare_lambdas]
-    if kind == "slerp_t":
-        return [pt(None, None, t) for t in cfg.slerp_ts]
-    if kind == "nearswap_t":
-        return [pt(None, None, t) for t in cfg.nearswap_ts]
-    if kind == "none":
-        return [pt(lam0)]
+        return [(lam, d) for d in cfg.dare_densities for lam in cfg.dare_lambdas]
+    if kind in ("none", "slerp_t", "nearswap_t"):
+        return [(None if method in NO_LAMBDA else 1.0, None)]
     raise ValueError(f"the quality benchmark does not know method {method!r}")
+
+
+def t_grid(cfg: Config, method: str) -> list[float | None]:
+    """slerp's / nearswap's t values on the validation grid; [None] for the other methods."""
+    kind = GRID_KIND.get(method)
+    return list(cfg.slerp_ts) if kind == "slerp_t" else list(cfg.nearswap_ts) if kind == "nearswap_t" else [None]
 
 
 @dataclass(frozen=True)
@@ -663,7 +662,8 @@ def _run(cfg: Config, work: Path, t_start: float, Catalog: Any) -> dict[str, Any
     R["failed"] = {}
     for method in cfg.methods:
         mt = merged_tasks(method, tasks)
-        grid = method_grid(cfg, method)
+        grid = [{"lambda": lam, "density": d, "t": t} for lam, d in method_grid(cfg, method)
+                for t in t_grid(cfg, method)]
         rows_g = []
         try:
             for g in grid:
