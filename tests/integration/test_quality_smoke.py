@@ -104,3 +104,40 @@ def test_masked_task_arithmetic_equals_budgeted_merge(tmp_path: Path) -> None:
     assert q.tensors_equal_bytes(ref, merged)
     everything = {(k, n, b) for k in range(2) for (n, b) in ranges}
     assert not q.tensors_equal_bytes(q.ta_masked(base_f, files, [1.0, 1.0], 0.7, everything, ranges), merged)
+
+
+def test_quality_pipeline_new_methods(tmp_path: Path) -> None:
+    """Issue 35's methods through the benchmark's own code path at a tiny size: one method per read unit
+    (sce: block rows of all experts; model_stock: blocks with coefficients from catalog statistics; nearswap:
+    one expert). The rebuilt ranking must reproduce the planner's access set for each (it models the unit), the
+    controls never read more than the planner, and the one-expert method is evaluated on its expert's task only."""
+    from benchmarks import quality as q
+
+    methods = ("sce", "model_stock", "nearswap")
+    cfg = q.quick_config(methods=methods, md_path=tmp_path / "quality.md", fig_dir=None, workdir=tmp_path / "work",
+                         n_random=2, nearswap_ts=(1e-2,))
+    R = q.run(cfg)
+    assert R["failed"] == {}
+    assert list(R["merges"]) == list(methods)
+    assert {m: R["merges"][m][1.0]["unit"] for m in methods} == {"sce": "row", "model_stock": "block",
+                                                                   "nearswap": "block"}
+    for method, per_b in R["merges"].items():
+        tasks = q.merged_tasks(method, cfg.tasks)
+        assert set(per_b) == set(cfg.budgets)
+        for budget, e in per_b.items():
+            assert e["realized_bytes"] == e["planned_bytes"] <= e["budget_bytes"]
+            for r in [e["planner"], *e.get("random", []), *e.get("lowest", [])]:
+                assert set(r["test"]) == set(tasks) and all(0.0 <= v <= 1.0 for v in r["test"].values())
+                assert r["bytes"] <= e["planner"]["bytes"]
+                assert set(r["per_expert"]) <= set(tasks)
+            if budget < 1.0:
+                assert len(e["random"]) == 2 and len(e["lowest"]) == 1
+    assert q.merged_tasks("nearswap", cfg.tasks) == cfg.tasks[:1]
+    rank = R["checks"]["ranking_reproduces_planner"]
+    assert len(rank) == len(methods) * len(cfg.budgets) and all(x[-1] for x in rank), rank
+    geo = R["checks"]["geometric_control_equals_formula"]
+    assert geo and all(x[-1] for x in geo), geo
+    assert {x[2] for x in geo} == {"planner", "random", "lowest"}  # the controls carry coefficients too
+    assert q.all_checks_pass(R)
+    md = (tmp_path / "quality.md").read_text()
+    assert "## All methods at a glance" in md and "| model_stock | all 2 | block |" in md
