@@ -334,6 +334,13 @@ class Recipe:
     #: per output layer: [(model, source layer), ...] it came from
     layer_sources: tuple[tuple[tuple[str, int], ...], ...] = field(default=())
 
+    def renumbered(self) -> frozenset[tuple[int, int]]:
+        """(expert position, output tensor index) of every input whose source tensor is not θ₀'s (a slice whose
+        sources have different layer ranges): its Δ = θ_k[source] − θ₀[base source] is not the Δ the catalog
+        holds statistics of (that is θ_k[source] − θ_base[source]), so it is read whole, as θ."""
+        return frozenset((pos, i) for i, r in enumerate(self.tensors) for pos, src, _mp in r.inputs
+                         if src != r.base[1])
+
     def to_json(self) -> dict[str, Any]:
         return {"method": self.method, "base": self.base, "experts": list(self.experts),
                 "num_hidden_layers": self.num_layers,
@@ -368,9 +375,11 @@ def resolve(cfg: MergeConfig, base: str, names_of: Callable[[str], list[str]]) -
         if len({b - a for a, b in ranges}) > 1:
             raise SpecError(f"{s.path}.sources: the sources of a slice cover unequal numbers of layers "
                             f"{[list(r) for r in ranges]}")
-        if cfg.method != "passthrough" and len(set(ranges)) > 1:
-            raise SpecError(f"{s.path}.sources[*].layer_range: sources of one slice with different layer ranges "
-                            f"{[list(r) for r in ranges]} are supported by passthrough only")
+        if (cfg.method != "passthrough" and len(set(ranges)) > 1 and not decl.base_is_input
+                and base not in {src.model for src in s.sources}):
+            raise SpecError(f"{s.path}.sources: the base model {base!r} is no source of this slice, whose sources "
+                            f"have different layer ranges {[list(r) for r in ranges]}: the layer θ₀ is read from "
+                            f"is undefined (list the base model with its layer_range)")
         slice_base = s.base_model or cfg.base_model
         if slice_base is not None and slice_base != (cfg.base_model or slice_base):
             raise SpecError(f"{s.path}.base_model: a slice base other than the config's base_model is not "
@@ -406,8 +415,11 @@ def resolve(cfg: MergeConfig, base: str, names_of: Callable[[str], list[str]]) -
                 raise SpecError(f"{s.path}: missing parameter {p} for {name}")
             if v is not None:
                 params[p] = v
-        # the base reads the tensor its experts read (a slice's sources share one layer range)
-        base_src = src_names[0][1]
+        # θ₀ is the base model's own source tensor in this slice (MergeKit gathers each input's tensor from its
+        # own layer_range[0] + offset); a slice without the base (linear) reads the first source's tensor name
+        base_src = next((n for m, n in src_names if m == base), src_names[0][1])
+        if cfg.method == "passthrough":
+            base_src = src_names[0][1]
         inputs = []
         by_model = {src.model: src for src in s.sources}
         for m, src_name in src_names:

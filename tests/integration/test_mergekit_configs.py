@@ -208,3 +208,102 @@ dtype: float32
     assert 0.1 < f_mk < 0.95
     assert abs(f_mp - f_mk) < 0.03 * f_mk + 0.005, (f_mp, f_mk)
     assert abs(m_mp - m_mk) < 0.05 * m_mk, (m_mp, m_mk)
+
+
+# Sources of one slice with different layer ranges (equal lengths): output layer i of a slice merges each
+# source's layer start + i; θ₀ is the base model's own layer there (MergeKit's `plan_layer`), so E0's task vector
+# at output layer 1 is θ_E0[layer 3] − θ_base[layer 1].
+TA_OFFSET = """
+slices:
+  - sources:
+      - model: BASE
+        layer_range: [0, 4]
+      - model: E0
+        layer_range: [2, 6]
+        parameters:
+          weight: [0.3, 0.9]
+      - model: E1
+        layer_range: [0, 4]
+  - sources:
+      - model: BASE
+        layer_range: [2, 4]
+      - model: E0
+        layer_range: [4, 6]
+      - model: E1
+        layer_range: [0, 2]
+merge_method: task_arithmetic
+base_model: BASE
+parameters:
+  weight: 0.5
+  lambda: 0.9
+dtype: float32
+"""
+
+SLERP_OFFSET = """
+slices:
+  - sources:
+      - model: BASE
+        layer_range: [0, 4]
+      - model: E0
+        layer_range: [2, 6]
+  - sources:
+      - model: BASE
+        layer_range: [4, 6]
+      - model: E0
+        layer_range: [0, 2]
+merge_method: slerp
+base_model: BASE
+parameters:
+  t:
+    - filter: self_attn
+      value: [0.2, 0.8]
+    - value: 0.6
+dtype: float32
+"""
+
+LINEAR_OFFSET = """
+slices:
+  - sources:
+      - model: E0
+        layer_range: [0, 4]
+        parameters:
+          weight: 0.7
+      - model: E1
+        layer_range: [2, 6]
+        parameters:
+          weight: [0.2, 0.6]
+merge_method: linear
+dtype: float32
+"""
+
+TIES_OFFSET = """
+slices:
+  - sources:
+      - model: E0
+        layer_range: [0, 4]
+        parameters:
+          density: 0.5
+          weight: 0.8
+      - model: BASE
+        layer_range: [1, 5]
+      - model: E1
+        layer_range: [2, 6]
+        parameters:
+          density: [0.9, 0.3]
+          weight: 0.6
+merge_method: ties
+base_model: BASE
+dtype: float32
+"""
+
+
+@pytest.mark.parametrize(("name", "text", "layers"), [("ta-offset", TA_OFFSET, 6), ("slerp-offset", SLERP_OFFSET, 6),
+                                                      ("linear-offset", LINEAR_OFFSET, 4),
+                                                      ("ties-offset", TIES_OFFSET, 4)])
+def test_sources_of_one_slice_with_different_layer_ranges_equal_mergekit(fam, name: str, text: str,
+                                                                         layers: int) -> None:
+    mk, mp, mk_cfg, mp_cfg = _both(fam, name, text)
+    _assert_equal(mk, mp, mk_cfg, mp_cfg)
+    assert mp_cfg["num_hidden_layers"] == layers
+    assert sorted(n for n in mp if n.startswith("model.layers.")) == sorted(
+        f"model.layers.{i}.{s}" for i in range(layers) for s in {n.split(".", 3)[3] for n in mk if ".layers." in n})

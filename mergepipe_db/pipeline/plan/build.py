@@ -225,12 +225,17 @@ def _build_plan(conn: sa.Connection, spec: MergeSpec, *, base_id: str, expert_id
         op.tensor_granular = False
     bounds, sketch_cache = ties_prune_bounds(conn, experts, op, base.id, base_tensors) if lay is None else ({}, {})
 
-    # The (expert, tensor) pairs to rank, with the base's tensor_idx matched by name here (never in SQL text).
+    # The (expert, tensor) pairs to rank, with the base's tensor_idx matched by name here (never in SQL text);
+    # a config's renumbered inputs (Δ not catalogued) are read whole, selected before the ranking
     base_idx = {t.name: t.idx for t in base_tensors}
+    renumbered = lay.recipe.renumbered() if lay is not None else frozenset()
+    fixed, fixed_bytes = renumbered_selection(experts, base_tensors, renumbered, budget_bytes)
+    rank_budget = budget_bytes - fixed_bytes
     pt: tuple[list[Any], ...] = ([], [], [], [], [])
     for e in experts:
         for et in sorted(e.tensors.values(), key=lambda x: (x.idx, base_idx.get(x.name, -1))):
-            if et.dtype in ARITHMETIC_DTYPES and et.name in base_idx:
+            if (et.dtype in ARITHMETIC_DTYPES and et.name in base_idx
+                    and (e.position, base_idx[et.name]) not in renumbered):
                 coef = None if tensor_coef is None else tensor_coef[(e.position, base_idx[et.name])]
                 for col, v in zip(pt, (e.position, et.idx, base_idx[et.name], bounds.get((e.position, et.idx)),
                                        coef)):
@@ -259,26 +264,28 @@ def _build_plan(conn: sa.Connection, spec: MergeSpec, *, base_id: str, expert_id
     _prepare_ranking(conn)
     selection = None
     if take_all:
-        selection = ranking.take_all(conn, budget_bytes - (whole.nbytes if whole else 0))
+        selection = ranking.take_all(conn, rank_budget - (whole.nbytes if whole else 0))
         if selection is not None and whole is not None:
             selection = ranking.merge_selections(whole.selection, selection)
         elif whole is not None:  # the rest does not fit beside them: rank every candidate, whole tensors too
             _insert_plan_tensors(conn, pt, [not r for r in whole.rest])
             _prepare_ranking(conn)
     elif top is not None:
-        selection = top.rank(conn, budget_bytes)
+        selection = top.rank(conn, rank_budget)
     pruned = None
     if selection is None and grouped:  # every block row ranked (sql/plan_rank_grouped.sql), pruned ones counted
         selection, pruned_cols = ranking.Selection.from_grouped_rows(fetch_columns(conn, conn.execute(
-            sa.text(sql_text("plan_rank_grouped")), {"budget": budget_bytes})))
+            sa.text(sql_text("plan_rank_grouped")), {"budget": rank_budget})))
         pruned = list(zip(*(pylist(pruned_cols[c]) for c in ("tensor_idx", "position", "n_blocks", "nbytes"))))
     elif selection is None:  # every candidate ranked (sql/plan_rank.sql)
         selection = ranking.Selection.from_rows(fetch_columns(conn, conn.execute(
-            sa.text(sql_text("plan_rank")), {"budget": budget_bytes})))
+            sa.text(sql_text("plan_rank")), {"budget": rank_budget})))
     if pruned is None:
         pruned = conn.execute(sa.text(sql_text("plan_pruned"))).all() if bounds else []
     for name in ("mp_plan_expert", "mp_plan_tensor"):
         conn.execute(sa.text(f"DROP TABLE IF EXISTS {name}"))
+    if fixed is not None:
+        selection = ranking.merge_selections(fixed, selection)
 
     access = _reads_by_key(selection.reads)
 
@@ -321,6 +328,40 @@ def _build_plan(conn: sa.Connection, spec: MergeSpec, *, base_id: str, expert_id
         planned_bytes=planned_bytes, access=access, full_selection=full_selection, bound_per_tensor=per_tensor,
         bound_total=bound_total, sketch_cache=sketch_cache, packed_ids=packed,
         layout=None if lay is None else (lay.recipe, lay.params), coefficients=coefficients)
+
+
+def renumbered_selection(experts: list[ExpertPlan], base_tensors: list[TensorInfo],
+                         renumbered: frozenset[tuple[int, int]], budget: int) -> tuple[ranking.Selection | None, int]:
+    """The whole-tensor reads of a config's renumbered inputs (`Recipe.renumbered`: an expert's source tensor
+    is not θ₀'s, so the catalog holds no statistics of its Δ) and their bytes. They are taken first, before
+    anything is ranked, in output tensor order then expert position, each one that fits in what is left of
+    `budget` (its cost: the tensor's stored bytes, what a whole-tensor θ read counts); the others are omitted
+    (Δ = 0, the expert equals θ₀ there) with an unscored omission (the tensor's bound is infinite). None when
+    there is no such input."""
+    pairs = []
+    for t in base_tensors:
+        if t.dtype not in ARITHMETIC_DTYPES:
+            continue
+        for e in experts:
+            if (e.position, t.idx) in renumbered and t.name in e.tensors:
+                pairs.append((t.idx, e.position, e.tensors[t.name]))
+    if not pairs:
+        return None, 0
+    reads: dict[str, list[Any]] = {k: [] for k in ranking.READ_COLUMNS}
+    summary: dict[str, list[Any]] = {k: [] for k in ranking.SUMMARY_COLUMNS}
+    left = budget
+    for tidx, pos, et in pairs:
+        chosen = et.nbytes <= left
+        if chosen:
+            left -= et.nbytes
+            for k, v in zip(ranking.READ_COLUMNS, (pos, tidx, -1, et.offset, et.nbytes, et.xxh3)):
+                reads[k].append(v)
+        for k, v in zip(ranking.SUMMARY_COLUMNS, (tidx, pos, et.n_blocks, et.nbytes, et.n_blocks if chosen else 0,
+                                                  et.nbytes if chosen else 0, 0.0, 0 if chosen else 1)):
+            summary[k].append(v)
+    cols = {k: np.asarray(v, dtype=object if k == "xxh3" else np.int64) for k, v in reads.items()}
+    sums = {k: np.asarray(v, dtype=np.float64 if k == "omitted_score" else np.int64) for k, v in summary.items()}
+    return ranking.Selection(cols, sums), budget - left
 
 
 def _insert_plan_tensors(conn: sa.Connection, pairs: tuple[list[Any], ...], keep: list[bool] | None) -> None:

@@ -62,7 +62,10 @@ def complete_plan(
             per_expert[pos] += sum(r.nbytes for r in reads)
         experts = [replace(e, planned_bytes=per_expert[e.position]) for e in experts]
         planned_bytes = sum(per_expert)
-    sketches = _partial_sketches(conn, op, experts, base_tensors, full_selection, sketch_cache)
+    # a renumbered input's Δ is not the one the catalog's sketches describe (`Recipe.renumbered`): none for it
+    renumbered = layout[0].renumbered() if layout is not None else frozenset()
+    sketches = {k: v for k, v in _partial_sketches(conn, op, experts, base_tensors, full_selection,
+                                                    sketch_cache).items() if k not in renumbered}
     for t in base_tensors:
         if t.dtype not in ARITHMETIC_DTYPES and any((e.position, t.idx) in access for e in experts):
             raise UnsupportedDtypeError(f"tensor {t.name!r} has dtype {t.dtype}, which cannot be merged")

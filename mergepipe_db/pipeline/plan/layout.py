@@ -23,6 +23,7 @@ from mergepipe_db.core.spec import METHOD_PARAMS, MergeSpec
 from mergepipe_db.db import schema
 from mergepipe_db.db.checkpoints import load_tensors_many
 from mergepipe_db.errors import CoordinateMismatchError, SpecError
+from mergepipe_db.sources import source_class
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ def build_layout(conn: sa.Connection, spec: MergeSpec, base_id: str, ids: dict[s
     recipe = resolve(spec.config, base_ref, lambda ref: [t.name for t in tensors[refs[ref]]])
     expert_ids = [refs[r] for r in recipe.experts]
     _check_models(conn, recipe, refs, base_id)
+    _check_renumbered(conn, spec, recipe, refs)
 
     base_tensors: list[TensorInfo] = []
     expert_tensors: list[dict[str, TensorInfo]] = [{} for _ in expert_ids]
@@ -106,3 +108,27 @@ def _check_models(conn: sa.Connection, recipe: Recipe, refs: dict[str, str], bas
         if cid != base_id and r.base_id != base_id:
             raise SpecError(f"model {ref!r} was not ingested against the merge's base; re-ingest it with --base "
                             f"{recipe.base}")
+
+
+def _check_renumbered(conn: sa.Connection, spec: MergeSpec, recipe: Recipe, refs: dict[str, str]) -> None:
+    """An input whose source tensor is not θ₀'s (`Recipe.renumbered`: a slice whose sources have different layer
+    ranges) is read whole as θ_k and its Δ formed against θ₀ by the executor: its source must deliver θ
+    (`ExpertSource.plain_blocks`: a full checkpoint, a snapshot, packed blocks). A delta checkpoint or a LoRA
+    adapter holds Δ against its base's same-named tensor only: refused, naming the source's layer_range."""
+    renumbered = recipe.renumbered()
+    if not renumbered:
+        return
+    c = schema.checkpoint
+    positions = sorted({pos for pos, _i in renumbered})
+    ids = [refs[recipe.experts[p]] for p in positions]
+    kinds = dict(conn.execute(sa.select(c.c.id, c.c.kind).where(c.c.id.in_(sorted(set(ids))))).all())
+    for pos, cid in zip(positions, ids):
+        if source_class(kinds[cid]).plain_blocks:
+            continue
+        ref = recipe.experts[pos]
+        path = next((f"{src.path}.layer_range" for s in spec.config.slices
+                     if len({x.layer_range for x in s.sources}) > 1 for src in s.sources if src.model == ref),
+                    "slices")
+        raise SpecError(f"{path}: {ref!r} is a {kinds[cid]} checkpoint (Δ against its base's tensor of the "
+                        f"same name), but this slice reads it at other layers than the base model's; give a "
+                        f"full checkpoint or the same layer_range as the base")
