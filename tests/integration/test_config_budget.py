@@ -205,3 +205,113 @@ def test_linear_without_base_of_paths_not_yet_catalogued(fam, tmp_path: Path) ->
         w1 = 0.5 if layer is None else 0.5 + (1.5 - 0.5) * layer / 3
         want = (a[name].astype(np.float64) * 0.25 + b[name] * w1) / (0.25 + w1)
         np.testing.assert_allclose(out[name], want, rtol=2e-6, atol=1e-7)
+
+
+#: e0 is read at other layers than the base's in both slices (output layers 0-3: e0's 2, 3, 0, 1), e1 at the
+#: base's in the first slice and one layer back in the second (output layers 2, 3: e1's 1, 2)
+OFFSET = """
+merge_method: task_arithmetic
+base_model: base
+slices:
+  - sources:
+      - {model: base, layer_range: [0, 2]}
+      - {model: e0, layer_range: [2, 4], parameters: {weight: 0.7}}
+      - {model: e1, layer_range: [0, 2], parameters: {weight: 0.4}}
+  - sources:
+      - {model: base, layer_range: [2, 4]}
+      - {model: e0, layer_range: [0, 2]}
+      - {model: e1, layer_range: [1, 3]}
+    parameters: {weight: 0.5}
+dtype: float32
+"""
+
+
+def _offset_expected(plan, family, weights) -> dict[str, np.ndarray]:
+    """The plan's output, plainly: θ₀ is the base's layer of the output tensor's slice, each expert adds
+    w·(θ_k[its own layer] − θ₀) on the rows of the blocks the plan reads (a whole-tensor read: every row)."""
+    base, ex = _load(family.base), [_load(family.experts[0]), _load(family.experts[1])]
+    out = {}
+    for i, r in enumerate(plan.recipe.tensors):
+        theta0 = base[r.base[1]].astype(np.float64)
+        acc = theta0.copy()
+        t = plan.base_tensors[i]
+        for pos, src, mp in r.inputs:
+            reads = plan.access.get((pos, i), ())
+            rows = np.zeros(theta0.shape[0] if theta0.ndim else 1, bool)
+            for rd in reads:
+                if rd.block_idx < 0:
+                    rows[:] = True
+                else:
+                    rows[rd.block_idx * t.rows_per_block:(rd.block_idx + 1) * t.rows_per_block] = True
+            delta = ex[pos][src].astype(np.float64) - theta0
+            acc[rows] += mp["weight"] * delta[rows]
+        out[r.name] = acc
+    return out
+
+
+def test_offset_layer_ranges_under_a_budget(fam, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slice whose sources have different layer ranges: the renumbered inputs (e0 everywhere, e1 in the second
+    slice) are read whole as θ; planned <= budget, realized == planned == the bytes the store served for the
+    experts' files, deterministic; the output is the plan's selection applied plainly (numpy, here); at 1.0 every
+    candidate is read once."""
+    from test_passthrough_reuse import _StoreReads
+
+    root, family, cat = fam
+    spec = _spec(root, "offset", OFFSET)
+    p1, p2 = cat.plan(str(spec), budget=0.3), cat.plan(str(spec), budget=0.3)
+    assert p1.plan_hash == p2.plan_hash and p1.access == p2.access
+    assert 0 < p1.planned_bytes <= p1.budget_bytes
+    renumbered = p1.recipe.renumbered()
+    names = [t.name for t in p1.base_tensors]
+    assert {(p, names[i].split(".")[2]) for p, i in renumbered if ".layers." in names[i]} == {
+        (0, "0"), (0, "1"), (0, "2"), (0, "3"), (1, "2"), (1, "3")}
+    assert all(r.block_idx == -1 for k, reads in p1.access.items() if k in renumbered for r in reads)
+    assert any(k in renumbered for k in p1.access) and any(k not in renumbered for k in p1.access)
+    assert any(k not in p1.access for k in renumbered)  # 0.3 does not hold every renumbered tensor
+    expert_dirs = [str(Path(d).resolve()) for d in family.experts]
+    for budget, out in ((0.3, "offset-part"), (1.0, "offset-full")):
+        with monkeypatch.context() as m:
+            reads = _StoreReads(m)
+            r = cat.merge(str(spec), out=root / out, budget=budget)
+        at_store = sum(n for path, _o, n in reads.ranges if path.startswith(tuple(expert_dirs)))
+        assert r.realized_bytes == r.planned_bytes == at_store <= r.budget_bytes
+        plan = p1 if budget == 0.3 else cat.plan(str(spec), budget=1.0)
+        if budget == 0.3:
+            assert r.planned_bytes == p1.planned_bytes
+        else:
+            # every candidate (blocks with Δ ≠ 0; the renumbered tensors whole) is read, once
+            assert r.planned_bytes == plan.planned_bytes == plan.candidate_bytes > p1.planned_bytes
+            assert all(plan.full_selection.values()) and renumbered <= set(plan.access)
+        got, want = _load(root / out), _offset_expected(plan, family, None)
+        assert sorted(got) == sorted(want)
+        for name, w in want.items():
+            np.testing.assert_allclose(got[name], w, rtol=1e-5, atol=1e-6, err_msg=name)
+    rep = cat.replay(str(root / "offset-part" / "manifest.json"), out=root / "offset-rep")
+    assert rep.plan_hash == p1.plan_hash
+    for f in sorted((root / "offset-part").glob("*.safetensors")):
+        assert f.read_bytes() == (root / "offset-rep" / f.name).read_bytes()
+
+
+def test_a_delta_expert_at_other_layers_than_the_base_is_refused(fam, tmp_path: Path) -> None:
+    """A delta checkpoint holds Δ against the base's tensor of the same name: read at other layers it cannot
+    give θ_k, so the config is refused, naming the source's layer_range, and nothing is written."""
+    from safetensors.numpy import save_file
+
+    root, family, cat = fam
+    base, e0 = _load(family.base), _load(family.experts[0])
+    (tmp_path / "d").mkdir()
+    save_file({n: e0[n] - base[n] for n in base}, str(tmp_path / "d" / "model.safetensors"))
+    cat.ingest(tmp_path / "d", name="d0", base="base", kind="delta", block_bytes=2048)
+    before = cat.sql("SELECT COUNT(*) FROM mp_snapshot")[1]
+    spec = _spec(tmp_path, "delta-offset", OFFSET.replace("e0", "d0"))
+    with pytest.raises(SpecError) as ei:
+        cat.merge(str(spec), out=tmp_path / "out", budget=1.0)
+    assert "slices[0].sources[1].layer_range" in str(ei.value) and "delta" in str(ei.value)
+    assert len(str(ei.value).splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+    assert cat.sql("SELECT COUNT(*) FROM mp_snapshot")[1] == before
+    # the same delta expert at the base's layers is merged
+    same = OFFSET.replace("e0", "d0").replace("{model: d0, layer_range: [2, 4]", "{model: d0, layer_range: [0, 2]")
+    same = same.replace("{model: d0, layer_range: [0, 2]}", "{model: d0, layer_range: [2, 4]}")
+    r = cat.merge(str(_spec(tmp_path, "delta-same", same)), out=tmp_path / "ok", budget=1.0)
+    assert r.realized_bytes == r.planned_bytes > 0
