@@ -171,6 +171,65 @@ slices:
     assert all(not x.inputs for x in r.tensors)
 
 
+def test_sources_with_different_layer_ranges_read_each_their_own_layer_and_the_base_reads_its_own() -> None:
+    """MergeKit's `plan_layer`: output layer i of a slice reads layer start + i of every source; θ₀ is the base
+    model's own source (listed anywhere in the slice), so the expert's Δ there is θ_chat[its layer] − θ_base[the
+    base's layer]; `renumbered` names exactly the inputs whose layer is not the base's."""
+    r = recipe("""
+merge_method: task_arithmetic
+base_model: base
+slices:
+  - sources: [{model: chat, layer_range: [2, 6], parameters: {weight: [0, 1]}}, {model: base, layer_range: [0, 4]},
+              {model: e1, layer_range: [0, 4]}]
+  - sources: [{model: base, layer_range: [5, 6]}, {model: chat, layer_range: [0, 1]}, {model: e1, layer_range: [5, 6]}]
+parameters: {weight: 0.5}
+""")
+    t = by_name(r)
+    assert r.num_layers == 5 and r.experts == ("chat", "e1")
+    assert [list(x) for x in r.layer_sources] == [[("chat", 2 + i), ("base", i), ("e1", i)] for i in range(4)] + [
+        [("base", 5), ("chat", 0), ("e1", 5)]]
+    want = {}
+    for out_l, (base_l, chat_l, e1_l) in enumerate([(0, 2, 0), (1, 3, 1), (2, 4, 2), (3, 5, 3), (5, 0, 5)]):
+        for suffix in SUFFIXES:
+            x = t[f"model.layers.{out_l}.{suffix}"]
+            assert x.base == ("base", f"model.layers.{base_l}.{suffix}")
+            assert [(pos, n) for pos, n, _p in x.inputs] == [(0, f"model.layers.{chat_l}.{suffix}"),
+                                                              (1, f"model.layers.{e1_l}.{suffix}")]
+            want[(0, x.name)] = True
+    assert dict(t["model.layers.1.mlp.up_proj.weight"].inputs[0][2])["weight"] == pytest.approx(1 / 3)
+    names = [x.name for x in r.tensors]
+    assert {(pos, names[i]) for pos, i in r.renumbered()} == set(want)
+    assert t["model.embed_tokens.weight"].base == ("base", "model.embed_tokens.weight")
+
+
+def test_linear_without_base_over_different_ranges_reads_the_first_sources_name_as_base() -> None:
+    r = recipe("""
+merge_method: linear
+slices:
+  - sources: [{model: e0, layer_range: [0, 2], parameters: {weight: 1}}, {model: e1, layer_range: [3, 5],
+              parameters: {weight: 2}}]
+""", base="base")
+    x = by_name(r)["model.layers.1.self_attn.q_proj.weight"]
+    assert x.base == ("base", "model.layers.1.self_attn.q_proj.weight")
+    assert [(pos, n) for pos, n, _p in x.inputs] == [(0, "model.layers.1.self_attn.q_proj.weight"),
+                                                      (1, "model.layers.4.self_attn.q_proj.weight")]
+    assert {pos for pos, _i in r.renumbered()} == {1}
+
+
+def test_a_base_missing_from_a_slice_of_different_ranges_is_refused() -> None:
+    with pytest.raises(SpecError) as ei:
+        recipe("""
+merge_method: ties
+base_model: base
+slices:
+  - sources: [{model: base, layer_range: [0, 6]}, {model: e0, layer_range: [0, 6]}]
+  - sources: [{model: e0, layer_range: [0, 2]}, {model: e1, layer_range: [2, 4]}]
+parameters: {weight: 1}
+""")
+    assert "slices[1].sources" in str(ei.value) and "'base'" in str(ei.value)
+    assert len(str(ei.value).splitlines()) == 1
+
+
 def test_unknown_keys_are_warned_about_once_each_and_the_merge_goes_on(capsys: pytest.CaptureFixture) -> None:
     spec = load_spec(yaml.safe_load("""
 merge_method: ties
