@@ -315,3 +315,34 @@ def test_a_delta_expert_at_other_layers_than_the_base_is_refused(fam, tmp_path: 
     same = same.replace("{model: d0, layer_range: [0, 2]}", "{model: d0, layer_range: [2, 4]}")
     r = cat.merge(str(_spec(tmp_path, "delta-same", same)), out=tmp_path / "ok", budget=1.0)
     assert r.realized_bytes == r.planned_bytes > 0
+
+
+def test_a_packed_expert_at_other_layers_is_read_whole_from_its_file(fam, tmp_path: Path) -> None:
+    """A packed expert (blocks zstd(θ_k XOR θ_base) of the same-named tensors) read at other layers than the
+    base's: its renumbered tensors are whole-tensor reads of its own file (uncompressed bytes), its other
+    tensors packed blocks; at 1.0 the output is the unpacked merge's, byte for byte."""
+    from safetensors.numpy import save_file
+
+    root, family, cat = fam
+    p1 = {n: (v * np.float32(1.001) if n == "lm_head.weight" else v) for n, v in _load(family.experts[1]).items()}
+    (tmp_path / "p1").mkdir()
+    save_file(p1, str(tmp_path / "p1" / "model.safetensors"))  # e1 with another LM head: new content
+    cat.ingest(tmp_path / "p1", name="p1", base="base", block_bytes=2048)
+    cat.pack("p1", store=tmp_path / "store")
+    text = OFFSET.replace("e1", "p1")
+    spec = _spec(tmp_path, "packed-offset", text)
+    plan = cat.plan(str(spec), budget=1.0)
+    renumbered = plan.recipe.renumbered()
+    whole = {k for k, reads in plan.access.items() if k[0] == 1 and all(r.block_idx == -1 for r in reads)}
+    assert whole == {k for k in renumbered if k[0] == 1} and whole
+    for (pos, i), reads in plan.access.items():
+        if pos == 1 and (pos, i) in renumbered:
+            assert [r.nbytes for r in reads] == [plan.experts[1].tensors[plan.base_tensors[i].name].nbytes]
+    r = cat.merge(str(spec), out=tmp_path / "full", budget=1.0)
+    assert r.realized_bytes == r.planned_bytes == plan.planned_bytes
+    ref = cat.merge(str(_spec(tmp_path, "unpacked", OFFSET)), out=tmp_path / "ref", budget=1.0)
+    a, b = _load(tmp_path / "full"), _load(tmp_path / "ref")
+    assert sorted(a) == sorted(b) and all(a[n].tobytes() == b[n].tobytes() for n in a if n != "lm_head.weight")
+    assert r.planned_bytes < ref.planned_bytes  # the packed blocks cost less than the raw ones
+    part = cat.merge(str(spec), out=tmp_path / "part", budget=0.3)
+    assert part.realized_bytes == part.planned_bytes <= part.budget_bytes
