@@ -297,9 +297,23 @@ dtype: float32
 """
 
 
+#: a geometric method: its coefficients come from the tensors read (θ_E0 of another layer than θ₀'s)
+MODEL_STOCK_OFFSET = """
+slices:
+  - sources:
+      - {model: BASE, layer_range: [0, 4]}
+      - {model: E0, layer_range: [2, 6]}
+      - {model: E1, layer_range: [1, 5]}
+merge_method: model_stock
+base_model: BASE
+dtype: float32
+"""
+
+
 @pytest.mark.parametrize(("name", "text", "layers"), [("ta-offset", TA_OFFSET, 6), ("slerp-offset", SLERP_OFFSET, 6),
                                                       ("linear-offset", LINEAR_OFFSET, 4),
-                                                      ("ties-offset", TIES_OFFSET, 4)])
+                                                      ("ties-offset", TIES_OFFSET, 4),
+                                                      ("model-stock-offset", MODEL_STOCK_OFFSET, 4)])
 def test_sources_of_one_slice_with_different_layer_ranges_equal_mergekit(fam, name: str, text: str,
                                                                          layers: int) -> None:
     mk, mp, mk_cfg, mp_cfg = _both(fam, name, text)
