@@ -317,6 +317,21 @@ def test_a_delta_expert_at_other_layers_than_the_base_is_refused(fam, tmp_path: 
     assert r.realized_bytes == r.planned_bytes > 0
 
 
+def test_a_lora_adapter_at_other_layers_than_the_base_is_refused(fam, tmp_path: Path) -> None:
+    """A LoRA adapter names only its target modules: a config reading it at other layers is refused at
+    resolution already (the layer has tensors the adapter lacks), naming the source, with nothing written."""
+    from tests.golden.cases import write_lora
+
+    root, family, cat = fam
+    write_lora(tmp_path / "lora", family.base, dtype="float32")
+    cat.ingest(tmp_path / "lora", name="l0", base="base", kind="lora")
+    spec = _spec(tmp_path, "lora-offset", OFFSET.replace("e0", "l0"))
+    with pytest.raises(SpecError) as ei:
+        cat.merge(str(spec), out=tmp_path / "out", budget=1.0)
+    assert "slices[0].sources[1]" in str(ei.value) and "l0" in str(ei.value)
+    assert len(str(ei.value).splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
 def test_a_packed_expert_at_other_layers_is_read_whole_from_its_file(fam, tmp_path: Path) -> None:
     """A packed expert (blocks zstd(θ_k XOR θ_base) of the same-named tensors) read at other layers than the
     base's: its renumbered tensors are whole-tensor reads of its own file (uncompressed bytes), its other
