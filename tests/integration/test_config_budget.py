@@ -226,7 +226,7 @@ dtype: float32
 """
 
 
-def _offset_expected(plan, family, weights) -> dict[str, np.ndarray]:
+def _offset_expected(plan, family) -> dict[str, np.ndarray]:
     """The plan's output, plainly: θ₀ is the base's layer of the output tensor's slice, each expert adds
     w·(θ_k[its own layer] − θ₀) on the rows of the blocks the plan reads (a whole-tensor read: every row)."""
     base, ex = _load(family.base), [_load(family.experts[0]), _load(family.experts[1])]
@@ -249,12 +249,12 @@ def _offset_expected(plan, family, weights) -> dict[str, np.ndarray]:
     return out
 
 
-def test_offset_layer_ranges_under_a_budget(fam, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_offset_layer_ranges_under_a_budget(fam, byte_reads) -> None:  # noqa: ANN001 - store_reads.ReadLog
     """A slice whose sources have different layer ranges: the renumbered inputs (e0 everywhere, e1 in the second
-    slice) are read whole as θ; planned <= budget, realized == planned == the bytes the store served for the
-    experts' files, deterministic; the output is the plan's selection applied plainly (numpy, here); at 1.0 every
-    candidate is read once."""
-    from test_passthrough_reuse import _StoreReads
+    slice) are read whole as θ; planned <= budget, realized == planned == the bytes the store served for each
+    expert's files (`store_reads.merge_counted`), deterministic; the output is the plan's selection applied
+    plainly (numpy, here); at 1.0 every candidate is read once."""
+    from store_reads import catalogued_files, merge_counted
 
     root, family, cat = fam
     spec = _spec(root, "offset", OFFSET)
@@ -268,21 +268,17 @@ def test_offset_layer_ranges_under_a_budget(fam, monkeypatch: pytest.MonkeyPatch
     assert all(r.block_idx == -1 for k, reads in p1.access.items() if k in renumbered for r in reads)
     assert any(k in renumbered for k in p1.access) and any(k not in renumbered for k in p1.access)
     assert any(k not in p1.access for k in renumbered)  # 0.3 does not hold every renumbered tensor
-    expert_dirs = [str(Path(d).resolve()) for d in family.experts]
+    files = catalogued_files(cat)
     for budget, out in ((0.3, "offset-part"), (1.0, "offset-full")):
-        with monkeypatch.context() as m:
-            reads = _StoreReads(m)
-            r = cat.merge(str(spec), out=root / out, budget=budget)
-        at_store = sum(n for path, _o, n in reads.ranges if path.startswith(tuple(expert_dirs)))
-        assert r.realized_bytes == r.planned_bytes == at_store <= r.budget_bytes
-        plan = p1 if budget == 0.3 else cat.plan(str(spec), budget=1.0)
+        r, plan, _manifest = merge_counted(cat, byte_reads, files, str(spec), root / out, budget)
+        assert r.realized_bytes == r.planned_bytes <= r.budget_bytes
         if budget == 0.3:
-            assert r.planned_bytes == p1.planned_bytes
+            assert r.planned_bytes == p1.planned_bytes and plan.plan_hash == p1.plan_hash
         else:
             # every candidate (blocks with Δ ≠ 0; the renumbered tensors whole) is read, once
-            assert r.planned_bytes == plan.planned_bytes == plan.candidate_bytes > p1.planned_bytes
+            assert r.planned_bytes == plan.candidate_bytes > p1.planned_bytes
             assert all(plan.full_selection.values()) and renumbered <= set(plan.access)
-        got, want = _load(root / out), _offset_expected(plan, family, None)
+        got, want = _load(root / out), _offset_expected(plan, family)
         assert sorted(got) == sorted(want)
         for name, w in want.items():
             np.testing.assert_allclose(got[name], w, rtol=1e-5, atol=1e-6, err_msg=name)
@@ -332,11 +328,12 @@ def test_a_lora_adapter_at_other_layers_than_the_base_is_refused(fam, tmp_path: 
     assert len(str(ei.value).splitlines()) == 1 and not (tmp_path / "out").exists()
 
 
-def test_a_packed_expert_at_other_layers_is_read_whole_from_its_file(fam, tmp_path: Path) -> None:
+def test_a_packed_expert_at_other_layers_is_read_whole_from_its_file(fam, tmp_path: Path, byte_reads) -> None:  # noqa: ANN001
     """A packed expert (blocks zstd(θ_k XOR θ_base) of the same-named tensors) read at other layers than the
     base's: its renumbered tensors are whole-tensor reads of its own file (uncompressed bytes), its other
     tensors packed blocks; at 1.0 the output is the unpacked merge's, byte for byte."""
     from safetensors.numpy import save_file
+    from store_reads import catalogued_files, merge_counted
 
     root, family, cat = fam
     p1 = {n: (v * np.float32(1.001) if n == "lm_head.weight" else v) for n, v in _load(family.experts[1]).items()}
@@ -359,5 +356,5 @@ def test_a_packed_expert_at_other_layers_is_read_whole_from_its_file(fam, tmp_pa
     a, b = _load(tmp_path / "full"), _load(tmp_path / "ref")
     assert sorted(a) == sorted(b) and all(a[n].tobytes() == b[n].tobytes() for n in a if n != "lm_head.weight")
     assert r.planned_bytes < ref.planned_bytes  # the packed blocks cost less than the raw ones
-    part = cat.merge(str(spec), out=tmp_path / "part", budget=0.3)
+    part, _plan, _manifest = merge_counted(cat, byte_reads, catalogued_files(cat), str(spec), tmp_path / "part", 0.3)
     assert part.realized_bytes == part.planned_bytes <= part.budget_bytes
