@@ -1,4 +1,4 @@
-"""Coefficients of the geometric methods (model_stock, nuslerp, multislerp, karcher) from the catalog's
+"""Coefficients of the geometric methods (slerp, model_stock, nuslerp, multislerp, karcher) from the catalog's
 inner-product statistics (mp_tensor_gram), before any expert byte is read: the planner hook that lets them be
 planned by blocks under a budget (docs/SEMANTICS.md, "Inner-product statistics").
 
