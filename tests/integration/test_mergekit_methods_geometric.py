@@ -325,3 +325,72 @@ def test_experts_ingested_one_at_a_time_plan_from_sketches(merged, tmp_path: Pat
     doc = json.loads((tmp_path / "a" / "manifest.json").read_text())["manifest"]
     assert doc["realized"]["total"] == doc["planned_bytes"] <= doc["budget_bytes"]
     sep.replay(str(tmp_path / "a" / "manifest.json"), out=tmp_path / "b", verify=True)
+
+
+SLERP_CONFIG = """
+slices:
+  - sources:
+      - model: base
+        layer_range: [0, 2]
+      - model: far
+        layer_range: [0, 2]
+merge_method: slerp
+base_model: base
+parameters:
+  t:
+    - filter: self_attn
+      value: [0.1, 0.9]
+    - filter: mlp
+      value: [0.8, 0.3]
+    - value: 0.4
+dtype: float32
+"""
+
+
+def test_slerp_config_with_t_gradients_plans_by_blocks(merged, tmp_path: Path) -> None:
+    """slerp through a MergeKit config (slices, t by filter and gradient): under a budget each tensor's
+    (a₀, c₁) come from the catalog's statistics with that tensor's own t (equal to the plain formula on the
+    files); a tensor read in part is θ₀·a₀ + Δ̃·c₁, a tensor read whole the full-budget merge's; realized ==
+    planned ≤ budget, and replay gives the same bytes."""
+    from mergekit_peer import load_dir
+
+    outputs, cat, _root = merged
+    spec = tmp_path / "slerp.yml"
+    spec.write_text(SLERP_CONFIG)
+    plan = cat.plan(str(spec), budget=0.4)
+    assert plan.plan_hash == cat.plan(str(spec), budget=0.4).plan_hash
+    assert 0 < plan.planned_bytes <= plan.budget_bytes < plan.full_bytes
+    partial = {t.name for t in plan.base_tensors if not plan.full_selection.get((0, t.idx), True)}
+    assert partial and set(plan.coefficients) == partial
+    assert any(0 < len(plan.selected_blocks(0, t.idx)) < t.n_blocks for t in plan.base_tensors)
+    base, far = outputs["base"], outputs["experts"]["far"]
+    ts, sine = set(), 0
+    tiny = cat.plan(str(spec), budget=0.05)  # most tensors read in part (coefficients recorded)
+    for t in tiny.base_tensors:
+        if t.name in tiny.coefficients:
+            tt = float(tiny.tensor_params[t.idx][1]["t"])
+            ts.add(tt)
+            a0, c = tiny.coefficients[t.name]
+            ea0, ec = _plain_slerp_coefficients(base[t.name].float(), far[t.name].float(), tt)
+            assert a0 == pytest.approx(ea0, rel=1e-6) and c == pytest.approx(ec, rel=1e-6), t.name
+            sine += a0 != pytest.approx(1.0, abs=1e-9)
+    assert len(ts) >= 4 and sine >= 3  # the tensors' own t (gradients, filters); some in the sine branch
+    cat.merge(str(spec), out=tmp_path / "a", budget=0.4)
+    cat.merge(str(spec), out=tmp_path / "full", budget=1.0)
+    got, full = load_dir(tmp_path / "a"), load_dir(tmp_path / "full")
+    for t in plan.base_tensors:
+        if t.name not in partial:
+            assert torch.equal(got[t.name], full[t.name]), t.name
+            continue
+        a0, (c1,) = plan.coefficients[t.name]
+        b = base[t.name].float()
+        keep = torch.zeros(b.shape[0] if b.dim() else 1, dtype=torch.bool)
+        for blk in plan.selected_blocks(0, t.idx):
+            keep[blk * t.rows_per_block:(blk + 1) * t.rows_per_block] = True
+        d = torch.where(keep.view(-1, *([1] * (b.dim() - 1))), far[t.name].float() - b, torch.zeros_like(b))
+        assert _rel(got[t.name], b * a0 + d * c1) <= 1e-6, t.name
+    doc = json.loads((tmp_path / "a" / "manifest.json").read_text())["manifest"]
+    assert doc["realized"]["total"] == doc["planned_bytes"] == plan.planned_bytes
+    assert set(doc["coefficients"]) == partial
+    cat.replay(str(tmp_path / "a" / "manifest.json"), out=tmp_path / "b", verify=True)
+    assert json.loads((tmp_path / "b" / "manifest.json").read_text())["manifest"]["outputs"] == doc["outputs"]
