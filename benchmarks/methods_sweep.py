@@ -28,6 +28,7 @@ SPECS: dict[str, tuple[list[dict[str, Any]], dict[str, Any]]] = {
     "ram": ([{}, {}, {}], {"epsilon": 1e-4}),
     "ramplus_tl": ([{}, {}, {}], {"epsilon": 1e-4, "r": 0.3, "alpha": 0.5}),
     "arcee_fusion": ([{}], {}),
+    "slerp": ([{}], {"t": 0.4}),
     "dare_linear": ([{"weight": 0.6, "density": 0.6}, {"weight": 0.5, "density": 0.5},
                      {"weight": 0.4, "density": 0.9}], {}),
 }

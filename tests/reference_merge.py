@@ -334,6 +334,14 @@ def slerp_combine(theta0: torch.Tensor, theta1: torch.Tensor, t: float) -> torch
     return theta0 * (math.sin(th0 - tht) / s) + theta1 * (math.sin(tht) / s)
 
 
+def slerp_planned_combine(theta0: torch.Tensor, delta: torch.Tensor | None, a0: float, c1: float) -> torch.Tensor:
+    """slerp of a tensor read in part, with the plan's coefficients (SEMANTICS.md, the geometric methods under a
+    budget): ``θ₀·a₀ + Δ̃·c₁`` in float32 (θ₀ itself when a₀ = 1), ``delta`` (Δ̃: Δ on the rows read, exactly 0
+    elsewhere) None when no row was read."""
+    out = theta0.clone() if a0 == 1.0 else theta0 * torch.tensor(a0, dtype=torch.float32)
+    return out if delta is None else out + delta * torch.tensor(c1, dtype=torch.float32)
+
+
 # --------------------------------------------------------------------------------------------------
 # The reference merge
 # --------------------------------------------------------------------------------------------------
@@ -355,6 +363,7 @@ def reference_merge(
     expert_deltas: list[dict[str, torch.Tensor] | None] | None = None,
     selected_rows: list[dict[str, list[tuple[int, int]]] | None] | None = None,
     rescale: str = "l1",
+    coefficients: dict[str, list] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Full-read merge of ``experts`` onto ``base`` per SEMANTICS.md.
 
@@ -372,6 +381,9 @@ def reference_merge(
 
     ``rescale`` (DARE): ``"l1"`` (a spec's default, MergeKit's ``rescale: true``), ``"none"`` or ``"classic"``
     (1/density).
+
+    ``coefficients`` (slerp): a plan's ``[a₀, [c₁]]`` by tensor name (catalog statistics, for the tensors read in
+    part): such a tensor is ``θ₀·a₀ + Δ̃·c₁`` (`slerp_planned_combine`) instead of the slerp of the tensors.
     """
     if method not in METHODS:
         raise ValueError(f"unknown merge method {method!r}; expected one of {METHODS}")
@@ -442,7 +454,14 @@ def reference_merge(
                 dgiven[k] = torch.where(keep, dgiven[k], 0.0)
         thetas = [th if d is None else theta_from_delta(theta0, d) for th, d in zip(thetas, dgiven)]
 
-        if method == "slerp":
+        if method == "slerp" and coefficients and name in coefficients:
+            a0, (c1,) = coefficients[name]
+            sel = (selected_rows or [None])[0]
+            rows = [] if sel is None else sel.get(name, [])
+            keep = row_mask(tuple(theta0.shape), rows)
+            delta = thetas[0] - theta0 if dgiven[0] is None else dgiven[0]
+            merged = slerp_planned_combine(theta0, torch.where(keep, delta, 0.0) if rows else None, a0, c1)
+        elif method == "slerp":
             merged = slerp_combine(theta0, thetas[0], t)
         elif method == "linear":
             merged = linear_combine(theta0, thetas, weights, normalize)

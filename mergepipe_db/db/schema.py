@@ -120,9 +120,9 @@ tensor_sketch = sa.Table(
     sa.Column("complete", sa.Boolean, nullable=False),
 )
 
-# Per tensor of a checkpoint: the inner-product statistics the geometric methods (model_stock, nuslerp, multislerp,
-# karcher) take their coefficients from before reading (`kernels/gram_stats.py`). An expert catalogued against a
-# base: base_dot = <θ₀, Δ>, delta_sq = ||Δ||², proj = the count sketch of Δ (float64 little-endian, GRAM_DIM
+# Per tensor of a checkpoint: the inner-product statistics the geometric methods (slerp, model_stock, nuslerp,
+# multislerp, karcher) take their coefficients from before reading (`kernels/gram_stats.py`). An expert catalogued
+# against a base: base_dot = <θ₀, Δ>, delta_sq = ||Δ||², proj = the count sketch of Δ (float64 little-endian, GRAM_DIM
 # values). A base (an original checkpoint): base_sq = ||θ||². complete: every block of the tensor contributed.
 tensor_gram = sa.Table(
     "mp_tensor_gram",

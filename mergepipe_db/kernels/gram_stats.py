@@ -1,4 +1,4 @@
-"""Inner-product statistics of a block, taken at ingest so that the geometric merge methods (model_stock,
+"""Inner-product statistics of a block, taken at ingest so that the geometric merge methods (slerp, model_stock,
 nuslerp, multislerp, karcher) know their coefficients before reading any expert byte (docs/SEMANTICS.md,
 "Inner-product statistics").
 

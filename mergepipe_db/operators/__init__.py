@@ -5,7 +5,8 @@ Modules: `base` (ExpertParams, TensorContext, MergeOperator: the begin/add/finis
 (ExpertInput, buffers, dtype conversion), `dare` (seeded DARE draws), `order_stats` (k-th largest |Δ|),
 `fold` (DeltaFold: T_k from Δ_k, shared by the task-vector families), `registry` (methods by name), and one
 module per family: `linear`, `additive` (task_arithmetic, dare_linear, breadcrumbs), `sign_consensus`
-(ties, dare_ties, breadcrumbs_ties, della), `slerp`; `gather` (GatherFold: whole tensors of every expert) and
+(ties, dare_ties, breadcrumbs_ties, della), `geometric` (slerp, model_stock, nuslerp, multislerp, karcher:
+coefficients from Gram matrices); `gather` (GatherFold: whole tensors of every expert) and
 its families `nearswap`, `ram` (ram, ramplus_tl), `sce`, `fusion` (arcee_fusion); additive also holds
 della_linear. Importing this package imports neither torch nor numba (`base.kernels()` loads
 the fused kernels on first use; slerp imports torch when it finishes a tensor).
@@ -38,7 +39,6 @@ from mergepipe_db.operators import (  # noqa: F401
     ram,
     sce,
     sign_consensus,
-    slerp,
 )
 from mergepipe_db.operators.base import ExpertParams, MergeOperator, TensorContext, block_bounds, live_ranges
 from mergepipe_db.operators.dare import dare_keep_mask

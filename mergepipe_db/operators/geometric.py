@@ -1,12 +1,14 @@
-"""The geometric (Gram) family: model_stock, nuslerp, multislerp and karcher (MergeKit 0.1.5's methods).
+"""The geometric (Gram) family: slerp, model_stock, nuslerp, multislerp and karcher (MergeKit 0.1.5's methods).
 
 Each of them is, per tensor (or per row for model_stock's ``filter_wise`` and nuslerp without
 ``nuslerp_flatten``), a linear combination ``out = a₀·θ₀ + Σ_k c_k·Δ_k`` whose coefficients are a function
 of the Gram matrix ``G`` of the vectors ``[θ₀, Δ_1, …, Δ_K]`` alone (inner products in float64; `gram`). The
-coefficient functions (`model_stock_coefficients`, `nuslerp_coefficients`, `multislerp_coefficients`,
-`karcher_coefficients`) take that matrix, so the same code serves the executor (G from the tensors read)
-and a planner that knows G from catalog statistics before reading anything. docs/SEMANTICS.md states the
-formulas; at full selection they equal MergeKit's outputs within float32 rounding (≤ 1e-6 relative).
+coefficient functions (`slerp_coefficients`, `model_stock_coefficients`, `nuslerp_coefficients`,
+`multislerp_coefficients`, `karcher_coefficients`) take that matrix, so the same code serves the executor (G
+from the tensors read) and a planner that knows G from catalog statistics before reading anything.
+docs/SEMANTICS.md states the formulas; at full selection they equal MergeKit's outputs within float32 rounding
+(≤ 1e-6 relative). slerp and karcher compute a tensor read whole from the tensors, as MergeKit does (slerp bit
+for bit), and use the Gram form only for a tensor read in part.
 
 Without a budget they read whole tensors (`tensor_granular`): an omitted (expert, tensor) means Δ_k = 0 there;
 under a budget a plan may read blocks (row-local modes, or coefficients from statistics: `use_coefficients`).
@@ -31,11 +33,14 @@ __all__ = [
     "ModelStock",
     "MultiSlerp",
     "NuSlerp",
+    "Slerp",
     "gram",
     "karcher_coefficients",
     "model_stock_coefficients",
     "multislerp_coefficients",
     "nuslerp_coefficients",
+    "slerp_coefficients",
+    "slerp_weights",
 ]
 
 
@@ -100,6 +105,26 @@ def model_stock_coefficients(g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     singular = np.abs(den) < 1e-6
     t = np.where(singular, 0.0, (k * cos) / np.where(singular, 1.0, den))
     return np.ones(g.shape[0]), np.repeat((t / k)[:, None], k, axis=1)
+
+
+def slerp_weights(dot: float, t: float) -> tuple[float, float]:
+    """slerp's weights (s0, s1) of θ₀ and θ_1 from the cosine `dot` of the two (Python floats): linear
+    interpolation when ``|dot| > 0.9995``, else ``sin((1−t)θ)/sin θ``, ``sin(tθ)/sin θ`` with ``θ = acos(dot)``."""
+    if abs(dot) > 0.9995:
+        return 1 - t, t
+    th0 = math.acos(dot)
+    s = math.sin(th0)
+    tht = th0 * t
+    return math.sin(th0 - tht) / s, math.sin(tht) / s
+
+
+def slerp_coefficients(g: np.ndarray, t: float) -> tuple[float, np.ndarray]:
+    """slerp between θ₀ and θ_1 = θ₀ + Δ as ``(a0, [c1])``: ``s0·θ₀ + s1·θ_1 = (s0 + s1)·θ₀ + s1·Δ``; ``g`` is
+    the (2, 2) Gram matrix of [θ₀, Δ], so ``‖θ_1‖² = G00 + 2·G01 + G11`` and ``⟨θ₀, θ_1⟩ = G00 + G01``."""
+    b, bd, dd = float(g[0, 0]), float(g[0, 1]), float(g[1, 1])
+    n0, n1 = math.sqrt(max(b, 0.0)), math.sqrt(max(b + 2.0 * bd + dd, 0.0))
+    s0, s1 = slerp_weights((b + bd) / ((n0 if n0 > 1e-8 else 1.0) * (n1 if n1 > 1e-8 else 1.0)), t)
+    return s0 + s1, np.array([s1])
 
 
 def nuslerp_coefficients(g: np.ndarray, t: float) -> tuple[np.ndarray, np.ndarray]:
@@ -270,6 +295,76 @@ class GramFold(MergeOperator):
 
     def _end(self) -> None:
         self._deltas = []
+
+
+@register("slerp")
+class Slerp(GramFold):
+    """slerp between θ₀ and θ_1 with parameter t. A tensor read whole (or not at all: θ_1 = θ₀) is computed from
+    the tensors as MergeKit does (`_finish_read`, torch's float64 norm and dot); one read in part under a budget
+    with the plan's coefficients from catalog statistics (`slerp_coefficients`, `GramFold.use_coefficients`)."""
+
+    uses_torch = True
+    _theta1: np.ndarray | None = None
+
+    def _validate(self) -> None:
+        if self.n_experts != 1:
+            raise SpecError(f"slerp merges exactly two models, the base and one other; "
+                            f"got {self.n_experts} others")
+        if self.t is None:
+            raise SpecError("slerp needs the parameter t")
+        if not 0.0 <= self.t <= 1.0:
+            raise SpecError(f"slerp: t {self.t!r} must be in [0, 1]")
+
+    def coefficient(self, k: int) -> float:
+        assert self.t is not None
+        return abs(self.t)
+
+    def _coefficients(self, g: np.ndarray) -> tuple[Any, np.ndarray]:
+        assert self.t is not None
+        return slerp_coefficients(g, self.t)
+
+    def _begin(self) -> None:
+        super()._begin()
+        self._theta1 = None
+
+    def _add(self, x: ExpertInput) -> None:
+        if self._planned_coefficients and self._ctx is not None and self._ctx.name in self._planned_coefficients:
+            super()._add(x)  # Δ, for the planned coefficients if it is read in part
+        else:
+            self._full.append(bool(x.full))
+        self._theta1 = x.theta if x.selected_blocks else self._base
+
+    def _finish(self) -> np.ndarray:
+        if self._planned() is not None:
+            return super()._finish()
+        return self._finish_read()
+
+    def _finish_read(self) -> np.ndarray:
+        """slerp of the tensors themselves: torch's float64 norm and dot are the definition (their summation
+        order sets the bits); the sum in float32, ``θ₀·s0 + θ_1·s1``."""
+        import torch
+
+        theta0, theta1, t = self._base, self._theta1, self.t
+        assert theta0 is not None and theta1 is not None and t is not None
+        n = theta0.size
+        v0 = torch.from_numpy(self.scratch("v0d", n, np.float64))
+        v0.copy_(torch.from_numpy(theta0.reshape(-1)))
+        n0 = float(torch.linalg.vector_norm(v0))
+        if theta1 is theta0:
+            v1, n1 = v0, n0
+        else:
+            v1 = torch.from_numpy(self.scratch("v1d", n, np.float64))
+            v1.copy_(torch.from_numpy(np.asarray(theta1, order="C").reshape(-1)))
+            n1 = float(torch.linalg.vector_norm(v1))
+        c0, c1 = slerp_weights(float(torch.dot(v0, v1)) / ((n0 if n0 > 1e-8 else 1.0) * (n1 if n1 > 1e-8 else 1.0)),
+                               t)
+        out = np.multiply(theta0, c0, out=np.empty_like(theta0))  # out=: a 0-d result stays an array
+        out += np.multiply(theta1, c1, out=self.scratch("D", n).reshape(theta0.shape))
+        return out
+
+    def _end(self) -> None:
+        super()._end()
+        self._theta1 = None
 
 
 @register("model_stock")

@@ -736,7 +736,10 @@ class _TensorOps:
         key = canonical_json([mparams, gparams]).decode()
         if key not in self._cache:
             params = [expert_params(e.checkpoint.id, p) for e, p in zip(self._plan.experts, mparams)]
-            self._cache[key] = (operator_from_params(self._plan.spec.method, params, gparams), params)
+            op = operator_from_params(self._plan.spec.method, params, gparams)
+            if self._plan.coefficients:  # a geometric method's coefficients from catalog statistics
+                op.use_coefficients(self._plan.coefficients)
+            self._cache[key] = (op, params)
         return self._cache[key]
 
 

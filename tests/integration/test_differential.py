@@ -19,7 +19,10 @@ checkpoint, LoRA adapter, snapshot of a merge; `catalogue_experts`). Each case c
    block outside the manifest's access set (SEMANTICS.md: an omitted block is Δ = 0), byte for byte where that
    is the partial result's exact value (`zeroed_delta_oracle`):
    - linear, task_arithmetic, dare_linear, dare_ties, slerp: every element (no statistic reaches past the
-     blocks read: DARE's mask is drawn per block, TIES' election is per element, slerp reads whole tensors);
+     blocks read: DARE's mask is drawn per block, TIES' election is per element; slerp reads whole tensors, or,
+     where the catalog has its inner-product statistics, blocks: a tensor read in part is θ₀·a₀ + Δ̃·c₁ with the
+     plan's coefficients, which the reference takes from the plan — they are checked against the tensors in
+     tests/integration/test_mergekit_methods_geometric.py);
    - ties, breadcrumbs: every element, except the rows an expert with density < 1 read of a tensor it did not
      read whole: there its trim threshold (the k-th largest |Δ|, breadcrumbs' two) comes from the catalog
      sketch of the whole tensor, which the zeroed reference cannot know. Those rows are covered by budget
@@ -453,13 +456,13 @@ def check_case(catalog, tmp_path: Path, seed: int, byte_reads: ReadLog, *, mixed
 
     expert_keys = [catalog.checkpoint_id(n) for n in draw.merged]
 
-    def reference(selected_rows=None):
+    def reference(selected_rows=None, coefficients=None):
         return reference_merge(
             draw.method, base, merged_paths,
             [dict(m.get("parameters") or {}) for m in spec["models"] if m["model"] != "base"],
             normalize=gp.get("normalize"), lam=gp.get("lambda", 1.0), t=gp.get("t"), seed=spec["seed"],
             expert_keys=expert_keys, block_bytes=draw.block_bytes, out_dtype=out_dtype, expert_deltas=merged_given,
-            selected_rows=selected_rows)
+            selected_rows=selected_rows, coefficients=coefficients)
 
     out_full = load_output(tmp_path / "full")
     assert_bytes_equal(out_full, reference())
@@ -474,7 +477,8 @@ def check_case(catalog, tmp_path: Path, seed: int, byte_reads: ReadLog, *, mixed
         out = load_output(tmp_path / f"b{i}")
         selected, ignore = zeroed_delta_oracle(draw, plan, manifest)
         assert draw.method in ZEROED_DELTA_EXACT or draw.method in ("ties", "breadcrumbs")
-        assert_bytes_equal(out, reference(selected), ignore_rows=ignore)
+        assert_bytes_equal(out, reference(selected, plan.coefficients if draw.method == "slerp" else None),
+                           ignore_rows=ignore)
         if checks_bound:
             dev = math.sqrt(sum(float(((out[n].double() - t.double()) ** 2).sum()) for n, t in out_full.items()))
             assert res.bound is not None and dev <= res.bound * (1 + 1e-5) + slack, f"budget {budget}: {dev=}"

@@ -1,5 +1,7 @@
-"""MergeKit 0.1.5 against mergepipe for the geometric methods (model_stock, nuslerp, multislerp, karcher): every
-case merged by both on one small generated F32 family, at full budget, equal within 1e-6 relative per tensor.
+"""MergeKit 0.1.5 against mergepipe for the geometric methods (slerp, model_stock, nuslerp, multislerp, karcher):
+every case merged by both on one small generated F32 family, at full budget, equal within 1e-6 relative per tensor.
+slerp also takes "far", an expert of the same base with larger task vectors (delta_scale 0.3), so that some of
+its tensors are in slerp's sine branch (the family's own experts are within the linear one, cos > 0.9995).
 
 MergeKit runs once for all cases (one process of its venv merging each config in turn: its start-up costs ~5 s,
 a merge of this family a fraction of a second)."""
@@ -7,6 +9,8 @@ a merge of this family a fraction of a second)."""
 from __future__ import annotations
 
 import json
+import math
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -20,6 +24,8 @@ EXPERTS = ("expert_00", "expert_01", "expert_02")
 
 #: (case id, merge_method, models with parameters, global parameters)
 CASES: list[tuple[str, str, list[tuple[str, dict]], dict]] = [
+    ("slerp", "slerp", [("far", {})], {"t": 0.3}),
+    ("slerp_near", "slerp", [(EXPERTS[1], {})], {"t": 0.7}),
     ("model_stock", "model_stock", [(e, {}) for e in EXPERTS], {}),
     ("model_stock_2", "model_stock", [(e, {}) for e in EXPERTS[:2]], {}),
     ("model_stock_fw", "model_stock", [(e, {}) for e in EXPERTS], {"filter_wise": True}),
@@ -56,6 +62,8 @@ def _mergekit_config(fam, method: str, models: list[tuple[str, dict]], params: d
     cfg: dict = {"merge_method": method, "base_model": str(fam.base),
                  "models": [{"model": str(fam.root / m), **({"parameters": p} if p else {})} for m, p in models],
                  "dtype": "float32"}
+    if method == "slerp":  # MergeKit's slerp takes the base among its two models
+        cfg["models"].insert(0, {"model": str(fam.base)})
     if params:
         cfg["parameters"] = params
     return cfg
@@ -82,6 +90,8 @@ def merged(tmp_path_factory: pytest.TempPathFactory):
     exe = ensure_mergekit()
     root = tmp_path_factory.mktemp("geo")
     fam = make_family(root / "fam", n_experts=3, preset="tiny", dtype="float32", seed=11)
+    far = make_family(root / "far", n_experts=1, preset="tiny", dtype="float32", seed=11, delta_scale=0.3)
+    shutil.copytree(far.experts[0], fam.root / "far")  # (the same base: base values do not depend on delta_scale)
     jobs = []
     for case, method, models, params in CASES:
         cfg = root / f"{case}.yml"
@@ -97,14 +107,14 @@ def merged(tmp_path_factory: pytest.TempPathFactory):
 
     cat = Catalog.open(str(root / "cat.duckdb"))
     cat.ingest(fam.base, name="base", block_bytes=4096)
-    cat.ingest_many(list(fam.experts), names=list(EXPERTS), base="base")
+    cat.ingest_many([*fam.experts, fam.root / "far"], names=[*EXPERTS, "far"], base="base")
     out = {}
     for case, method, models, params in CASES:
         cat.merge(_spec(method, models, params), out=root / f"mp-{case}")
         out[case] = (load_dir(root / f"mk-{case}"), load_dir(root / f"mp-{case}"))
     out["fam"] = fam
     out["base"] = load_dir(fam.base)
-    out["experts"] = {n: load_dir(p) for n, p in zip(EXPERTS, fam.experts)}
+    out["experts"] = {n: load_dir(p) for n, p in zip((*EXPERTS, "far"), (*fam.experts, fam.root / "far"))}
     return out, cat, root
 
 
@@ -174,8 +184,8 @@ def test_bad_input_is_one_line_before_reading(merged, tmp_path: Path, capsys, me
     assert cat.sql("SELECT count(*) FROM snapshots")[1] == before
 
 
-@pytest.mark.parametrize("case", ["model_stock", "model_stock_fw", "nuslerp", "nuslerp_rows", "nuslerp_cols",
-                                  "multislerp", "karcher"])
+@pytest.mark.parametrize("case", ["slerp", "model_stock", "model_stock_fw", "nuslerp", "nuslerp_rows",
+                                  "nuslerp_cols", "multislerp", "karcher"])
 def test_partial_budget_is_sound_deterministic_and_replayable(merged, tmp_path: Path, case: str) -> None:
     """Under a budget: realized bytes == planned ≤ budget, the same plan twice, and replay gives the same bytes.
     The row-local modes (model_stock filter_wise, nuslerp per row) read the same block rows of every expert,
@@ -211,7 +221,19 @@ def test_partial_budget_is_sound_deterministic_and_replayable(merged, tmp_path: 
     assert res is not None
 
 
-@pytest.mark.parametrize("case", ["model_stock", "nuslerp", "multislerp", "karcher_short"])
+def _plain_slerp_coefficients(theta0: torch.Tensor, theta1: torch.Tensor, t: float) -> tuple[float, list[float]]:
+    """slerp as a₀·θ₀ + c₁·Δ: (s0 + s1, [s1]) with s0, s1 MergeKit 0.1.5's weights, written plainly (numpy)."""
+    a, b = theta0.reshape(-1).double().numpy(), theta1.reshape(-1).double().numpy()
+    n0, n1 = float(np.sqrt(a @ a)), float(np.sqrt(b @ b))
+    dot = float(a @ b) / ((n0 if n0 > 1e-8 else 1.0) * (n1 if n1 > 1e-8 else 1.0))
+    if abs(dot) > 0.9995:
+        return 1.0, [t]
+    th = math.acos(dot)
+    s0, s1 = math.sin(th - th * t) / math.sin(th), math.sin(th * t) / math.sin(th)
+    return s0 + s1, [s1]
+
+
+@pytest.mark.parametrize("case", ["slerp", "slerp_near", "model_stock", "nuslerp", "multislerp", "karcher_short"])
 def test_budget_coefficients_come_from_the_catalog(merged, tmp_path: Path, case: str) -> None:
     """Under a budget the per-tensor methods are planned by blocks with coefficients from the catalog's
     statistics: the plan records them for every tensor some expert reads in part; the output there is
@@ -237,7 +259,8 @@ def test_budget_coefficients_come_from_the_catalog(merged, tmp_path: Path, case:
     base = outputs["base"]
     thetas = [outputs["experts"][m] for m, _p in models]
     op = make_operator(method, [ExpertParams(str(k), weight=float(p.get("weight", 1.0))) for k, (_m, p) in
-                                enumerate(models)], options=params)
+                                enumerate(models)], t=params.get("t"), options={k: v for k, v in params.items()
+                                                                                 if k != "t"})
     for t in plan.base_tensors:
         if t.name not in partial:
             continue
@@ -254,7 +277,7 @@ def test_budget_coefficients_come_from_the_catalog(merged, tmp_path: Path, case:
             deltas.append(d)
             want = want + d * float(c[e.position])
         assert _rel(got[t.name], want) <= 1e-6, t.name
-    small = 0
+    small = sine = 0
     tiny = cat.plan({**spec, "budget": 0.05})
     for t in tiny.base_tensors:
         b = base[t.name].float()
@@ -262,10 +285,16 @@ def test_budget_coefficients_come_from_the_catalog(merged, tmp_path: Path, case:
             a0, c = tiny.coefficients[t.name]
             full = [b.reshape(1, -1).double()] + [(th[t.name].float() - b).reshape(1, -1).double() for th in thetas]
             g = np.array([[float((x * y).sum()) for y in full] for x in full])
-            ea0, ec = op.coefficients_from_gram(g)
-            assert a0 == pytest.approx(ea0, rel=1e-7) and c == pytest.approx(ec, rel=1e-4, abs=1e-8), t.name
+            if method == "slerp":  # the plain formula on the tensors: the statistics' products are exact
+                ea0, ec = _plain_slerp_coefficients(b, thetas[0][t.name].float(), params["t"])
+                assert a0 == pytest.approx(ea0, rel=1e-6) and c == pytest.approx(ec, rel=1e-6), t.name
+                sine += a0 != pytest.approx(1.0, abs=1e-9)
+            else:
+                ea0, ec = op.coefficients_from_gram(g)
+                assert a0 == pytest.approx(ea0, rel=1e-7) and c == pytest.approx(ec, rel=1e-4, abs=1e-8), t.name
             small += 1
-    assert small > 10
+    assert small >= 10
+    assert sine >= (3 if case == "slerp" else 0)  # "far": some tensor in the sine branch
     man = json.loads((tmp_path / "a" / "manifest.json").read_text())["manifest"]
     assert set(man["coefficients"]) == partial
     cat.replay(str(tmp_path / "a" / "manifest.json"), out=tmp_path / "b", verify=True)
@@ -296,3 +325,72 @@ def test_experts_ingested_one_at_a_time_plan_from_sketches(merged, tmp_path: Pat
     doc = json.loads((tmp_path / "a" / "manifest.json").read_text())["manifest"]
     assert doc["realized"]["total"] == doc["planned_bytes"] <= doc["budget_bytes"]
     sep.replay(str(tmp_path / "a" / "manifest.json"), out=tmp_path / "b", verify=True)
+
+
+SLERP_CONFIG = """
+slices:
+  - sources:
+      - model: base
+        layer_range: [0, 2]
+      - model: far
+        layer_range: [0, 2]
+merge_method: slerp
+base_model: base
+parameters:
+  t:
+    - filter: self_attn
+      value: [0.1, 0.9]
+    - filter: mlp
+      value: [0.8, 0.3]
+    - value: 0.4
+dtype: float32
+"""
+
+
+def test_slerp_config_with_t_gradients_plans_by_blocks(merged, tmp_path: Path) -> None:
+    """slerp through a MergeKit config (slices, t by filter and gradient): under a budget each tensor's
+    (a₀, c₁) come from the catalog's statistics with that tensor's own t (equal to the plain formula on the
+    files); a tensor read in part is θ₀·a₀ + Δ̃·c₁, a tensor read whole the full-budget merge's; realized ==
+    planned ≤ budget, and replay gives the same bytes."""
+    from mergekit_peer import load_dir
+
+    outputs, cat, _root = merged
+    spec = tmp_path / "slerp.yml"
+    spec.write_text(SLERP_CONFIG)
+    plan = cat.plan(str(spec), budget=0.4)
+    assert plan.plan_hash == cat.plan(str(spec), budget=0.4).plan_hash
+    assert 0 < plan.planned_bytes <= plan.budget_bytes < plan.full_bytes
+    partial = {t.name for t in plan.base_tensors if not plan.full_selection.get((0, t.idx), True)}
+    assert partial and set(plan.coefficients) == partial
+    assert any(0 < len(plan.selected_blocks(0, t.idx)) < t.n_blocks for t in plan.base_tensors)
+    base, far = outputs["base"], outputs["experts"]["far"]
+    ts, sine = set(), 0
+    tiny = cat.plan(str(spec), budget=0.05)  # most tensors read in part (coefficients recorded)
+    for t in tiny.base_tensors:
+        if t.name in tiny.coefficients:
+            tt = float(tiny.tensor_params[t.idx][1]["t"])
+            ts.add(tt)
+            a0, c = tiny.coefficients[t.name]
+            ea0, ec = _plain_slerp_coefficients(base[t.name].float(), far[t.name].float(), tt)
+            assert a0 == pytest.approx(ea0, rel=1e-6) and c == pytest.approx(ec, rel=1e-6), t.name
+            sine += a0 != pytest.approx(1.0, abs=1e-9)
+    assert len(ts) >= 4 and sine >= 3  # the tensors' own t (gradients, filters); some in the sine branch
+    cat.merge(str(spec), out=tmp_path / "a", budget=0.4)
+    cat.merge(str(spec), out=tmp_path / "full", budget=1.0)
+    got, full = load_dir(tmp_path / "a"), load_dir(tmp_path / "full")
+    for t in plan.base_tensors:
+        if t.name not in partial:
+            assert torch.equal(got[t.name], full[t.name]), t.name
+            continue
+        a0, (c1,) = plan.coefficients[t.name]
+        b = base[t.name].float()
+        keep = torch.zeros(b.shape[0] if b.dim() else 1, dtype=torch.bool)
+        for blk in plan.selected_blocks(0, t.idx):
+            keep[blk * t.rows_per_block:(blk + 1) * t.rows_per_block] = True
+        d = torch.where(keep.view(-1, *([1] * (b.dim() - 1))), far[t.name].float() - b, torch.zeros_like(b))
+        assert _rel(got[t.name], b * a0 + d * c1) <= 1e-6, t.name
+    doc = json.loads((tmp_path / "a" / "manifest.json").read_text())["manifest"]
+    assert doc["realized"]["total"] == doc["planned_bytes"] == plan.planned_bytes
+    assert set(doc["coefficients"]) == partial
+    cat.replay(str(tmp_path / "a" / "manifest.json"), out=tmp_path / "b", verify=True)
+    assert json.loads((tmp_path / "b" / "manifest.json").read_text())["manifest"]["outputs"] == doc["outputs"]

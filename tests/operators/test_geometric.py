@@ -1,6 +1,7 @@
-"""The geometric family (model_stock, nuslerp, multislerp, karcher): the streamed operators against plain torch
-formulas written here from docs/SEMANTICS.md (whole tensors, float32 as MergeKit computes them), within 1e-6
-relative; the Gram-matrix coefficient form against the same formulas; options and bad parameters."""
+"""The geometric family (model_stock, nuslerp, multislerp, karcher; slerp's Gram form): the streamed operators
+against plain torch formulas written here from docs/SEMANTICS.md (whole tensors, float32 as MergeKit computes
+them), within 1e-6 relative; the Gram-matrix coefficient form against the same formulas; options and bad
+parameters. (slerp's full read is tested bit for bit in tests/operators/test_operators.py.)"""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from mergepipe_db.operators.geometric import (
     model_stock_coefficients,
     multislerp_coefficients,
     nuslerp_coefficients,
+    slerp_coefficients,
 )
 
 SHAPES = [(7,), (13, 5), (64, 33), (2, 3, 4), (300, 40)]
@@ -235,6 +237,91 @@ def test_coefficients_from_gram_equal_the_formulas() -> None:
     assert rel(_combine(base, th, a0, c1), ref_multislerp(base, th, list(w))) <= 1e-6
     a0, c1 = karcher_coefficients(g[0], 10, 1e-5)
     assert rel(_combine(base, th, a0, c1), ref_karcher(th + [base])) <= 1e-6
+
+
+def ref_slerp_weights(theta0: np.ndarray, theta1: np.ndarray, t: float) -> tuple[float, float]:
+    """slerp's weights (s0, s1) of θ₀ and θ_1, written plainly (numpy float64) from MergeKit 0.1.5's formula."""
+    a, b = theta0.reshape(-1).astype(np.float64), theta1.reshape(-1).astype(np.float64)
+    n0, n1 = float(np.sqrt(a @ a)), float(np.sqrt(b @ b))
+    dot = float(a @ b) / ((n0 if n0 > 1e-8 else 1.0) * (n1 if n1 > 1e-8 else 1.0))
+    if abs(dot) > 0.9995:
+        return 1.0 - t, t
+    th = math.acos(dot)
+    return math.sin(th - th * t) / math.sin(th), math.sin(th * t) / math.sin(th)
+
+
+def test_slerp_coefficients_from_gram_are_the_plain_weights() -> None:
+    """(a₀, c₁) from the Gram matrix of [θ₀, Δ] (what the planner evaluates from ‖θ₀‖², ⟨θ₀, Δ⟩, ‖Δ‖²) are
+    (s0 + s1, s1) of the plain formula on the tensors, in both branches (lerp near colinear, sines else)."""
+    branches = set()
+    for shape, scale, t in (((64, 33), 0.005, 0.3), ((64, 33), 0.4, 0.3), ((300, 40), 1.5, 0.8), ((7,), 0.9, 0.5),
+                            ((13, 5), 3.0, 0.0), ((13, 5), 3.0, 1.0)):
+        base, th = data(shape, 1, 70 + len(shape), scale)
+        b, d = base.numpy(), (th[0] - base).numpy()
+        a0, c = slerp_coefficients(gram([b.reshape(1, -1), d.reshape(1, -1)])[0], t)
+        s0, s1 = ref_slerp_weights(b, th[0].numpy(), t)
+        assert a0 == pytest.approx(s0 + s1, rel=1e-9, abs=1e-12) and c.tolist() == pytest.approx([s1], abs=1e-9)
+        branches.add(s0 + s1 == pytest.approx(1.0, abs=1e-12))
+    assert branches == {True, False}
+    zero = np.zeros((4, 3), np.float32)  # θ₀ = 0 and Δ = 0: norms below 1e-8 divide by 1 (dot = 0: sines)
+    a0, c = slerp_coefficients(gram([zero.reshape(1, -1), None])[0], 0.25)
+    assert [a0, *c.tolist()] == pytest.approx([math.sin(math.pi / 2 * 0.75) + math.sin(math.pi / 2 * 0.25),
+                                               math.sin(math.pi / 2 * 0.25)])
+
+
+def _slerp_stream(base, theta, t, table, rows=None):
+    """slerp of one tensor (one block per row) with the plan's coefficient table; `rows`: the blocks read
+    (θ_1 given there, the base elsewhere, as the executor gives it), None: all of them."""
+    p = ExpertParams("0")
+    op = make_operator("slerp", [p], t=t)
+    op.use_coefficients(table)
+    ctx = TensorContext("w", tuple(base.shape), 1, base.shape[0], seed=0)
+    op.begin(base.numpy(), ctx)
+    if rows is None:
+        op.add(ExpertInput(0, p, range(ctx.n_blocks), True, base=base.numpy(), theta=theta.numpy()))
+    elif rows:
+        part = base.clone()
+        part[rows] = theta[rows]
+        op.add(ExpertInput(0, p, rows, False, base=base.numpy(), theta=part.numpy()))
+    else:
+        op.add(ExpertInput(0, p, (), False, base=base.numpy()))
+    return torch.from_numpy(op.finish().copy())
+
+
+def test_slerp_read_in_part_uses_the_plan_coefficients() -> None:
+    """A tensor read in part is θ₀·a₀ + Δ̃·c₁ with the plan's coefficients (Δ̃: Δ on the rows read, 0 elsewhere;
+    float32, computed here); read whole it is the exact slerp of the tensors (bit for bit the plain torch formula),
+    also when the plan has coefficients for it; a tensor without coefficients keeps the whole-tensor rule."""
+    base, th = data((40, 9), 1, 80, 1.2)
+    theta = th[0]
+    t = 0.35
+    s0, s1 = ref_slerp_weights(base.numpy(), theta.numpy(), t)
+    assert abs(s0 + s1 - 1.0) > 1e-3  # the sine branch
+    table = {"w": [s0 + s1, [s1]]}
+    rows = [0, 3, 4, 5, 17, 39]
+    keep = torch.zeros(40, 1, dtype=torch.bool)
+    keep[rows] = True
+    d = torch.where(keep, theta - base, torch.zeros_like(base))
+    want = base * torch.tensor(s0 + s1, dtype=torch.float32) + d * torch.tensor(s1, dtype=torch.float32)
+    got = _slerp_stream(base, theta, t, table, rows)
+    assert rel(got, want) <= 1e-6
+    assert rel(got, base * (s0 + s1) + (theta - base) * s1) > 1e-2  # not the full merge
+    # nothing read: θ₀·a₀
+    assert rel(_slerp_stream(base, theta, t, table, []), base * (s0 + s1)) <= 1e-7
+    # read whole: MergeKit's slerp of the tensors, exactly
+    v0, v1 = base.reshape(-1).double(), theta.reshape(-1).double()
+    n0, n1 = float(torch.linalg.vector_norm(v0)), float(torch.linalg.vector_norm(v1))
+    th0 = math.acos(float(torch.dot(v0, v1)) / (n0 * n1))
+    exact = base * (math.sin(th0 - th0 * t) / math.sin(th0)) + theta * (math.sin(th0 * t) / math.sin(th0))
+    assert torch.equal(_slerp_stream(base, theta, t, table), exact)
+    # no coefficients for this tensor (statistics missing): θ_1 with the base's rows where not read, whole-tensor
+    part = base.clone()
+    part[rows] = theta[rows]
+    v1 = part.reshape(-1).double()
+    dot = float(torch.dot(v0, v1)) / (n0 * float(torch.linalg.vector_norm(v1)))
+    a = math.acos(dot)
+    p0, p1 = (1 - t, t) if abs(dot) > 0.9995 else (math.sin(a - a * t) / math.sin(a), math.sin(a * t) / math.sin(a))
+    assert rel(_slerp_stream(base, theta, t, {"other": [1.0, [0.5]]}, rows), base * p0 + part * p1) <= 1e-6
 
 
 def test_gram_is_float64_inner_products() -> None:

@@ -45,7 +45,7 @@ from mergepipe_db.db.sql_files import sql_text
 from mergepipe_db.errors import SpecError
 from mergepipe_db.pipeline.plan import layout, ranking
 from mergepipe_db.pipeline.plan.complete import complete_plan
-from mergepipe_db.pipeline.plan.gram import gram_coefficients, plans_from_gram
+from mergepipe_db.pipeline.plan.gram import gram_coefficients, layout_gram_coefficients, plans_from_gram
 from mergepipe_db.sources import packed as blockstore
 from mergepipe_db.sources import source_class
 
@@ -132,16 +132,18 @@ def load_experts(conn: sa.Connection, spec: MergeSpec, expert_ids: list[str]) ->
 
 
 def layout_experts(conn: sa.Connection, spec: MergeSpec, lay: layout.Layout
-                   ) -> tuple[list[ExpertPlan], Any, dict[tuple[int, int], float]]:
-    """The experts of a per-tensor layout, an operator (for its flags), and each (position, output tensor)'s
-    ranking coefficient from that tensor's own operator."""
+                   ) -> tuple[list[ExpertPlan], Any, dict[tuple[int, int], float], dict[int, Any]]:
+    """The experts of a per-tensor layout, an operator (for its flags), each (position, output tensor)'s
+    ranking coefficient from that tensor's own operator, and those operators by output tensor index."""
     from mergepipe_db.operators.by_name import expert_params, operator_from_params
 
     infos = load_checkpoint_infos(conn, lay.expert_ids)
     coef: dict[tuple[int, int], float] = {}
     op = None
+    ops: dict[int, Any] = {}
     for idx, (mparams, gparams) in lay.params.items():
         t_op = operator_from_params(spec.method, [expert_params(i.id, p) for i, p in zip(infos, mparams)], gparams)
+        ops[idx] = t_op
         op = op or t_op
         for pos in range(len(infos)):
             coef[(pos, idx)] = float(t_op.coefficient(pos))
@@ -150,7 +152,8 @@ def layout_experts(conn: sa.Connection, spec: MergeSpec, lay: layout.Layout
     experts = [ExpertPlan(pos, info, 1.0, 1.0, 0.01,
                           max((abs(c) for (p, _i), c in coef.items() if p == pos), default=0.0),
                           lay.expert_tensors[pos]) for pos, info in enumerate(infos)]
-    return experts, op, coef
+    return experts, op, coef, ops
+
 
 
 #: PostgreSQL settings for the rest of the planning transaction (`set_config(..., is_local => true)`, i.e. SET
@@ -209,7 +212,7 @@ def _build_plan(conn: sa.Connection, spec: MergeSpec, *, base_id: str, expert_id
         lay = layout.build_layout(conn, spec, base_id, dict(zip([m.ref for m in spec.models], expert_ids))
                                   | ({spec.base: base_id} if spec.base else {}))
         base_tensors = lay.base_tensors
-        experts, op, tensor_coef = layout_experts(conn, spec, lay)
+        experts, op, tensor_coef, tensor_ops = layout_experts(conn, spec, lay)
     else:
         base_tensors = load_tensors(conn, base_id)
         experts, op = load_experts(conn, spec, expert_ids)
@@ -219,8 +222,10 @@ def _build_plan(conn: sa.Connection, spec: MergeSpec, *, base_id: str, expert_id
                      if t.dtype in ARITHMETIC_DTYPES and t.name in e.tensors)  # delta/LoRA experts cover a subset
     budget_bytes = budget_spec.resolve(full_bytes)
     # the geometric methods: coefficients from the catalog's statistics, then planned by blocks (plan/gram.py)
-    coefficients = gram_coefficients(conn, op, base, base_tensors, experts) if (
-        lay is None and plans_from_gram(op) and budget_bytes < full_bytes) else None
+    coefficients = None
+    if plans_from_gram(op) and budget_bytes < full_bytes:
+        coefficients = gram_coefficients(conn, op, base, base_tensors, experts) if lay is None else (
+            layout_gram_coefficients(conn, lay, op, tensor_ops, base, experts))
     if coefficients is not None:
         op.tensor_granular = False
     bounds, sketch_cache = ties_prune_bounds(conn, experts, op, base.id, base_tensors) if lay is None else ({}, {})

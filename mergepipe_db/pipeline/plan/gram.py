@@ -1,4 +1,4 @@
-"""Coefficients of the geometric methods (model_stock, nuslerp, multislerp, karcher) from the catalog's
+"""Coefficients of the geometric methods (slerp, model_stock, nuslerp, multislerp, karcher) from the catalog's
 inner-product statistics (mp_tensor_gram), before any expert byte is read: the planner hook that lets them be
 planned by blocks under a budget (docs/SEMANTICS.md, "Inner-product statistics").
 
@@ -10,6 +10,7 @@ otherwise); the operator turns it into (a₀, c_k)
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -17,9 +18,10 @@ import sqlalchemy as sa
 
 from mergepipe_db.core.dtypes import ARITHMETIC_DTYPES
 from mergepipe_db.core.plan import CheckpointInfo, ExpertPlan, TensorInfo
+from mergepipe_db.db.checkpoints import load_tensors
 from mergepipe_db.db.gram import tensor_cross, tensor_gram
 
-__all__ = ["gram_coefficients", "plans_from_gram"]
+__all__ = ["gram_coefficients", "layout_gram_coefficients", "plans_from_gram"]
 
 
 def plans_from_gram(op: Any) -> bool:
@@ -28,10 +30,12 @@ def plans_from_gram(op: Any) -> bool:
 
 
 def gram_matrices(conn: sa.Connection, base: CheckpointInfo, base_tensors: list[TensorInfo],
-                  experts: list[ExpertPlan]) -> dict[str, np.ndarray] | None:
+                  experts: list[ExpertPlan], base_idx: Mapping[str, int] | None = None
+                  ) -> dict[str, np.ndarray] | None:
     """The estimated Gram matrix of every arithmetic tensor, by name; None when some checkpoint lacks the
     statistics (catalogued before them, a delta checkpoint without ⟨θ₀, Δ⟩, a LoRA adapter, a snapshot) or is
-    not catalogued against this base."""
+    not catalogued against this base. `base_idx`: the base's catalog index of each tensor, by name, where
+    `base_tensors` are a config's output tensors (their `idx` is the output index); else their own `idx`."""
     if any(e.checkpoint.base_id != base.id for e in experts):
         return None
     base_rows = tensor_gram(conn, base.id)
@@ -41,7 +45,7 @@ def gram_matrices(conn: sa.Connection, base: CheckpointInfo, base_tensors: list[
     for t in base_tensors:
         if t.dtype not in ARITHMETIC_DTYPES:
             continue
-        b = base_rows.get(t.idx)
+        b = base_rows.get(t.idx if base_idx is None else base_idx[t.name])
         if b is None or b.base_sq is None:
             return None
         stats = []
@@ -69,14 +73,31 @@ def gram_matrices(conn: sa.Connection, base: CheckpointInfo, base_tensors: list[
 
 
 def gram_coefficients(conn: sa.Connection, op: Any, base: CheckpointInfo, base_tensors: list[TensorInfo],
-                      experts: list[ExpertPlan]) -> dict[str, list[Any]] | None:
+                      experts: list[ExpertPlan], *, ops: Mapping[str, Any] | None = None,
+                      base_idx: Mapping[str, int] | None = None) -> dict[str, list[Any]] | None:
     """{tensor name: [a₀, [c_1 … c_K]]} from the statistics (`gram_matrices`), or None where they are missing.
+    `ops`: each tensor's own operator, by name (a config resolved per tensor: its t, weights), else `op` for all.
     Raises what the operator raises for a degenerate tensor (multislerp's zero mean), before reading."""
-    grams = gram_matrices(conn, base, base_tensors, experts)
+    grams = gram_matrices(conn, base, base_tensors, experts, base_idx)
     if grams is None:
         return None
     out: dict[str, list[Any]] = {}
     for name, g in grams.items():
-        a0, c = op.coefficients_from_gram(g)
+        a0, c = (op if ops is None else ops[name]).coefficients_from_gram(g)
         out[name] = [a0, c]
     return out
+
+
+def layout_gram_coefficients(conn: sa.Connection, lay: Any, op: Any, ops: dict[int, Any],
+                             base: CheckpointInfo, experts: list[ExpertPlan]) -> dict[str, list[Any]] | None:
+    """A config's geometric coefficients from the catalog's statistics, each output tensor's
+    from its own operator (its resolved t or weights) and the statistics of its source tensors (θ₀: the base's
+    tensor of the slice's layer); None unless every tensor's operator plans from them and reads θ₀ from the
+    base."""
+    if not all(plans_from_gram(o) for o in ops.values()) or any(r.base[0] != lay.recipe.base
+                                                                 for r in lay.recipe.tensors):
+        return None
+    src = {t.name: t.idx for t in load_tensors(conn, base.id)}
+    base_idx = {r.name: src[r.base[1]] for r in lay.recipe.tensors}
+    return gram_coefficients(conn, op, base, lay.base_tensors, experts,
+                             ops={t.name: ops[t.idx] for t in lay.base_tensors if t.idx in ops}, base_idx=base_idx)
