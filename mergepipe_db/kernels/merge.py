@@ -671,3 +671,65 @@ def kth_largest_is_zero(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray, k
     values); None when some |Δ| read is inf or NaN."""
     nonzero, special = absdelta_count(base, raw, ranges)
     return None if special else nonzero < k
+
+
+# -- order statistics of |Δ| (`operators/order_stats.py`) and the breadcrumbs trim (`operators/fold.py`) -----
+
+RADIX_BINS = 1 << 16  # bins of each radix pass: the top 16 bits of a float32's pattern, then the low 16
+
+
+@numba.njit(cache=True, nogil=True)
+def radix_count_high(bits: np.ndarray, hist: np.ndarray) -> None:
+    """hist[bits[i] >> 16] += 1 (`bits`: float32 patterns as uint32; `hist`: `RADIX_BINS` counters, added
+    to). Two interleaved counter rows, so runs of equal values (zeros, ties) do not wait on one counter."""
+    n = bits.shape[0]
+    two = np.zeros((2, RADIX_BINS), np.int64)
+    half = n // 2
+    for i in range(half):
+        two[0, bits[2 * i] >> np.uint32(16)] += 1
+        two[1, bits[2 * i + 1] >> np.uint32(16)] += 1
+    if n % 2:
+        two[0, bits[n - 1] >> np.uint32(16)] += 1
+    for j in range(RADIX_BINS):
+        hist[j] += two[0, j] + two[1, j]
+
+
+@numba.njit(cache=True, nogil=True)
+def radix_count_low(bits: np.ndarray, prefix: np.uint32, hist: np.ndarray) -> None:
+    """hist[bits[i] & 0xFFFF] += 1 over the patterns whose top 16 bits equal `prefix` (`hist` added to)."""
+    lowmask = np.uint32(0xFFFF)
+    for i in range(bits.shape[0]):
+        v = bits[i]
+        if (v >> np.uint32(16)) == prefix:
+            hist[v & lowmask] += 1
+
+
+@numba.njit(cache=True, nogil=True)
+def locate_from_top(hist: np.ndarray, k: int) -> tuple[int, int]:
+    """(index, count above it) of the k-th largest item (1 <= k <= hist.sum()) of a histogram over increasing
+    keys; (-1, total) when k exceeds the total."""
+    above = 0
+    for i in range(hist.shape[0] - 1, -1, -1):
+        c = hist[i]
+        if above + c >= k:
+            return i, above
+        above += c
+    return -1, above
+
+
+@numba.njit(cache=True, nogil=True)
+def count_ge(a: np.ndarray, v: np.float32) -> int:
+    """How many of `a` are >= v (NaN never is)."""
+    total = 0
+    for i in range(a.shape[0]):
+        total += np.int64(a[i] >= v)
+    return total
+
+
+@numba.njit(cache=True, nogil=True)
+def count_nan(a: np.ndarray) -> int:
+    """How many of `a` are NaN."""
+    total = 0
+    for i in range(a.shape[0]):
+        total += np.int64(a[i] != a[i])
+    return total
