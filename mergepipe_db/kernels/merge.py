@@ -678,30 +678,65 @@ def kth_largest_is_zero(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray, k
 RADIX_BINS = 1 << 16  # bins of each radix pass: the top 16 bits of a float32's pattern, then the low 16
 
 
+_RADIX_ROWS = 4  # interleaved counter rows: runs of equal values (zeros, ties) do not wait on one counter
+_RADIX_SPAN = 1 << 28  # elements per flush of the int32 rows into the int64 histogram (no count overflows)
+_RADIX_ROWS_MIN = 1 << 18  # below this many elements one row: clearing and summing the rows would dominate
+
+
+@numba.njit(cache=True, nogil=True)
+def _radix_count(bits: np.ndarray, prefix: np.uint32, low: bool, hist: np.ndarray) -> None:
+    """hist[bits[i] >> 16] += 1 (not ``low``), or hist[bits[i] & 0xFFFF] += 1 over the patterns whose top 16
+    bits equal `prefix` (``low``). Branch-free: a pattern outside the prefix counts in a spare bin (one per
+    row and lane, so no two neighbours wait on one counter), which is dropped."""
+    n = bits.shape[0]
+    lowmask = np.uint32(0xFFFF)
+    sixteen = np.uint32(16)
+    spare = np.uint32(RADIX_BINS)
+    if n < _RADIX_ROWS_MIN:
+        for i in range(n):
+            v = bits[i]
+            if not low:
+                hist[v >> sixteen] += 1
+            elif (v >> sixteen) == prefix:
+                hist[v & lowmask] += 1
+        return
+    R = _RADIX_ROWS
+    rows = np.zeros((R, RADIX_BINS + 8), np.int32)
+    for s0 in range(0, n, _RADIX_SPAN):
+        e0 = min(n, s0 + _RADIX_SPAN)
+        q = s0 + (e0 - s0) // R * R
+        for i in range(s0, q, R):
+            lane = np.uint32(i & 7)
+            for r in range(R):
+                v = bits[i + r]
+                if low:
+                    j = (v & lowmask) if (v >> sixteen) == prefix else spare + lane
+                else:
+                    j = v >> sixteen
+                rows[r, j] += 1
+        for i in range(q, e0):
+            v = bits[i]
+            if not low:
+                hist[v >> sixteen] += 1
+            elif (v >> sixteen) == prefix:
+                hist[v & lowmask] += 1
+        for r in range(R):
+            for j in range(RADIX_BINS):
+                hist[j] += rows[r, j]
+                rows[r, j] = 0
+
+
 @numba.njit(cache=True, nogil=True)
 def radix_count_high(bits: np.ndarray, hist: np.ndarray) -> None:
-    """hist[bits[i] >> 16] += 1 (`bits`: float32 patterns as uint32; `hist`: `RADIX_BINS` counters, added
-    to). Two interleaved counter rows, so runs of equal values (zeros, ties) do not wait on one counter."""
-    n = bits.shape[0]
-    two = np.zeros((2, RADIX_BINS), np.int64)
-    half = n // 2
-    for i in range(half):
-        two[0, bits[2 * i] >> np.uint32(16)] += 1
-        two[1, bits[2 * i + 1] >> np.uint32(16)] += 1
-    if n % 2:
-        two[0, bits[n - 1] >> np.uint32(16)] += 1
-    for j in range(RADIX_BINS):
-        hist[j] += two[0, j] + two[1, j]
+    """hist[bits[i] >> 16] += 1 (`bits`: float32 patterns as uint32; `hist`: `RADIX_BINS` int64 counters,
+    added to)."""
+    _radix_count(bits, np.uint32(0), False, hist)
 
 
 @numba.njit(cache=True, nogil=True)
 def radix_count_low(bits: np.ndarray, prefix: np.uint32, hist: np.ndarray) -> None:
     """hist[bits[i] & 0xFFFF] += 1 over the patterns whose top 16 bits equal `prefix` (`hist` added to)."""
-    lowmask = np.uint32(0xFFFF)
-    for i in range(bits.shape[0]):
-        v = bits[i]
-        if (v >> np.uint32(16)) == prefix:
-            hist[v & lowmask] += 1
+    _radix_count(bits, prefix, True, hist)
 
 
 @numba.njit(cache=True, nogil=True)

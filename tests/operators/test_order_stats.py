@@ -45,7 +45,7 @@ def test_kth_largest_exact_equals_np_sort(monkeypatch, case: int, small: int) ->
     monkeypatch.setattr(order_stats, "RADIX_SMALL", small)
     rng = np.random.default_rng(100 + case)
     op = _op()
-    for n in (1, 2, 4097, 30011):
+    for n in (1, 2, 4097, 30011) + ((300_007,) if case == 2 else ()):  # and once on interleaved counter rows
         a = _magnitudes(rng, n, case)
         asc = np.sort(a)  # NaN last: asc[n - k] is the k-th largest with NaN largest
         ks = sorted({1, min(2, n), n // 3 or 1, n // 2 or 1, n - 1 or 1, n, *rng.integers(1, n + 1, 20).tolist()})
@@ -68,17 +68,19 @@ def test_kth_largest_exact_refuses_a_negative_value() -> None:
         order_stats.kth_largest_exact(a, 5, _op())
 
 
-def test_radix_kernels_match_numpy() -> None:
+@pytest.mark.parametrize("n", [10_001, (1 << 18) + 7])  # one counter row; interleaved rows and a tail
+def test_radix_kernels_match_numpy(n: int) -> None:
     rng = np.random.default_rng(3)
-    bits = rng.integers(0, 1 << 31, 10_001, dtype=np.uint32)
+    bits = rng.integers(0, 1 << 31, n, dtype=np.uint32)
     bits[:3000] = bits[0]  # a run of one value (the interleaved counters)
-    h = np.zeros(kern.RADIX_BINS, np.int64)
-    kern.radix_count_high(bits, h)
-    assert np.array_equal(h, np.bincount(bits >> 16, minlength=kern.RADIX_BINS))
-    p = int(bits[5] >> 16)
-    h2 = np.zeros(kern.RADIX_BINS, np.int64)
-    kern.radix_count_low(bits, np.uint32(p), h2)
-    assert np.array_equal(h2, np.bincount(bits[(bits >> 16) == p] & 0xFFFF, minlength=kern.RADIX_BINS))
+    bits[3000:60000] = (bits[3000:60000] & 0xFFFF) | (bits[1] & 0xFFFF0000)  # a crowded prefix
+    for p in (int(bits[0] >> 16), int(bits[1] >> 16), int(bits[-1] >> 16), 0x7FFF):
+        h = np.full(kern.RADIX_BINS, 2, np.int64)  # added to
+        kern.radix_count_high(bits, h)
+        assert np.array_equal(h - 2, np.bincount(bits >> 16, minlength=kern.RADIX_BINS))
+        h2 = np.full(kern.RADIX_BINS, 3, np.int64)
+        kern.radix_count_low(bits, np.uint32(p), h2)
+        assert np.array_equal(h2 - 3, np.bincount(bits[(bits >> 16) == p] & 0xFFFF, minlength=kern.RADIX_BINS))
     counts = rng.integers(0, 3, 50)
     top = np.cumsum(counts[::-1])
     for k in range(1, int(counts.sum()) + 1):
