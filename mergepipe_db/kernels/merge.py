@@ -768,3 +768,26 @@ def count_nan(a: np.ndarray) -> int:
     for i in range(a.shape[0]):
         total += np.int64(a[i] != a[i])
     return total
+
+
+@numba.njit(cache=True, nogil=True)
+def masked_delta(out: np.ndarray, base: np.ndarray, raw: np.ndarray, lo: np.float32, hi: np.float32,
+                 test_lo: bool, band: bool, w: np.float32) -> bool:
+    """out = where(keep, Δ, 0.0) * w for Δ = θ_k − θ₀ on one span (`raw`: θ_k's stored values), with, for
+    a = |Δ|, keep = a >= lo (not ``band``: TIES) or lo < a < hi (``band``: breadcrumbs; without ``test_lo``
+    no lower test). The literal formula of `DeltaFold._fold_masked`, in one pass; returns whether every
+    element of `out` is finite."""
+    zero = np.float32(0.0)
+    inf = np.float32(np.inf)
+    finite = True
+    for i in range(out.shape[0]):
+        d = widen(raw[i]) - base[i]
+        a = abs(d)
+        if band:
+            keep = (a < hi) & ((not test_lo) | (a > lo))
+        else:
+            keep = a >= lo
+        t = (d if keep else zero) * w
+        out[i] = t
+        finite &= abs(t) < inf
+    return finite

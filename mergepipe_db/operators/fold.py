@@ -194,6 +194,17 @@ class DeltaFold(MergeOperator):
         lo < |Δ| < hi (breadcrumbs; ``lo`` None: no lower test)."""
         w = self.weights[x.index]
         self._set_expert(w)
+        src = x.fast_source()
+        if src is not None and self._bflat is not None:
+            band = hi is not None
+            lo32 = np.float32(-math.inf if lo is None else lo)
+            hi32 = np.float32(math.inf if hi is None else hi)
+            for s, e in chunks(ranges):  # the literal formula in one pass (`kernels.merge.masked_delta`)
+                T = self.scratch("D", e - s)
+                finite = kernels().masked_delta(T, self._bflat[s:e], src[s:e], lo32, hi32, lo is not None, band,
+                                                np.float32(w))
+                self._combine(s, e, T, True if finite else None)
+            return
         a = mags.a
         off = 0
         for s, e in chunks(ranges):

@@ -92,6 +92,43 @@ def test_radix_kernels_match_numpy(n: int) -> None:
     assert kern.count_nan(a) == int(np.isnan(a).sum())
 
 
+@pytest.mark.parametrize("raw_dtype", ["bf16", "f32"])
+def test_masked_delta_is_the_literal_formula(raw_dtype: str) -> None:
+    """where(keep, Δ, 0.0) * w for the band lo < |Δ| < hi (with and without lo) and the TIES trim |Δ| >= lo,
+    bit for bit up to the sign of zeros (they only meet +0.0-started sums), and the finite flag."""
+    rng = np.random.default_rng(9)
+    n = 20_000
+    base = rng.standard_normal(n).astype(np.float32)
+    theta = (base + rng.standard_normal(n).astype(np.float32) * np.float32(0.01))
+    theta[:2000] = base[:2000]  # Δ = 0
+    theta[5], theta[6], base[7] = np.inf, np.nan, -np.inf
+    if raw_dtype == "bf16":
+        raw = (theta.view(np.uint32) >> 16).astype(np.uint16)
+        th = (raw.astype(np.uint32) << 16).view(np.float32)
+    else:
+        raw, th = theta, theta
+    d = th - base
+    a = np.abs(d)
+    srt = np.sort(a[np.isfinite(a)])
+    lo, hi = srt[2500], srt[-200]  # cut points are elements of |Δ|, as breadcrumbs' are: the ends decide
+    w = np.float32(0.3)
+    for test_lo, band in ((True, True), (False, True), (True, False)):
+        if band:
+            keep = (a < hi) & ((a > lo) if test_lo else True)
+        else:
+            keep = a >= lo
+        want = np.where(keep, d, np.float32(0.0)) * w
+        for span in (slice(0, n), slice(10, n)):  # with and without the inf/NaN
+            out = np.empty(want[span].size, np.float32)
+            finite = kern.masked_delta(out, base[span], raw[span], lo, hi, test_lo, band, w)
+            assert finite == bool(np.isfinite(want[span]).all())
+            same = (out == want[span]) | (np.isnan(out) & np.isnan(want[span]))
+            assert same.all()
+            assert np.array_equal(np.isnan(out), np.isnan(want[span]))
+            nz = want[span] != 0
+            assert np.array_equal(out[nz].view(np.uint32), want[span][nz].view(np.uint32))
+
+
 def test_breadcrumbs_cut_points_from_magnitudes_equal_sorting() -> None:
     """`Magnitudes.topk_min` / `bottomk_max` (breadcrumbs' hi and lo, exact mode) against a sort of |Δ|."""
     rng = np.random.default_rng(4)
