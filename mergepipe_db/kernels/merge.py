@@ -684,24 +684,31 @@ _RADIX_ROWS_MIN = 1 << 18  # below this many elements one row: clearing and summ
 
 
 @numba.njit(cache=True, nogil=True)
-def _radix_count(bits: np.ndarray, prefix: np.uint32, low: bool, hist: np.ndarray) -> None:
-    """hist[bits[i] >> 16] += 1 (not ``low``), or hist[bits[i] & 0xFFFF] += 1 over the patterns whose top 16
-    bits equal `prefix` (``low``). Branch-free: a pattern outside the prefix counts in a spare bin (one per
-    row and lane, so no two neighbours wait on one counter), which is dropped."""
+def _radix_count(bits: np.ndarray, prefixes: np.ndarray, low: bool, hist: np.ndarray) -> None:
+    """hist[0, bits[i] >> 16] += 1 (not ``low``), or hist[m, bits[i] & 0xFFFF] += 1 over the patterns whose
+    top 16 bits equal prefixes[m] (``low``; one or two distinct prefixes). Branch-free: a pattern outside
+    the prefixes counts in a spare bin (one per row and lane, so no two neighbours wait on one counter),
+    which is dropped."""
     n = bits.shape[0]
     lowmask = np.uint32(0xFFFF)
     sixteen = np.uint32(16)
-    spare = np.uint32(RADIX_BINS)
+    m = prefixes.shape[0] if low else 1
+    p0 = prefixes[0]
+    p1 = prefixes[m - 1]
+    spare = np.uint32(m * RADIX_BINS)
     if n < _RADIX_ROWS_MIN:
         for i in range(n):
             v = bits[i]
             if not low:
-                hist[v >> sixteen] += 1
-            elif (v >> sixteen) == prefix:
-                hist[v & lowmask] += 1
+                hist[0, v >> sixteen] += 1
+            elif (v >> sixteen) == p0:
+                hist[0, v & lowmask] += 1
+            elif (v >> sixteen) == p1:
+                hist[m - 1, v & lowmask] += 1
         return
     R = _RADIX_ROWS
-    rows = np.zeros((R, RADIX_BINS + 8), np.int32)
+    rows = np.zeros((R, m * RADIX_BINS + 8), np.int32)
+    off1 = np.uint32((m - 1) * RADIX_BINS)
     for s0 in range(0, n, _RADIX_SPAN):
         e0 = min(n, s0 + _RADIX_SPAN)
         q = s0 + (e0 - s0) // R * R
@@ -710,33 +717,38 @@ def _radix_count(bits: np.ndarray, prefix: np.uint32, low: bool, hist: np.ndarra
             for r in range(R):
                 v = bits[i + r]
                 if low:
-                    j = (v & lowmask) if (v >> sixteen) == prefix else spare + lane
+                    top = v >> sixteen
+                    j = (v & lowmask) if top == p0 else (off1 + (v & lowmask) if top == p1 else spare + lane)
                 else:
                     j = v >> sixteen
                 rows[r, j] += 1
         for i in range(q, e0):
             v = bits[i]
             if not low:
-                hist[v >> sixteen] += 1
-            elif (v >> sixteen) == prefix:
-                hist[v & lowmask] += 1
+                hist[0, v >> sixteen] += 1
+            elif (v >> sixteen) == p0:
+                hist[0, v & lowmask] += 1
+            elif (v >> sixteen) == p1:
+                hist[m - 1, v & lowmask] += 1
         for r in range(R):
-            for j in range(RADIX_BINS):
-                hist[j] += rows[r, j]
-                rows[r, j] = 0
+            for c in range(m):
+                for j in range(RADIX_BINS):
+                    hist[c, j] += rows[r, c * RADIX_BINS + j]
+            rows[r, :] = 0
 
 
 @numba.njit(cache=True, nogil=True)
 def radix_count_high(bits: np.ndarray, hist: np.ndarray) -> None:
     """hist[bits[i] >> 16] += 1 (`bits`: float32 patterns as uint32; `hist`: `RADIX_BINS` int64 counters,
     added to)."""
-    _radix_count(bits, np.uint32(0), False, hist)
+    _radix_count(bits, np.zeros(1, np.uint32), False, hist.reshape(1, RADIX_BINS))
 
 
 @numba.njit(cache=True, nogil=True)
-def radix_count_low(bits: np.ndarray, prefix: np.uint32, hist: np.ndarray) -> None:
-    """hist[bits[i] & 0xFFFF] += 1 over the patterns whose top 16 bits equal `prefix` (`hist` added to)."""
-    _radix_count(bits, prefix, True, hist)
+def radix_count_low(bits: np.ndarray, prefixes: np.ndarray, hist: np.ndarray) -> None:
+    """hist[m, bits[i] & 0xFFFF] += 1 over the patterns whose top 16 bits equal prefixes[m] (uint32, one or
+    two distinct prefixes; `hist`: (len(prefixes), `RADIX_BINS`) int64 counters, added to), in one pass."""
+    _radix_count(bits, prefixes, True, hist)
 
 
 @numba.njit(cache=True, nogil=True)

@@ -245,6 +245,7 @@ class DeltaFold(MergeOperator):
             n_top += n_bot
             n_bot = 0
         mags = self._magnitudes(x, ranges)
+        mags.prepare([k for k, used in ((n_top, n_top > 0), (n - n_bot + 1, n_bot > 0)) if used])
         hi = math.inf if n_top == 0 else mags.topk_min(n_top)
         lo = -math.inf if n_bot == 0 else mags.bottomk_max(n_bot)
         if math.isnan(hi) or math.isnan(lo):

@@ -50,9 +50,11 @@ def test_kth_largest_exact_equals_np_sort(monkeypatch, case: int, small: int) ->
         asc = np.sort(a)  # NaN last: asc[n - k] is the k-th largest with NaN largest
         ks = sorted({1, min(2, n), n // 3 or 1, n // 2 or 1, n - 1 or 1, n, *rng.integers(1, n + 1, 20).tolist()})
         cache: dict[str, np.ndarray] = {}
+        prepared: dict[str, np.ndarray] = {}
+        order_stats.count_prefixes(a, ks[:5], prepared)  # the second histograms of several k made at once
         for k in ks:
             want = asc[n - k]
-            for c in (cache, None):
+            for c in (cache, None, prepared):
                 got = order_stats.kth_largest_exact(a, k, op, c)
                 if np.isnan(want):  # which NaN pattern is "largest" is no order's business: a NaN
                     assert math.isnan(got), (n, k, got)
@@ -78,9 +80,14 @@ def test_radix_kernels_match_numpy(n: int) -> None:
         h = np.full(kern.RADIX_BINS, 2, np.int64)  # added to
         kern.radix_count_high(bits, h)
         assert np.array_equal(h - 2, np.bincount(bits >> 16, minlength=kern.RADIX_BINS))
-        h2 = np.full(kern.RADIX_BINS, 3, np.int64)
-        kern.radix_count_low(bits, np.uint32(p), h2)
-        assert np.array_equal(h2 - 3, np.bincount(bits[(bits >> 16) == p] & 0xFFFF, minlength=kern.RADIX_BINS))
+        for pair in ([p], [p, int(bits[2] >> 16)], [p, 0x7FFE]):  # one prefix, or two in one pass
+            if len(set(pair)) < len(pair):
+                continue
+            h2 = np.full((len(pair), kern.RADIX_BINS), 3, np.int64)
+            kern.radix_count_low(bits, np.array(pair, np.uint32), h2)
+            for row, q in zip(h2, pair):
+                want = np.bincount(bits[(bits >> 16) == q] & 0xFFFF, minlength=kern.RADIX_BINS)
+                assert np.array_equal(row - 3, want)
     counts = rng.integers(0, 3, 50)
     top = np.cumsum(counts[::-1])
     for k in range(1, int(counts.sum()) + 1):
