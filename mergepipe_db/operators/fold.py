@@ -191,7 +191,8 @@ class DeltaFold(MergeOperator):
     def _fold_masked(self, x: ExpertInput, ranges: list[tuple[int, int]], mags: Magnitudes,
                      lo: float | None, hi: float | None) -> None:
         """T_k = where(keep, Δ_k, 0.0): keep = |Δ| >= lo when ``hi`` is None (TIES), else
-        lo < |Δ| < hi (breadcrumbs; ``lo`` None: no lower test)."""
+        lo < |Δ| < hi (breadcrumbs; ``lo`` None: no lower test). From θ_k's stored bytes, one numba pass per
+        chunk forms T_k·w (`kernels.merge.masked_delta`, the literal formula); otherwise numpy, chunk by chunk."""
         w = self.weights[x.index]
         self._set_expert(w)
         src = x.fast_source()
