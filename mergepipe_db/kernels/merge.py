@@ -671,3 +671,135 @@ def kth_largest_is_zero(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray, k
     values); None when some |Δ| read is inf or NaN."""
     nonzero, special = absdelta_count(base, raw, ranges)
     return None if special else nonzero < k
+
+
+# -- order statistics of |Δ| (`operators/order_stats.py`) and the breadcrumbs trim (`operators/fold.py`) -----
+
+RADIX_BINS = 1 << 16  # bins of each radix pass: the top 16 bits of a float32's pattern, then the low 16
+
+
+_RADIX_ROWS = 4  # interleaved counter rows: runs of equal values (zeros, ties) do not wait on one counter
+_RADIX_SPAN = 1 << 28  # elements per flush of the int32 rows into the int64 histogram (no count overflows)
+_RADIX_ROWS_MIN = 1 << 18  # below this many elements one row: clearing and summing the rows would dominate
+
+
+@numba.njit(cache=True, nogil=True)
+def _radix_count(bits: np.ndarray, prefixes: np.ndarray, low: bool, hist: np.ndarray) -> None:
+    """hist[0, bits[i] >> 16] += 1 (not ``low``), or hist[m, bits[i] & 0xFFFF] += 1 over the patterns whose
+    top 16 bits equal prefixes[m] (``low``; one or two distinct prefixes). Branch-free: a pattern outside
+    the prefixes counts in a spare bin (one per row and lane, so no two neighbours wait on one counter),
+    which is dropped."""
+    n = bits.shape[0]
+    lowmask = np.uint32(0xFFFF)
+    sixteen = np.uint32(16)
+    m = prefixes.shape[0] if low else 1
+    p0 = prefixes[0]
+    p1 = prefixes[m - 1]
+    spare = np.uint32(m * RADIX_BINS)
+    if n < _RADIX_ROWS_MIN:
+        for i in range(n):
+            v = bits[i]
+            if not low:
+                hist[0, v >> sixteen] += 1
+            elif (v >> sixteen) == p0:
+                hist[0, v & lowmask] += 1
+            elif (v >> sixteen) == p1:
+                hist[m - 1, v & lowmask] += 1
+        return
+    R = _RADIX_ROWS
+    rows = np.zeros((R, m * RADIX_BINS + 8), np.int32)
+    off1 = np.uint32((m - 1) * RADIX_BINS)
+    for s0 in range(0, n, _RADIX_SPAN):
+        e0 = min(n, s0 + _RADIX_SPAN)
+        q = s0 + (e0 - s0) // R * R
+        for i in range(s0, q, R):
+            lane = np.uint32(i & 7)
+            for r in range(R):
+                v = bits[i + r]
+                if low:
+                    top = v >> sixteen
+                    j = (v & lowmask) if top == p0 else (off1 + (v & lowmask) if top == p1 else spare + lane)
+                else:
+                    j = v >> sixteen
+                rows[r, j] += 1
+        for i in range(q, e0):
+            v = bits[i]
+            if not low:
+                hist[0, v >> sixteen] += 1
+            elif (v >> sixteen) == p0:
+                hist[0, v & lowmask] += 1
+            elif (v >> sixteen) == p1:
+                hist[m - 1, v & lowmask] += 1
+        for r in range(R):
+            for c in range(m):
+                for j in range(RADIX_BINS):
+                    hist[c, j] += rows[r, c * RADIX_BINS + j]
+            rows[r, :] = 0
+
+
+@numba.njit(cache=True, nogil=True)
+def radix_count_high(bits: np.ndarray, hist: np.ndarray) -> None:
+    """hist[bits[i] >> 16] += 1 (`bits`: float32 patterns as uint32; `hist`: `RADIX_BINS` int64 counters,
+    added to)."""
+    _radix_count(bits, np.zeros(1, np.uint32), False, hist.reshape(1, RADIX_BINS))
+
+
+@numba.njit(cache=True, nogil=True)
+def radix_count_low(bits: np.ndarray, prefixes: np.ndarray, hist: np.ndarray) -> None:
+    """hist[m, bits[i] & 0xFFFF] += 1 over the patterns whose top 16 bits equal prefixes[m] (uint32, one or
+    two distinct prefixes; `hist`: (len(prefixes), `RADIX_BINS`) int64 counters, added to), in one pass."""
+    _radix_count(bits, prefixes, True, hist)
+
+
+@numba.njit(cache=True, nogil=True)
+def locate_from_top(hist: np.ndarray, k: int) -> tuple[int, int]:
+    """(index, count above it) of the k-th largest item (1 <= k <= hist.sum()) of a histogram over increasing
+    keys; (-1, total) when k exceeds the total."""
+    above = 0
+    for i in range(hist.shape[0] - 1, -1, -1):
+        c = hist[i]
+        if above + c >= k:
+            return i, above
+        above += c
+    return -1, above
+
+
+@numba.njit(cache=True, nogil=True)
+def count_ge(a: np.ndarray, v: np.float32) -> int:
+    """How many of `a` are >= v (NaN never is)."""
+    total = 0
+    for i in range(a.shape[0]):
+        total += np.int64(a[i] >= v)
+    return total
+
+
+@numba.njit(cache=True, nogil=True)
+def count_nan(a: np.ndarray) -> int:
+    """How many of `a` are NaN."""
+    total = 0
+    for i in range(a.shape[0]):
+        total += np.int64(a[i] != a[i])
+    return total
+
+
+@numba.njit(cache=True, nogil=True)
+def masked_delta(out: np.ndarray, base: np.ndarray, raw: np.ndarray, lo: np.float32, hi: np.float32,
+                 test_lo: bool, band: bool, w: np.float32) -> bool:
+    """out = where(keep, Δ, 0.0) * w for Δ = θ_k − θ₀ on one span (`raw`: θ_k's stored values), with, for
+    a = |Δ|, keep = a >= lo (not ``band``: TIES) or lo < a < hi (``band``: breadcrumbs; without ``test_lo``
+    no lower test). The literal formula of `DeltaFold._fold_masked`, in one pass; returns whether every
+    element of `out` is finite."""
+    zero = np.float32(0.0)
+    inf = np.float32(np.inf)
+    finite = True
+    for i in range(out.shape[0]):
+        d = widen(raw[i]) - base[i]
+        a = abs(d)
+        if band:
+            keep = (a < hi) & ((not test_lo) | (a > lo))
+        else:
+            keep = a >= lo
+        t = (d if keep else zero) * w
+        out[i] = t
+        finite &= abs(t) < inf
+    return finite

@@ -191,9 +191,21 @@ class DeltaFold(MergeOperator):
     def _fold_masked(self, x: ExpertInput, ranges: list[tuple[int, int]], mags: Magnitudes,
                      lo: float | None, hi: float | None) -> None:
         """T_k = where(keep, Δ_k, 0.0): keep = |Δ| >= lo when ``hi`` is None (TIES), else
-        lo < |Δ| < hi (breadcrumbs; ``lo`` None: no lower test)."""
+        lo < |Δ| < hi (breadcrumbs; ``lo`` None: no lower test). From θ_k's stored bytes, one numba pass per
+        chunk forms T_k·w (`kernels.merge.masked_delta`, the literal formula); otherwise numpy, chunk by chunk."""
         w = self.weights[x.index]
         self._set_expert(w)
+        src = x.fast_source()
+        if src is not None and self._bflat is not None:
+            band = hi is not None
+            lo32 = np.float32(-math.inf if lo is None else lo)
+            hi32 = np.float32(math.inf if hi is None else hi)
+            for s, e in chunks(ranges):  # the literal formula in one pass (`kernels.merge.masked_delta`)
+                T = self.scratch("D", e - s)
+                finite = kernels().masked_delta(T, self._bflat[s:e], src[s:e], lo32, hi32, lo is not None, band,
+                                                np.float32(w))
+                self._combine(s, e, T, True if finite else None)
+            return
         a = mags.a
         off = 0
         for s, e in chunks(ranges):
@@ -234,6 +246,7 @@ class DeltaFold(MergeOperator):
             n_top += n_bot
             n_bot = 0
         mags = self._magnitudes(x, ranges)
+        mags.prepare([k for k, used in ((n_top, n_top > 0), (n - n_bot + 1, n_bot > 0)) if used])
         hi = math.inf if n_top == 0 else mags.topk_min(n_top)
         lo = -math.inf if n_bot == 0 else mags.bottomk_max(n_bot)
         if math.isnan(hi) or math.isnan(lo):

@@ -10,10 +10,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from mergepipe_db.core import sketch
-from mergepipe_db.operators.base import chunks
+from mergepipe_db.operators.base import kernels
 
-__all__ = ["EDGES", "LAST_BIN", "RADIX_CHUNK", "RADIX_SMALL", "Magnitudes", "Scratch", "kth_largest_exact",
-           "locate_from_top"]
+__all__ = ["EDGES", "LAST_BIN", "RADIX_SMALL", "Magnitudes", "Scratch", "count_prefixes", "kth_largest_exact"]
 
 #: the sketch's bin edges (the smallest value of each bin), and its last bin (NaN sits there too)
 EDGES = sketch.bin_edges()
@@ -26,51 +25,65 @@ class Scratch(Protocol):
     def scratch(self, name: str, n: int, dtype: Any = ...) -> np.ndarray: ...
 
 
-RADIX_SMALL = 4096  # below this many elements a sort is cheaper than two 64 Ki-bin bincounts
-RADIX_CHUNK = 1 << 20  # elements per bincount of the radix select
+RADIX_SMALL = 4096  # at or below this many elements a sort is cheaper than a radix select's histograms
 
 
-def locate_from_top(counts: np.ndarray, k: int) -> tuple[int, int]:
-    """(index, count above it) of the k-th largest item of a histogram over increasing keys."""
-    from_top = np.cumsum(counts[::-1])
-    i = int(np.searchsorted(from_top, k, side="left"))
-    idx = counts.size - 1 - i
-    return idx, int(from_top[i]) - int(counts[idx])
+def _high_counts(bits: np.ndarray, cache: dict[str, np.ndarray] | None) -> np.ndarray:
+    """The histogram of the top 16 bits of `bits` (cached in ``cache``); ValueError on a sign bit set."""
+    h1 = None if cache is None else cache.get("h1")
+    if h1 is None:
+        kern = kernels()
+        h1 = np.zeros(kern.RADIX_BINS, dtype=np.int64)
+        kern.radix_count_high(bits, h1)
+        if h1[kern.RADIX_BINS >> 1 :].any():
+            raise ValueError("kth_largest_exact: a value has its sign bit set (not a magnitude)")
+        if cache is not None:
+            cache["h1"] = h1
+    return h1
 
 
 def kth_largest_exact(a: np.ndarray, k: int, op: Scratch, cache: dict[str, np.ndarray] | None = None,
                        ) -> float:
     """The k-th largest (1 <= k <= numel) of a 1-D float32 array of magnitudes, NaN counted largest.
 
-    Radix select on the bit patterns (non-negative float32 order = int32 order, NaN above inf): a
-    bincount of the top 16 bits locates the k-th largest's prefix, a second one its low 16 bits. Equal
-    to ``torch.sort(a, descending=True).values[k-1]`` without sorting, topk or selecting elements.
-    ``cache`` keeps the first bincount for further queries on the same ``a``.
+    Radix select on the bit patterns (non-negative float32 order = uint32 order, NaN above inf), by the
+    numba kernels: one pass counts the top 16 bits and locates the k-th largest's prefix, a second counts
+    the low 16 bits of the elements with that prefix. Equal to ``torch.sort(a, descending=True).values[k-1]``
+    without sorting, topk, selecting elements or temporaries. ``cache`` keeps the first histogram for
+    further queries on the same ``a``, and the second ones `count_prefixes` made. ValueError when ``a``
+    holds a value with its sign bit set (-0.0, a negative number, a negative NaN): not a magnitude.
     """
     n = a.size
     if n <= RADIX_SMALL:
         return float(np.sort(a)[n - k])  # ascending, NaN last: the k-th largest with NaN largest
-    bits = a.view(np.int32)
-    step = min(n, RADIX_CHUNK)
-    c = op.scratch("radix", step, np.int32)
-    h1 = None if cache is None else cache.get("h1")
-    if h1 is None:
-        h1 = np.zeros(1 << 15, dtype=np.int64)
-        for s in range(0, n, step):
-            chunk = np.right_shift(bits[s : s + step], 16, out=c[: min(step, n - s)])
-            h1 += np.bincount(chunk, minlength=1 << 15)
-        if cache is not None:
-            cache["h1"] = h1
-    hi, above = locate_from_top(h1, k)
-    first = (hi << 16) - 1  # 0: below the prefix, 1..65536: inside, 65537: above
-    top = min(first + (1 << 16) + 1, 2**31 - 1)  # int32 ends inside the last prefix: nothing lies above it
-    h2 = np.zeros((1 << 16) + 2, dtype=np.int64)
-    for s in range(0, n, step):
-        chunk = np.clip(bits[s : s + step], first, top, out=c[: min(step, n - s)])
-        chunk -= first
-        h2 += np.bincount(chunk, minlength=(1 << 16) + 2)
-    low, _ = locate_from_top(h2[1 : (1 << 16) + 1], k - above)
-    return float(np.array([(hi << 16) | low], dtype=np.int32).view(np.float32)[0])
+    kern = kernels()
+    bits = a.view(np.uint32)
+    hi, above = kern.locate_from_top(_high_counts(bits, cache), k)
+    h2 = None if cache is None else cache.get(f"low:{hi}")
+    if h2 is None:
+        h2 = op.scratch("radix_low", kern.RADIX_BINS, np.int64)
+        h2[:] = 0
+        kern.radix_count_low(bits, np.array([hi], np.uint32), h2.reshape(1, -1))
+    low, _ = kern.locate_from_top(h2, k - above)
+    return float(np.array([(hi << 16) | low], dtype=np.uint32).view(np.float32)[0])
+
+
+def count_prefixes(a: np.ndarray, ks: list[int], cache: dict[str, np.ndarray]) -> None:
+    """Make the second histograms of `kth_largest_exact` for every k of `ks` (1 <= k <= numel) at once, two
+    prefixes a pass, into ``cache``: breadcrumbs' two cut points then cost one pass over ``a``, not two."""
+    if a.size <= RADIX_SMALL:
+        return
+    kern = kernels()
+    bits = a.view(np.uint32)
+    h1 = _high_counts(bits, cache)
+    todo = sorted({int(kern.locate_from_top(h1, k)[0]) for k in ks} - {int(key[4:]) for key in cache
+                                                                          if key.startswith("low:")})
+    for i in range(0, len(todo), 2):
+        pair = todo[i : i + 2]
+        h = np.zeros((len(pair), kern.RADIX_BINS), np.int64)
+        kern.radix_count_low(bits, np.array(pair, np.uint32), h)
+        for p, row in zip(pair, h):
+            cache[f"low:{p}"] = row
 
 
 class Magnitudes:
@@ -93,19 +106,16 @@ class Magnitudes:
 
     def nan_read(self) -> int:
         if self._nan_read is None:
-            a = self.a
-            self._nan_read = 0
-            if a.size and bool(np.isnan(a.max())):
-                self._nan_read = int(np.isnan(a).sum())
+            kern = kernels()
+
+            self._nan_read = int(kern.count_nan(self.a))
         return self._nan_read
 
     def _count_ge(self, v: float) -> int:
         """Read elements with |Δ| >= v (NaN not counted)."""
-        total = 0
-        for s, e in chunks([(0, self.a.size)]):
-            total += int(np.count_nonzero(np.greater_equal(self.a[s:e], v, out=self._op.scratch("ge", e - s,
-                                                                                                 np.bool_))))
-        return total
+        kern = kernels()
+
+        return int(kern.count_ge(self.a, np.float32(v)))
 
     def _desc_sketch(self, k: int) -> float | None:
         """Exact k-th largest from the sketch's counts when every element of its bin was read, else None."""
@@ -125,6 +135,12 @@ class Magnitudes:
         if in_bin != int(hist[b]):
             return None
         return kth_largest_exact(self.a, read_above + r, self._op, self._cache)
+
+    def prepare(self, ks: list[int]) -> None:
+        """Let `desc` answer each k of `ks` (the positions it will be asked) with fewer passes: in exact mode the
+        second radix histograms of all of them are made in one pass (`count_prefixes`)."""
+        if self.hist is None:
+            count_prefixes(self.a, [k for k in ks if 1 <= k <= self.a.size], self._cache)
 
     def desc(self, k: int) -> float:
         """The k-th largest |Δ| of the whole tensor (1 <= k <= n), NaN counted largest."""

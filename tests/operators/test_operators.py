@@ -844,13 +844,13 @@ def test_input_errors() -> None:
         _ = ExpertInput(0, p, (0,), True, theta=th).delta
 
 
-@pytest.mark.parametrize("chunk", [3001, 1 << 20])
-def test_exact_selection_equals_sort(monkeypatch, chunk: int) -> None:
-    """The radix select behind TIES/breadcrumbs thresholds: the k-th of torch's descending sort (NaN first)."""
+@pytest.mark.parametrize("small", [16, 1 << 20])
+def test_exact_selection_equals_sort(monkeypatch, small: int) -> None:
+    """The radix select behind TIES/breadcrumbs thresholds (and the sort below `RADIX_SMALL`): the k-th of
+    torch's descending sort (NaN first)."""
     from mergepipe_db.operators import order_stats
 
-    monkeypatch.setattr(order_stats, "RADIX_CHUNK", chunk)
-    monkeypatch.setattr(order_stats, "RADIX_SMALL", 16)
+    monkeypatch.setattr(order_stats, "RADIX_SMALL", small)
     op = make_operator("ties", [ExpertParams("a")])
     g = torch.Generator().manual_seed(0)
     for case in range(3):
