@@ -682,6 +682,8 @@ def ingest_many(
     with db.connect() as conn:
         for p in todo:
             existing = _unchanged(conn, p.name, p.layout)
+            if existing is not None and existing["kind"] == "full" and not has_tensor_gram(conn, existing["id"]):
+                existing = None  # catalogued before mp_tensor_gram: scanned again, which adds its statistics
             if existing is not None:
                 n_blocks = conn.execute(
                     sa.select(sa.func.count()).select_from(schema.block).where(

@@ -170,3 +170,36 @@ def test_cross_products_are_the_plain_dot_products_of_the_deltas(dtype: str) -> 
     assert [(i, j) for i, j, _ in got] == [(0, 2), (0, 5), (2, 5)]
     for i, j, v in got:
         assert v == pytest.approx(float((ds[i] * ds[j]).sum()), rel=1e-9, abs=1e-12)
+
+
+def test_ingesting_again_adds_the_statistics_of_a_checkpoint_catalogued_before_them(catalog, tiny_family_f32) -> None:
+    """A checkpoint catalogued before mp_tensor_gram (its rows deleted here) gets them by ingesting the same,
+    unchanged files again (docs/SEMANTICS.md), the cross products of experts ingested together included; a
+    checkpoint that has them is not read again."""
+    import sqlalchemy as sa
+
+    fam = tiny_family_f32
+    catalog.ingest(fam.base, name="base", block_bytes=4096)
+    catalog.ingest_many(list(fam.experts[:2]), names=["a", "b"], base="base")
+    ids = {n: catalog.checkpoint_id(n) for n in ("base", "a", "b")}
+    with catalog.db.connect() as conn:
+        before = {n: tensor_gram(conn, i) for n, i in ids.items()}
+        crosses = {n: tensor_cross(conn, ids[n]) for n in ("a", "b")}
+    assert all(before.values()) and all(crosses.values())
+    with catalog.db.connect() as conn:
+        conn.execute(sa.text("DELETE FROM mp_tensor_cross"))
+        conn.execute(sa.text("DELETE FROM mp_tensor_gram"))
+        conn.commit()
+    assert catalog.ingest(fam.base, name="base", block_bytes=4096).bytes_read > 0
+    again = catalog.ingest_many(list(fam.experts[:2]), names=["a", "b"], base="base")
+    assert [r.created for r in again] == [False, False] and all(r.bytes_read > 0 for r in again)
+    with catalog.db.connect() as conn:
+        for n, i in ids.items():
+            got = tensor_gram(conn, i)
+            assert got.keys() == before[n].keys()
+            for t, g in got.items():
+                assert (g.base_dot, g.delta_sq, g.base_sq) == (before[n][t].base_dot, before[n][t].delta_sq,
+                                                               before[n][t].base_sq)
+                np.testing.assert_array_equal(g.proj, before[n][t].proj)
+        assert {n: tensor_cross(conn, ids[n]) for n in ("a", "b")} == crosses
+    assert catalog.ingest(fam.base, name="base", block_bytes=4096).bytes_read == 0  # has them now: unchanged, not read
