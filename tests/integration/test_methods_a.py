@@ -436,3 +436,49 @@ def test_arcee_fusion_above_its_sampling_size_is_seeded() -> None:
     assert 0 < np.mean(a != exact) < 0.01 and 0 < np.mean(c != exact) < 0.01
     kept = a != base
     assert 0.01 < kept.mean() < 0.5 and np.array_equal(a[kept], theta[kept])
+
+
+def plain_sce_f32(b: torch.Tensor, tvs: torch.Tensor, topk: float, numel: int) -> torch.Tensor:
+    """sce in torch float32 on θ₀ `b` (M,) and the stacked Δ `tvs` (K, M) of the rows read, compacted:
+    w_k = Σ tvs_k² / numel, numel the whole tensor's (docs/SEMANTICS.md)."""
+    if topk < 1 and tvs.shape[1]:
+        mask = torch.zeros(tvs.shape[1:], dtype=torch.float32)
+        var = torch.var(tvs, dim=0, unbiased=False)
+        k = int(int((var != 0).sum()) * topk) if topk > 0 else 0
+        if k:
+            mask[torch.topk(var.abs(), k).indices] = 1
+        tvs = tvs * mask
+    erase = tvs.sign() == (tvs.sum(dim=0) >= 0).float() * 2 - 1
+    w = (tvs * tvs).sum(dim=1) / numel
+    total = float(w.sum())
+    w = torch.full_like(w, 1 / len(w)) if abs(total) < 1e-6 else w / total
+    erased = w[:, None] * erase
+    return b + (tvs * erased).sum(dim=0) / erased.sum(dim=0).clamp(min=1e-6)
+
+
+@pytest.mark.parametrize("topk", [0.5, 1.0])
+def test_sce_under_a_budget_is_the_formula_on_the_rows_read_bit_for_bit(catalog, fam, tmp_path, topk) -> None:
+    """Partial budget: the rows some expert read, compacted, through sce's float32 formula; θ₀ + 0.0 on the
+    other rows (-0.0 there becomes +0.0, as the whole-tensor formula gives)."""
+    family, names = fam
+    spec = _spec("sce", names[:3], params={"select_topk": topk})
+    res = catalog.merge(spec, out=tmp_path / "o", budget=0.3)
+    assert res.planned_bytes <= res.budget_bytes and res.realized_bytes == res.planned_bytes
+    assert 0 < res.planned_bytes < res.full_bytes
+    manifest = json.loads((tmp_path / "o" / "manifest.json").read_text())["manifest"]
+    base = load_model(Path(family.base))
+    experts = [load_model(Path(p)) for p in family.experts[:3]]
+    read = _read_rows(manifest, base)
+    got = load_output(tmp_path / "o")
+    partial = 0
+    for name, b0 in base.items():
+        b = b0.float().reshape(max(1, b0.shape[0] if b0.dim() else 1), -1)
+        masks = [read.get((k, name), torch.zeros(b0.shape, dtype=torch.bool)).reshape(b.shape) for k in range(3)]
+        rows = torch.stack([m.any(dim=1) for m in masks]).any(dim=0)
+        tvs = torch.stack([torch.where(m, e[name].float().reshape(b.shape) - b, 0.0)[rows].flatten()
+                           for m, e in zip(masks, experts)])
+        want = b + 0.0
+        want[rows] = plain_sce_f32(b[rows].flatten(), tvs, topk, b.numel()).reshape(-1, b.shape[1])
+        partial += 0 < int(rows.sum()) < rows.numel()
+        assert torch.equal(got[name].float().reshape(b.shape).view(torch.int32), want.view(torch.int32)), name
+    assert partial > 0

@@ -1,0 +1,115 @@
+"""sce under a partial selection: the formula on the rows read only (docs/SEMANTICS.md, sce).
+
+The reference below is plain torch written from SEMANTICS.md: it compacts the rows some expert selected itself
+(from the block layout), runs var/topk/sign/sum on them, divides Σ tvs_k² by the whole tensor's numel, and
+writes θ₀ + 0.0 (the formula's value for an all-zero Δ) on every other row. Compared as int32 bit patterns.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mergepipe_db.operators import ExpertInput, ExpertParams, TensorContext, make_operator
+
+SHAPE, RPB = (40, 24), 4  # 10 blocks of 4 rows
+
+
+def lit_sce(b: torch.Tensor, tvs: torch.Tensor, topk: float, divisor: int) -> torch.Tensor:
+    """sce on θ₀ `b` (M,) and the stacked Δ `tvs` (K, M); w_k = Σ tvs_k² / divisor."""
+    if topk < 1:
+        mask = torch.zeros(tvs.shape[1:], dtype=torch.float32)
+        if topk > 0:
+            var = torch.var(tvs, dim=0, unbiased=False)
+            k = int(int((var != 0).sum()) * topk)
+            if k:
+                mask[torch.topk(var.abs(), k).indices] = 1
+        tvs = tvs * mask
+    majority = (tvs.sum(dim=0) >= 0).float() * 2 - 1
+    erase = tvs.sign() == majority
+    w = (tvs * tvs).sum(dim=1) / divisor
+    total = float(w.sum())
+    w = torch.full_like(w, 1 / len(w)) if abs(total) < 1e-6 else w / total
+    erased = w[:, None] * erase
+    return b + (tvs * erased).sum(dim=0) / erased.sum(dim=0).clamp(min=1e-6)
+
+
+def _blocks_rows(blocks) -> list[int]:
+    return sorted({r for b in blocks for r in range(b * RPB, min(SHAPE[0], (b + 1) * RPB))})
+
+
+def _case(seed: int, big: float | None = None):
+    g = np.random.default_rng(seed)
+    base = g.standard_normal(SHAPE).astype(np.float32)
+    base[[1, 9, 14, 20], 3] = -0.0  # rows 1, 14 are read below, 9, 20 are not
+    selected = [(0, 1, 3, 7), (0, 1, 7), (), (1, 3, 7)]  # expert 1's block 3 and expert 2 hold Δ = 0
+    deltas = []
+    for blocks in selected:
+        d = np.zeros(SHAPE, np.float32)
+        for r in _blocks_rows(blocks):
+            d[r] = (g.standard_normal(SHAPE[1]) * 0.01).astype(np.float32)
+            d[r, g.integers(0, SHAPE[1], 3)] = 0.0
+        deltas.append(d)
+    deltas[0][2, 2] = -deltas[3][2, 2]  # a cancelling pair
+    if big is not None:
+        deltas[0][4, 0] = big
+    return base, selected, deltas
+
+
+def _run(base, selected, deltas, topk, full):
+    ctx = TensorContext(name="w", shape=SHAPE, rows_per_block=RPB, n_blocks=10, seed=0)
+    op = make_operator("sce", [ExpertParams(f"e{k}") for k in range(len(deltas))], options={"select_topk": topk})
+    op.begin(base, ctx)
+    for k, (blocks, d) in enumerate(zip(selected, deltas)):
+        op.add(ExpertInput.from_delta(k, None, blocks, full, delta=d if blocks else None))
+    return op.finish().copy()
+
+
+def _bits(a) -> np.ndarray:
+    return np.asarray(a, np.float32).view(np.int32)
+
+
+@pytest.mark.parametrize("topk", [0.5, 0.0, 1.0, 0.1])
+def test_partial_selection_is_the_formula_on_the_rows_read(topk) -> None:
+    base, selected, deltas = _case(3)
+    got = _run(base, selected, deltas, topk, full=False)
+    rows = _blocks_rows({b for s in selected for b in s})
+    b = torch.from_numpy(base)
+    tvs = torch.stack([torch.from_numpy(d) for d in deltas])
+    want = b + 0.0
+    want[rows] = lit_sce(b[rows].flatten(), tvs[:, rows].reshape(len(deltas), -1), topk, base.size).reshape(-1, 24)
+    assert np.array_equal(_bits(got), _bits(want))
+    # the omitted rows are the whole-tensor formula's (today's) bytes: θ₀ + 0.0, -0.0 there becomes +0.0
+    whole = lit_sce(b.flatten(), tvs.reshape(len(deltas), -1), topk, base.size).reshape(SHAPE)
+    omitted = [r for r in range(SHAPE[0]) if r not in rows]
+    assert np.array_equal(_bits(got[omitted]), _bits(whole[omitted]))
+    assert _bits(got[9, 3]) == 0 and _bits(got[20, 3]) == 0
+    assert np.allclose(got, whole.numpy(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("topk", [0.5, 1.0])
+def test_full_selection_is_the_whole_tensor_formula(topk) -> None:
+    """Every expert `full` (its unread blocks hold Δ = 0): the whole tensor, torch's mean, as MergeKit."""
+    base, selected, deltas = _case(4)
+    got = _run(base, selected, deltas, topk, full=True)
+    tvs = torch.stack([torch.from_numpy(d) for d in deltas]).reshape(len(deltas), -1)
+    want = lit_sce(torch.from_numpy(base).flatten(), tvs, topk, base.size).reshape(SHAPE)
+    assert np.array_equal(_bits(got), _bits(want))
+
+
+def test_omitted_rows_follow_the_formula_when_the_weights_overflow() -> None:
+    """A Δ of 1e20 squares to inf: the whole-tensor formula gives NaN on the omitted rows; so does the
+    compacted one (the omitted rows take the formula's value for Δ = 0 with the same weights)."""
+    base, selected, deltas = _case(5, big=1e20)
+    got = _run(base, selected, deltas, 0.5, full=False)
+    tvs = torch.stack([torch.from_numpy(d) for d in deltas]).reshape(len(deltas), -1)
+    whole = lit_sce(torch.from_numpy(base).flatten(), tvs, 0.5, base.size).reshape(SHAPE).numpy()
+    assert np.isnan(whole[9]).all()
+    assert np.array_equal(np.isnan(got), np.isnan(whole))
+
+
+def test_no_row_read_gives_the_base_plus_zero() -> None:
+    base, selected, deltas = _case(6)
+    got = _run(base, [(), (), (), ()], deltas, 0.5, full=False)
+    assert np.array_equal(_bits(got), _bits(base + np.float32(0.0)))
