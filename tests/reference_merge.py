@@ -202,21 +202,23 @@ def dare_keep_mask(
 
 
 def l1_rescale(delta: torch.Tensor, keep: torch.Tensor, stored_itemsize: int, block_bytes: int) -> float:
-    """SEMANTICS.md's L1 rescale factor ‖Δ‖₁ / ‖kept Δ‖₁: float64 sums per row block (numpy's), added in block
-    order as Python floats; 1 when either is below 1e-7."""
+    """SEMANTICS.md's L1 rescale factor ‖Δ‖₁ / ‖kept Δ‖₁: the exactly rounded sums (`math.fsum` of the float64
+    values; NaN when one is NaN, inf when one is inf, as numpy's sum); 1 when either is below 1e-7. Exact sums
+    do not depend on the row blocks (`stored_itemsize`, `block_bytes`: kept for the callers)."""
+    import math
+
     import numpy as np
 
-    before = after = 0.0
-    if delta.numel() == 0:
-        return 1.0
-    if delta.dim() == 0:
-        spans = [(delta.reshape(1), keep.reshape(1))]
-    else:
-        spans = [(delta[s:e], keep[s:e]) for s, e in row_blocks(tuple(delta.shape), stored_itemsize, block_bytes)]
-    for d, k in spans:
-        a = d.abs().contiguous().numpy().reshape(-1)
-        before += float(np.sum(a, dtype=np.float64))
-        after += float(np.sum(np.where(k.numpy().reshape(-1), a, np.float32(0.0)), dtype=np.float64))
+    def exact(v: np.ndarray) -> float:
+        if np.isnan(v).any():
+            return math.nan
+        if np.isinf(v).any():
+            return math.inf
+        return math.fsum(v.astype(np.float64).tolist())
+
+    a = delta.abs().contiguous().numpy().reshape(-1)
+    before = exact(a)
+    after = exact(np.where(keep.numpy().reshape(-1), a, np.float32(0.0)))
     return 1.0 if (before < 1e-7 or after < 1e-7) else before / after
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from mergepipe_db.kernels import exact_sum
 from mergepipe_db.kernels import torch_rand as mt19937
 from mergepipe_db.kernels.float_bits import f32_to_bits, widen
 
@@ -409,6 +410,79 @@ def dare_delta_span(mixed: np.ndarray, b: np.ndarray, x: np.ndarray, u: np.ndarr
     for i in range(mixed.shape[0]):
         t = (widen(x[i]) - b[i]) / dens
         mixed[i] = mixed[i] + (t if u[i] < dens else zero) * w
+
+
+@numba.njit(cache=True, nogil=True)
+def delta_into(out: np.ndarray, b: np.ndarray, x: np.ndarray) -> None:
+    """out = Δ = θ_k − θ₀ (float32) of one span."""
+    for i in range(out.shape[0]):
+        out[i] = widen(x[i]) - b[i]
+
+
+@numba.njit(cache=True, nogil=True)
+def random_keep(keep: np.ndarray, b: np.ndarray, x: np.ndarray, u: np.ndarray, p: np.ndarray, p_step: int,
+                l1: bool, acc_all: np.ndarray, acc_kept: np.ndarray) -> None:
+    """A random drop's mask on one block: keep = u < p[i * p_step] (``p_step`` 0: one probability, DARE's
+    float32 d; 1: DELLA's per element); with ``l1``, the exact sums (`exact_sum`) of |Δ| into `acc_all` and
+    of where(keep, |Δ|, 0) into `acc_kept`."""
+    zero = np.float32(0.0)
+    n = keep.shape[0]
+    if l1:
+        for i in range(n):
+            a = abs(widen(x[i]) - b[i])
+            k = u[i] < p[i * p_step]
+            keep[i] = k
+            lane = i & (exact_sum.LANES - 1)
+            exact_sum.add(acc_all, lane, a)
+            exact_sum.add(acc_kept, lane, a if k else zero)
+    else:
+        for i in range(n):
+            keep[i] = u[i] < p[i * p_step]
+
+
+@numba.njit(inline="always", nogil=True)
+def _masked(d: np.float32, k: bool, p: np.float32, mode: int, scale: np.float32) -> np.float32:
+    """One element of a random drop's T: where(keep, Δ (mode 0) | Δ * s (1) | Δ / p (2), 0.0)."""
+    if mode == 1:
+        t = d * scale
+    elif mode == 2:
+        t = d / p
+    else:
+        t = d
+    return t if k else np.float32(0.0)
+
+
+@numba.njit(cache=True, nogil=True)
+def masked_task_vector(out: np.ndarray, b: np.ndarray, x: np.ndarray, keep: np.ndarray, p: np.ndarray,
+                       p_step: int, mode: int, scale: np.float32) -> None:
+    """out = T of one block, `_masked` per element (p[i * p_step] its keep probability)."""
+    for i in range(out.shape[0]):
+        out[i] = _masked(widen(x[i]) - b[i], keep[i], p[i * p_step], mode, scale)
+
+
+@numba.njit(cache=True, nogil=True)
+def masked_delta_span(mixed: np.ndarray, b: np.ndarray, x: np.ndarray, keep: np.ndarray, p: np.ndarray,
+                      p_step: int, mode: int, scale: np.float32, w: np.float32) -> None:
+    """mixed = mixed + T * w on one block, T as `masked_task_vector` gives it (dare_linear, della_linear)."""
+    for i in range(mixed.shape[0]):
+        mixed[i] = mixed[i] + _masked(widen(x[i]) - b[i], keep[i], p[i * p_step], mode, scale) * w
+
+
+@numba.njit(cache=True, nogil=True)
+def ties_masked_span(S: np.ndarray, P: np.ndarray, N: np.ndarray, WP: np.ndarray, WN: np.ndarray, b: np.ndarray,
+                     x: np.ndarray, keep: np.ndarray, p: np.ndarray, p_step: int, mode: int, scale: np.float32,
+                     w: np.float32, weights: bool, init: bool) -> None:
+    """The TIES sums of one block's T (`masked_task_vector`), tile by tile as `ties_dare_span` (dare_ties, della)."""
+    t = np.empty(_TILE, np.float32)
+    z = np.zeros(_TILE, np.float32)
+    n = S.shape[0]
+    for t0 in range(0, n, _TILE):
+        m = min(_TILE, n - t0)
+        for i in range(m):
+            j = t0 + i
+            t[i] = _masked(widen(x[j]) - b[j], keep[j], p[j * p_step], mode, scale)
+        _ties_span(S[t0:t0 + m], P[t0:t0 + m], N[t0:t0 + m], WP[t0:t0 + m], WN[t0:t0 + m], z[:m], t[:m], False,
+                   np.float32(np.inf), w, weights, init)
 
 
 @numba.njit(cache=True, nogil=True)

@@ -68,6 +68,13 @@ class AdditiveFold(DeltaFold):
                                   np.float32(d), np.float32(w))
         return True
 
+    def _masked_block(self, b: int, s0: int, e0: int, bb: np.ndarray, xb: np.ndarray, keep: np.ndarray,
+                      p: np.ndarray, step: int, mode: int, scale: float, w: float) -> None:
+        assert self._mixed is not None
+        self._settle()
+        kernels().masked_delta_span(self._mixed[s0:e0], bb, xb, keep, p, step, mode, np.float32(scale),
+                                    np.float32(w))
+
     def _fold_fast(self, x: ExpertInput, tau: float | None, zero_check: int = 0) -> bool:
         src = x.fast_source() if tau is None else None
         if src is None or self._mixed is None or self._ctx is None or self._bflat is None:

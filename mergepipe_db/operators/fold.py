@@ -264,45 +264,84 @@ class DeltaFold(MergeOperator):
 
     def _fold_random(self, x: ExpertInput) -> None:
         """DARE and DELLA with a rescale other than DARE's classic one (docs/SEMANTICS.md): keep = u < p per
-        selected block; T_k = where(keep, Δ_k·s, 0.0) with s = ‖Δ_k‖₁ / ‖kept Δ_k‖₁ over the rows read ("l1"),
-        s = 1 ("none"), or where(keep, Δ_k / p, 0.0) ("classic", DELLA)."""
+        selected block; T_k = where(keep, Δ_k·s, 0.0) with s = ‖Δ_k‖₁ / ‖kept Δ_k‖₁ over the rows read ("l1",
+        exactly rounded sums: `kernels.exact_sum`), s = 1 ("none"), or where(keep, Δ_k / p, 0.0) ("classic",
+        DELLA). Fused kernels: one pass per block forms the mask (and the sums), a second folds T_k
+        (`_masked_block`); "none" and "classic" fold each block at once, "l1" once the sums are known."""
+        from mergepipe_db.kernels.exact_sum import ExactSum
+
         ctx = self._ctx
-        assert ctx is not None and self._bflat is not None
+        assert ctx is not None
         k = x.index
         w = self.weights[k]
         key = self.experts[k].key
         mode = self.rescale_mode
+        l1 = mode == "l1"
+        della = self.sparsification == "della"
+        src = x.fast_source() if self._bflat is not None else None
         rn = ctx.row_numel
-        parts: list[tuple[int, int, np.ndarray, np.ndarray, Any]] = []
-        before = after = 0.0
+        sums = (ExactSum(), ExactSum())
+        keep_all = self.scratch("keep", ctx.numel, np.bool_) if l1 else None
+        d32 = np.array([self.densities[k]], np.float32)  # u < d, the Python float cast to float32 (NEP 50)
+        self._set_expert(w)
+        later: list[tuple[int, int, int]] = []
         for b in x.selected_blocks:
             rs, re = ctx.block_rows(b)
             s0, e0 = rs * rn, re * rn
             if s0 == e0:
                 continue
-            delta = np.empty(e0 - s0, np.float32)
-            for s, e in chunks([(s0, e0)]):
-                delta[s - s0 : e - s0] = self._delta_chunk(x, s, e)
-            u = np.empty(e0 - s0, np.float32)
+            n = e0 - s0
+            u = self.scratch("u", n)
             dare_uniforms(ctx.seed, key, ctx.name, b, u)
-            p = self._keep_probability(k, delta, re - rs)
-            keep = u < p
-            if mode == "l1":
-                a = np.abs(delta)
-                before += float(np.sum(a, dtype=np.float64))
-                after += float(np.sum(np.where(keep, a, np.float32(0.0)), dtype=np.float64))
-            parts.append((s0, e0, delta, keep, p))
-        scale = before / after if mode == "l1" and not (before < 1e-7 or after < 1e-7) else 1.0
-        self._set_expert(w)
-        zero = np.float32(0.0)
-        for s0, e0, delta, keep, p in parts:
-            if mode == "classic":
-                T = np.where(keep, delta / p, zero)
+            bb, xb = self._block_operands(x, src, s0, e0)
+            if della:
+                delta = xb if src is None else self.scratch("della_delta", n)
+                if src is not None:
+                    kernels().delta_into(delta, bb, xb)
+                p, step = self._keep_probability(k, delta, re - rs), 1
             else:
-                T = np.where(keep, delta * scale, zero) if scale != 1.0 else np.where(keep, delta, zero)
-            T *= w
-            for s, e in chunks([(s0, e0)]):
-                self._combine(s, e, T[s - s0 : e - s0], None)
+                p, step = d32, 0
+            keep = keep_all[s0:e0] if keep_all is not None else self.scratch("keep_block", n, np.bool_)
+            kernels().random_keep(keep, bb, xb, u, p, step, l1, sums[0].reserve(n), sums[1].reserve(n))
+            if l1:
+                later.append((b, s0, e0))
+            else:
+                self._masked_block(b, s0, e0, bb, xb, keep, p, step, 2 if mode == "classic" else 0, 1.0, w)
+        if not later:
+            return
+        assert keep_all is not None
+        before, after = sums[0].value(), sums[1].value()
+        scale = before / after if not (before < 1e-7 or after < 1e-7) else 1.0
+        for b, s0, e0 in later:
+            bb, xb = self._block_operands(x, src, s0, e0)
+            self._masked_block(b, s0, e0, bb, xb, keep_all[s0:e0], d32, 0, 1 if scale != 1.0 else 0, scale, w)
+
+    def _block_operands(self, x: ExpertInput, src: np.ndarray | None, s0: int, e0: int
+                        ) -> tuple[np.ndarray, np.ndarray]:
+        """(θ₀, θ_k) of elements [s0, e0) as the kernels take them (Δ = widen(θ_k) − θ₀): the stored values
+        when at hand, else (+0.0, Δ_k) (Δ − 0.0 = Δ, bit for bit)."""
+        if src is not None:
+            assert self._bflat is not None
+            return self._bflat[s0:e0], src[s0:e0]
+        n = e0 - s0
+        delta = self.scratch("block_delta", n)
+        for s, e in chunks([(s0, e0)]):
+            delta[s - s0 : e - s0] = self._delta_chunk(x, s, e)
+        zeros = self.scratch("block_zeros", n)
+        zeros[:] = 0.0
+        return zeros, delta
+
+    def _masked_block(self, b: int, s0: int, e0: int, bb: np.ndarray, xb: np.ndarray, keep: np.ndarray,
+                      p: np.ndarray, step: int, mode: int, scale: float, w: float) -> None:
+        """Fold block b's T = where(keep, Δ (mode 0) | Δ·s (1) | Δ / p (2), 0.0) (`kernels.merge._masked`;
+        scale, w: Python floats, taken as float32 as numpy takes them). This default forms T and folds T·w
+        with `_combine`; a family with a fused kernel overrides it."""
+        n = e0 - s0
+        T = self.scratch("T", n)
+        kernels().masked_task_vector(T, bb, xb, keep, p, step, mode, np.float32(scale))
+        T *= w
+        for s, e in chunks([(s0, e0)]):
+            self._combine(s, e, T[s - s0 : e - s0], None)
 
     def _fold_dare(self, x: ExpertInput) -> None:
         """DARE: T_k = where(rand < d, Δ_k / d, 0.0), masks drawn per selected block only."""

@@ -189,6 +189,13 @@ class TiesFold(DeltaFold):
         self._touched[b] = True
         return True
 
+    def _masked_block(self, b: int, s0: int, e0: int, bb: np.ndarray, xb: np.ndarray, keep: np.ndarray,
+                      p: np.ndarray, step: int, mode: int, scale: float, w: float) -> None:
+        S, P, N, wp, wn = self._sums()
+        kernels().ties_masked_span(S[s0:e0], P[s0:e0], N[s0:e0], wp[s0:e0], wn[s0:e0], bb, xb, keep, p, step, mode,
+                                   np.float32(scale), np.float32(w), self.normalize, not self._touched[b])
+        self._touched[b] = True
+
     def _stream(self, src: np.ndarray, x: ExpertInput, trim: bool, tau: float, w: float) -> None:
         assert self._bflat is not None
         kernels().ties_add(*self._sums(), self._bflat, src, self._bounds,
