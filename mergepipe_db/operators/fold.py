@@ -30,20 +30,10 @@ GROUP_BYTES = 256 << 20
 def della_probabilities(delta: np.ndarray, shape: tuple[int, ...], rows: int, d: float, eps: float) -> np.ndarray:
     """DELLA's keep probabilities of one block's flat Δ (float32): ranks of |Δ| along dim 1 (a 0-d or 1-d tensor is
     one row), ascending, ties in index order (a stable sort), rank_norm = (rank - 1)/(n - 1) (0 when n = 1),
-    p = (d - ε) + rank_norm·2·ε, in float32 as MergeKit computes it."""
-    if len(shape) <= 1:
-        blk = delta.reshape(1, -1)
-    else:
-        blk = delta.reshape((rows, *shape[1:]))
-    a = np.abs(blk)
-    order = np.argsort(a, axis=1, kind="stable")
-    ranks = np.empty(a.shape, np.float32)
-    np.put_along_axis(ranks, order, np.arange(a.shape[1], dtype=np.float32).reshape(
-        (1, -1) + (1,) * (a.ndim - 2)), axis=1)  # rank - 1 = rank - min_rank
-    n = a.shape[1]
-    rank_norm = ranks / np.float32(n - 1) if n > 1 else np.zeros_like(ranks)
-    np.clip(rank_norm, 0, 1, out=rank_norm)
-    return ((rank_norm * np.float32(2)) * np.float32(eps) + np.float32(d - eps)).reshape(-1)
+    p = (d - ε) + rank_norm·2·ε, in float32 as MergeKit computes it (`kernels.row_ranks`)."""
+    from mergepipe_db.kernels.row_ranks import della_probabilities as probabilities
+
+    return probabilities(delta, shape, rows, d, eps)
 
 
 class Stash:

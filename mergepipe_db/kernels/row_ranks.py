@@ -1,0 +1,94 @@
+"""DELLA's keep probabilities: the rank of each |Δ| along dim 1 of a block (a stable ascending sort: ties in index
+order, NaN after everything, as ``np.argsort(kind="stable")`` orders them), then MergeKit's float32 formula.
+
+A stable LSD radix sort of each column's |Δ| bit patterns (non-negative float32 order is their bit order; every
+NaN is given one pattern above +inf, so NaNs tie and keep index order), 8 bits a pass, skipping a pass where all
+keys share the byte (the sign and most exponent bits of a fine-tune's Δ): O(n) a column instead of a comparison
+sort, and no index arrays of the whole block.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from mergepipe_db.kernels.float_bits import f32_to_bits
+
+__all__ = ["della_probabilities"]
+
+_NAN_KEY = np.uint32(0x7FC00000)
+_ABS = np.uint32(0x7FFFFFFF)
+_INF = np.uint32(0x7F800000)
+
+
+@numba.njit(cache=True, nogil=True)
+def _column_ranks(keys: np.ndarray, idx: np.ndarray, keys2: np.ndarray, idx2: np.ndarray, count: np.ndarray,
+                  rank: np.ndarray) -> None:
+    """rank[j] = position of keys[j] in the stable ascending order of `keys` (n = keys.shape[0]; the others are
+    n-element work arrays, `count` 256)."""
+    n = keys.shape[0]
+    for j in range(n):
+        idx[j] = j
+    src_k, src_i, dst_k, dst_i = keys, idx, keys2, idx2
+    for shift in range(0, 32, 8):
+        sh = np.uint32(shift)
+        count[:] = 0
+        for j in range(n):
+            count[(src_k[j] >> sh) & np.uint32(0xFF)] += 1
+        if count[(src_k[0] >> sh) & np.uint32(0xFF)] == n:
+            continue  # every key has this byte: the order stays
+        total = 0
+        for v in range(256):
+            c = count[v]
+            count[v] = total
+            total += c
+        for j in range(n):
+            v = (src_k[j] >> sh) & np.uint32(0xFF)
+            o = count[v]
+            dst_k[o] = src_k[j]
+            dst_i[o] = src_i[j]
+            count[v] = o + 1
+        src_k, src_i, dst_k, dst_i = dst_k, dst_i, src_k, src_i
+    for pos in range(n):
+        rank[src_i[pos]] = pos
+
+
+@numba.njit(cache=True, nogil=True)
+def _probabilities(out: np.ndarray, delta: np.ndarray, R: int, n: int, C: int, eps: np.float32,
+                   low: np.float32) -> None:
+    keys = np.empty(n, np.uint32)
+    keys2 = np.empty(n, np.uint32)
+    idx = np.empty(n, np.int64)
+    idx2 = np.empty(n, np.int64)
+    rank = np.empty(n, np.int64)
+    count = np.empty(256, np.int64)
+    two = np.float32(2.0)
+    denom = np.float32(n - 1)
+    for r in range(R):
+        for c in range(C):
+            base = r * n * C + c
+            for j in range(n):
+                bits = f32_to_bits(delta[base + j * C]) & _ABS
+                keys[j] = _NAN_KEY if bits > _INF else bits
+            _column_ranks(keys, idx, keys2, idx2, count, rank)
+            for j in range(n):
+                rn = np.float32(rank[j]) / denom if n > 1 else np.float32(0.0)
+                rn = min(max(rn, np.float32(0.0)), np.float32(1.0))
+                out[base + j * C] = (rn * two) * eps + low
+
+
+def della_probabilities(delta: np.ndarray, shape: tuple[int, ...], rows: int, d: float, eps: float) -> np.ndarray:
+    """The keep probabilities (float32, flat) of one block's flat float32 Δ: the block viewed as
+    ``(rows, *shape[1:])`` (a 0-d or 1-d tensor: one row of all its elements), rank along dim 1, then
+    p = (rank / float32(n - 1) clipped to [0, 1], 0 when n = 1) · 2 · float32(ε) + float32(d − ε), in float32."""
+    flat = np.ascontiguousarray(delta, np.float32).reshape(-1)
+    if len(shape) <= 1:
+        R, n, C = 1, flat.shape[0], 1
+    else:
+        R, n = rows, int(shape[1])
+        C = int(np.prod(shape[2:], dtype=np.int64)) if len(shape) > 2 else 1
+    out = np.empty(flat.shape[0], np.float32)
+    if flat.shape[0] == 0 or n == 0:
+        return out
+    _probabilities(out, flat, R, n, C, np.float32(eps), np.float32(d - eps))
+    return out

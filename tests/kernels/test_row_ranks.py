@@ -1,0 +1,56 @@
+"""`kernels.row_ranks.della_probabilities` against numpy: ranks from ``np.argsort(kind="stable")`` along dim 1 (ties
+in index order, NaN last), then DELLA's float32 formula, written plainly here; bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mergepipe_db.kernels.row_ranks import della_probabilities
+
+
+def numpy_probabilities(delta, shape, rows, d, eps):
+    blk = delta.reshape(1, -1) if len(shape) <= 1 else delta.reshape((rows, *shape[1:]))
+    a = np.abs(blk)
+    order = np.argsort(a, axis=1, kind="stable")
+    ranks = np.empty(a.shape, np.float32)
+    positions = np.arange(a.shape[1], dtype=np.float32).reshape((1, -1) + (1,) * (a.ndim - 2))
+    np.put_along_axis(ranks, order, np.broadcast_to(positions, a.shape), axis=1)
+    n = a.shape[1]
+    rn = ranks / np.float32(n - 1) if n > 1 else np.zeros_like(ranks)
+    rn = np.clip(rn, 0, 1)
+    return ((rn * np.float32(2)) * np.float32(eps) + np.float32(d - eps)).reshape(-1)
+
+
+@pytest.mark.parametrize("shape,rows", [((7,), 7), ((1,), 1), ((), 1), ((12, 300), 5), ((6, 1), 6), ((4, 9, 3), 3),
+                                        ((3, 700, 2), 2)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_equals_numpy_stable_argsort(shape, rows, seed) -> None:
+    rng = np.random.default_rng(seed)
+    block = (rows, *shape[1:]) if len(shape) > 1 else shape
+    delta = (rng.standard_normal(block) * np.exp(3 * rng.standard_normal(block))).astype(np.float32)
+    flat = delta.reshape(-1)
+    m = flat.size
+    flat[rng.random(m) < 0.2] = 0.0
+    flat[rng.random(m) < 0.1] = -0.0
+    tied = rng.random(m) < 0.3  # equal magnitudes of both signs
+    flat[tied] = np.float32(0.25) * np.sign(rng.standard_normal(int(tied.sum())))
+    if m > 6:
+        flat[[1, 4]] = np.nan
+        flat[5] = -np.nan
+        flat[2], flat[3] = np.inf, -np.inf
+        flat[6] = np.float32(1e-45)
+    flat[rng.random(m) < 0.05] = np.float32(-3e38)
+    for d, eps in ((0.5, 0.15), (0.3, 0.1), (0.8, 0.05)):
+        got = della_probabilities(flat, shape, rows, d, eps)
+        want = numpy_probabilities(flat, shape, rows, d, eps)
+        assert np.array_equal(got.view(np.int32), want.view(np.int32))
+
+
+def test_many_values_in_a_row() -> None:
+    rng = np.random.default_rng(9)
+    delta = (rng.standard_normal((3, 70_001)) * 0.01).astype(np.float32)
+    delta[:, ::7] = np.float32(0.004)
+    got = della_probabilities(delta.reshape(-1), (3, 70_001), 3, 0.4, 0.2)
+    assert np.array_equal(got.view(np.int32), numpy_probabilities(delta.reshape(-1), (3, 70_001), 3, 0.4, 0.2)
+                          .view(np.int32))
