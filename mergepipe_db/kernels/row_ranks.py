@@ -25,29 +25,35 @@ _INF = np.uint32(0x7F800000)
 def _column_ranks(keys: np.ndarray, idx: np.ndarray, keys2: np.ndarray, idx2: np.ndarray, count: np.ndarray,
                   rank: np.ndarray) -> None:
     """rank[j] = position of keys[j] in the stable ascending order of `keys` (n = keys.shape[0]; the others are
-    n-element work arrays, `count` 256)."""
+    n-element work arrays, `count` 4 × 256: the four bytes' histograms, counted in one pass; a permutation
+    leaves them as they are)."""
     n = keys.shape[0]
+    count[:] = 0
     for j in range(n):
+        k = keys[j]
         idx[j] = j
+        count[0, k & np.uint32(0xFF)] += 1
+        count[1, (k >> np.uint32(8)) & np.uint32(0xFF)] += 1
+        count[2, (k >> np.uint32(16)) & np.uint32(0xFF)] += 1
+        count[3, k >> np.uint32(24)] += 1
     src_k, src_i, dst_k, dst_i = keys, idx, keys2, idx2
-    for shift in range(0, 32, 8):
-        sh = np.uint32(shift)
-        count[:] = 0
-        for j in range(n):
-            count[(src_k[j] >> sh) & np.uint32(0xFF)] += 1
-        if count[(src_k[0] >> sh) & np.uint32(0xFF)] == n:
+    for byte in range(4):
+        sh = np.uint32(8 * byte)
+        c = count[byte]
+        if c[(src_k[0] >> sh) & np.uint32(0xFF)] == n:
             continue  # every key has this byte: the order stays
         total = 0
         for v in range(256):
-            c = count[v]
-            count[v] = total
-            total += c
+            m = c[v]
+            c[v] = total
+            total += m
         for j in range(n):
-            v = (src_k[j] >> sh) & np.uint32(0xFF)
-            o = count[v]
-            dst_k[o] = src_k[j]
+            k = src_k[j]
+            v = (k >> sh) & np.uint32(0xFF)
+            o = c[v]
+            dst_k[o] = k
             dst_i[o] = src_i[j]
-            count[v] = o + 1
+            c[v] = o + 1
         src_k, src_i, dst_k, dst_i = dst_k, dst_i, src_k, src_i
     for pos in range(n):
         rank[src_i[pos]] = pos
@@ -58,10 +64,10 @@ def _probabilities(out: np.ndarray, delta: np.ndarray, R: int, n: int, C: int, e
                    low: np.float32) -> None:
     keys = np.empty(n, np.uint32)
     keys2 = np.empty(n, np.uint32)
-    idx = np.empty(n, np.int64)
-    idx2 = np.empty(n, np.int64)
-    rank = np.empty(n, np.int64)
-    count = np.empty(256, np.int64)
+    idx = np.empty(n, np.int32)
+    idx2 = np.empty(n, np.int32)
+    rank = np.empty(n, np.int32)
+    count = np.empty((4, 256), np.int32)
     two = np.float32(2.0)
     denom = np.float32(n - 1)
     for r in range(R):
