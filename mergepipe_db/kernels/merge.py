@@ -632,13 +632,14 @@ def ties_fused(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], 
 @numba.njit(cache=True, nogil=True)
 def dare_ties_fused(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], selected: np.ndarray,
                     bounds: np.ndarray, dens: np.ndarray, seeds: np.ndarray, w: np.ndarray, weights: bool,
-                    lam: np.float32, skip: np.ndarray) -> None:
+                    lam: np.float32, skip: np.ndarray, modes: np.ndarray, scales: np.ndarray) -> None:
     """The whole dare_ties fold of one tensor in one pass, as `ties_fused` does for ties: tile by tile, for
     experts k = 0..K-1 in order (those with ``selected[k, b]``), T = where(u < d_k, Δ_k / d_k, 0.0) with u
     drawn from the block's stream (`seeds[k, b]`; `mt19937`), or T = Δ_k where d_k >= 1 (no mask is drawn),
     then `ties_dare_span`'s sums, kept in L1, and `ties_finish`'s formula into `out`. Same operations, same
     order: the same bits as folding the experts one by one with `ties_dare_span`, without a block of uniforms
-    and five tensor-sized sums per expert."""
+    and five tensor-sized sums per expert. ``modes[k]`` says how a kept Δ is rescaled (`_masked`): 2 (DARE's
+    classic Δ / d_k, above), 1 (Δ * scales[k]: the L1 rescale, known beforehand) or 0 (Δ)."""
     T = _TILE
     K = selected.shape[0]
     zero = np.float32(0.0)
@@ -667,9 +668,19 @@ def dare_ties_fused(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, .
                 d = dens[k]
                 if d < np.float32(1.0):
                     pos[k] = mt19937.stream_fill(u[:m], states[k], bufs[k], pos[k])
-                    for i in range(m):
-                        q = (widen(xk[i]) - bb[i]) / d
-                        t[i] = q if u[i] < d else zero
+                    if modes[k] == 2:
+                        for i in range(m):
+                            q = (widen(xk[i]) - bb[i]) / d
+                            t[i] = q if u[i] < d else zero
+                    elif modes[k] == 1:
+                        sk = scales[k]
+                        for i in range(m):
+                            q = (widen(xk[i]) - bb[i]) * sk
+                            t[i] = q if u[i] < d else zero
+                    else:
+                        for i in range(m):
+                            q = widen(xk[i]) - bb[i]
+                            t[i] = q if u[i] < d else zero
                     _ties_tile(acc, z[:m], t[:m], False, inf, w[k], weights, fresh)
                 else:  # no mask drawn: T = Δ (`ties_add`)
                     _ties_tile(acc, bb, xk, False, inf, w[k], weights, fresh)

@@ -36,6 +36,11 @@ def della_probabilities(delta: np.ndarray, shape: tuple[int, ...], rows: int, d:
     return probabilities(delta, shape, rows, d, eps)
 
 
+def _l1_ratio(before: float, after: float) -> float:
+    """The L1 rescale ‖Δ‖₁ / ‖kept Δ‖₁ from the exact sums; 1.0 when either is below 1e-7 (NaN stays NaN)."""
+    return 1.0 if (before < 1e-7 or after < 1e-7) else before / after
+
+
 class Stash:
     """Experts' stored values (as `ExpertInput.fast_source` gives them) kept for one fused pass over a
     tensor, at most `GROUP_BYTES` of them, all of one dtype."""
@@ -300,11 +305,35 @@ class DeltaFold(MergeOperator):
         if not later:
             return
         assert keep_all is not None
-        before, after = sums[0].value(), sums[1].value()
-        scale = before / after if not (before < 1e-7 or after < 1e-7) else 1.0
+        scale = _l1_ratio(sums[0].value(), sums[1].value())
         for b, s0, e0 in later:
             bb, xb = self._block_operands(x, src, s0, e0)
             self._masked_block(b, s0, e0, bb, xb, keep_all[s0:e0], d32, 0, 1 if scale != 1.0 else 0, scale, w)
+
+    def _l1_scale(self, x: ExpertInput, src: np.ndarray) -> float:
+        """DARE's L1 scale s of expert k over its selected blocks, as `_fold_random` finds it, from the stored
+        values `src` (one pass: the uniforms, the mask and the two sums), for a fused pass that draws the mask
+        again (`sign_consensus.TiesFold`)."""
+        from mergepipe_db.kernels.exact_sum import ExactSum
+
+        ctx = self._ctx
+        assert ctx is not None and self._bflat is not None and self.sparsification == "random"
+        k = x.index
+        key = self.experts[k].key
+        d32 = np.array([self.densities[k]], np.float32)
+        rn = ctx.row_numel
+        sums = (ExactSum(), ExactSum())
+        for b in x.selected_blocks:
+            rs, re = ctx.block_rows(b)
+            s0, e0 = rs * rn, re * rn
+            n = e0 - s0
+            if n == 0:
+                continue
+            u = self.scratch("u", n)
+            dare_uniforms(ctx.seed, key, ctx.name, b, u)
+            kernels().random_keep(self.scratch("keep_block", n, np.bool_), self._bflat[s0:e0], src[s0:e0], u, d32,
+                                  0, True, sums[0].reserve(n), sums[1].reserve(n))
+        return _l1_ratio(sums[0].value(), sums[1].value())
 
     def _block_operands(self, x: ExpertInput, src: np.ndarray | None, s0: int, e0: int
                         ) -> tuple[np.ndarray, np.ndarray]:

@@ -55,6 +55,7 @@ class TiesFold(DeltaFold):
         # (values, input, trim, τ, w, zero_check)
         self._stash: list[tuple[np.ndarray, ExpertInput, bool, float, float, int]] | None = []
         self._stash_bytes = 0
+        self._dare_modes: dict[int, tuple[int, float]] = {}  # a kept DARE input's (mode, scale): `dare_ties_fused`
 
     def _fits_stash(self, src: np.ndarray) -> bool:
         return (self._stash is not None and self._stash_bytes + src.nbytes <= FUSE_BYTES
@@ -169,11 +170,18 @@ class TiesFold(DeltaFold):
 
     def _fold_dare(self, x: ExpertInput) -> None:
         """dare_ties: keep the input for the fused pass (`kernels.merge.dare_ties_fused`, which draws each
-        block's uniforms a tile at a time) while it fits, else fold it block by block."""
+        block's uniforms a tile at a time) while it fits, else fold it block by block. With the L1 rescale its
+        scale is found first (`DeltaFold._l1_scale`: the mask and the sums, one pass over the blocks)."""
         src = x.fast_source()
-        if (self.sparsification == "random" and self.rescale_mode == "classic" and src is not None
+        if (self.sparsification == "random" and src is not None
                 and self._P is not None and self._bflat is not None and self._fits_stash(src)):
             assert self._stash is not None
+            mode = self.rescale_mode
+            if mode == "classic":
+                self._dare_modes[x.index] = (2, 1.0)
+            else:
+                scale = self._l1_scale(x, src) if mode == "l1" else 1.0
+                self._dare_modes[x.index] = (1 if scale != 1.0 else 0, scale)
             self._stash.append((src, x, False, math.inf, self.weights[x.index], 0))
             self._stash_bytes += src.nbytes
             return
@@ -306,9 +314,11 @@ class TiesFold(DeltaFold):
                 key = self.experts[x.index].key
                 for b in x.selected_blocks:
                     seeds[k, b] = block_seed(ctx.seed, key, ctx.name, b)
+        modes = [self._dare_modes.get(x.index, (0, 1.0)) for _src, x, *_rest in stash]
         kernels().dare_ties_fused(P, self._bflat, raws, selected, self._bounds, dens, seeds,
                                   np.array([item[4] for item in stash], np.float32), self.normalize,
-                                  np.float32(self.lam), self._skip)
+                                  np.float32(self.lam), self._skip, np.array([m for m, _s in modes], np.int64),
+                                  np.array([sc for _m, sc in modes], np.float32))
 
     def _end(self) -> None:
         self._P = None

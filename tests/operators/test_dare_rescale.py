@@ -225,3 +225,17 @@ def test_della_classic_divides_by_the_keep_probability(method) -> None:
 def test_ties_family_normalized_and_lambda(method) -> None:
     check(method, "l1", (40, 33), 7, "bf16", "partial", lam=0.6, normalize=True)
     check(method, "l1", (40, 33), 7, "f32", "full", lam=1.7, normalize=False)
+
+
+@pytest.mark.parametrize("fuse_bytes", [0, 6_000, 1 << 30])
+@pytest.mark.parametrize("mode", ["l1", "none"])
+def test_dare_ties_fused_streamed_and_partly_fused(monkeypatch, fuse_bytes, mode) -> None:
+    """dare_ties keeps its inputs for one fused pass (`kernels.merge.dare_ties_fused`, the scale found first)
+    while they fit `sign_consensus.FUSE_BYTES`, else folds them block by block: the same bits either way."""
+    from mergepipe_db.operators import sign_consensus
+
+    monkeypatch.setattr(sign_consensus, "FUSE_BYTES", fuse_bytes)
+    for supply in ("bf16", "f32"):
+        check("dare_ties", mode, (40, 33), 7, supply, "partial")
+        check("dare_ties", mode, (40, 33), 7, supply, "full", special=supply == "f32")
+        check("dare_ties", mode, (9, 4, 5), 2, supply, "full", normalize=True, lam=0.8)
