@@ -113,3 +113,9 @@ class ExactSum:
     def value(self) -> float:
         """The exactly rounded float64 of the sum so far."""
         return value(self.acc, self._carry)
+
+    def value_with(self, other: ExactSum) -> float:
+        """The exactly rounded float64 of this sum plus `other` (both exact: one rounding)."""
+        both = np.zeros(SIZE, np.int64)
+        both[LANES * BINS:] = self.acc[LANES * BINS:] + other.acc[LANES * BINS:]  # NaN, inf counts
+        return value(both, self._carry + other._carry + _bins_int(self.acc) + _bins_int(other.acc))

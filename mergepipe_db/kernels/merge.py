@@ -421,20 +421,17 @@ def delta_into(out: np.ndarray, b: np.ndarray, x: np.ndarray) -> None:
 
 @numba.njit(cache=True, nogil=True)
 def random_keep(keep: np.ndarray, b: np.ndarray, x: np.ndarray, u: np.ndarray, p: np.ndarray, p_step: int,
-                l1: bool, acc_all: np.ndarray, acc_kept: np.ndarray) -> None:
+                l1: bool, acc_kept: np.ndarray, acc_dropped: np.ndarray) -> None:
     """A random drop's mask on one block: keep = u < p[i * p_step] (``p_step`` 0: one probability, DARE's
-    float32 d; 1: DELLA's per element); with ``l1``, the exact sums (`exact_sum`) of |Δ| into `acc_all` and
-    of where(keep, |Δ|, 0) into `acc_kept`."""
-    zero = np.float32(0.0)
+    float32 d; 1: DELLA's per element); with ``l1``, the exact sums (`exact_sum`) of the kept |Δ| into
+    `acc_kept` and of the dropped ones into `acc_dropped` (one addition an element: ‖Δ‖₁ is their total)."""
     n = keep.shape[0]
     if l1:
         for i in range(n):
             a = abs(widen(x[i]) - b[i])
             k = u[i] < p[i * p_step]
             keep[i] = k
-            lane = i & (exact_sum.LANES - 1)
-            exact_sum.add(acc_all, lane, a)
-            exact_sum.add(acc_kept, lane, a if k else zero)
+            exact_sum.add(acc_kept if k else acc_dropped, i & (exact_sum.LANES - 1), a)
     else:
         for i in range(n):
             keep[i] = u[i] < p[i * p_step]

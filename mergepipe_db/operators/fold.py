@@ -275,7 +275,7 @@ class DeltaFold(MergeOperator):
         della = self.sparsification == "della"
         src = x.fast_source() if self._bflat is not None else None
         rn = ctx.row_numel
-        sums = (ExactSum(), ExactSum())
+        sums = (ExactSum(), ExactSum())  # the kept |Δ|, the dropped |Δ|
         keep_all = self.scratch("keep", ctx.numel, np.bool_) if l1 else None
         d32 = np.array([self.densities[k]], np.float32)  # u < d, the Python float cast to float32 (NEP 50)
         self._set_expert(w)
@@ -305,7 +305,7 @@ class DeltaFold(MergeOperator):
         if not later:
             return
         assert keep_all is not None
-        scale = _l1_ratio(sums[0].value(), sums[1].value())
+        scale = _l1_ratio(sums[0].value_with(sums[1]), sums[0].value())
         for b, s0, e0 in later:
             bb, xb = self._block_operands(x, src, s0, e0)
             self._masked_block(b, s0, e0, bb, xb, keep_all[s0:e0], d32, 0, 1 if scale != 1.0 else 0, scale, w)
@@ -333,7 +333,7 @@ class DeltaFold(MergeOperator):
             dare_uniforms(ctx.seed, key, ctx.name, b, u)
             kernels().random_keep(self.scratch("keep_block", n, np.bool_), self._bflat[s0:e0], src[s0:e0], u, d32,
                                   0, True, sums[0].reserve(n), sums[1].reserve(n))
-        return _l1_ratio(sums[0].value(), sums[1].value())
+        return _l1_ratio(sums[0].value_with(sums[1]), sums[0].value())
 
     def _block_operands(self, x: ExpertInput, src: np.ndarray | None, s0: int, e0: int
                         ) -> tuple[np.ndarray, np.ndarray]:

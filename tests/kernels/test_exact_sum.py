@@ -87,3 +87,19 @@ def test_inf_and_nan_as_numpy_float64_sum() -> None:
             want = float(np.sum(a, dtype=np.float64))
         got = of(a)
         assert (math.isnan(got) and math.isnan(want)) or got == want, (x, got, want)
+
+
+def test_two_sums_together_round_once() -> None:
+    """`value_with`: the kept and the dropped |Δ| of a mask, summed apart, give the exact total."""
+    rng = np.random.default_rng(11)
+    x = wild(rng, 20_000)
+    keep = rng.random(x.size) < 0.5
+    a, b = ExactSum(), ExactSum()
+    a.add_array(x[keep])
+    b.add_array(x[~keep])
+    assert a.value_with(b) == fsum32(x)
+    assert a.value() == fsum32(x[keep])
+    b.add_array(np.array([np.inf], np.float32))
+    assert a.value_with(b) == math.inf
+    a.add_array(np.array([-np.inf], np.float32))
+    assert math.isnan(a.value_with(b))
