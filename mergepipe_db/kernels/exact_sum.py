@@ -10,7 +10,8 @@ The final value is that integer over 2^150, one correctly rounded division (CPyt
 inf and NaN are counted apart, and end the sum as numpy's ``np.sum(..., dtype=float64)`` does: NaN if a NaN or
 both infinities were added, else the infinity added. The kernels add with `add`, inlined into theirs
 (`kernels/merge.py`; LLVM inlines it: numba's own IR inlining, ``inline="always"``, dropped the second of two
-calls in one loop).
+calls in one loop). numba's on-disk cache of `merge.random_keep` does not notice edits here: after changing
+this file, delete mergepipe_db/kernels/__pycache__/merge.*.nb* (a fresh install has no cache).
 """
 
 from __future__ import annotations
