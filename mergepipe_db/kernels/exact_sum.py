@@ -2,10 +2,13 @@
 in which they are added or how they are split (blocks, tiles, chunks).
 
 A superaccumulator: a float32 is an integer mantissa M (< 2^24, the implicit bit included) times
-2^(max(e, 1) - 150), e its biased exponent. Each value adds ±M to an int64 bin of its exponent (256 bins, per
-lane: `LANES` interleaved copies break the dependency between neighbours of the same exponent). 2^39 additions
-fit in a bin, so `ExactSum` moves the bins into a Python int before 2^38 values have been added (`SPILL_EVERY`).
-The final value is that integer over 2^150, one correctly rounded division (CPython's int true division).
+2^(max(e, 1) - 150), e its biased exponent. Values are taken a tile (`TILE`) at a time: those whose exponent
+is within `SPAN` of the tile's largest are added as M << (e - base) into one int64 (24 + 28 + 11 bits: no
+overflow), in a loop that vectorizes; that total is then deposited into the int64 bins (one per exponent step,
+`BINS`) as three 24-bit pieces; the rare smaller values, and tiles holding an inf or NaN, are added one by one
+(±M into the bin of their exponent). Each addition to a bin is below 2^24, so 2^39 of them fit: `ExactSum`
+moves the bins into a Python int before `SPILL_EVERY` values have been added. The final value is that integer
+over 2^150, one correctly rounded division (CPython's int true division).
 
 inf and NaN are counted apart, and end the sum as numpy's ``np.sum(..., dtype=float64)`` does: NaN if a NaN or
 both infinities were added, else the infinity added. The kernels add with `add`, inlined into theirs
@@ -23,13 +26,15 @@ import numpy as np
 
 from mergepipe_db.kernels.float_bits import f32_to_bits
 
-__all__ = ["BINS", "LANES", "SIZE", "ExactSum", "accumulate", "add", "value"]
+__all__ = ["BINS", "LANES", "SIZE", "TILE", "ExactSum", "accumulate", "add", "add_split", "value"]
 
-BINS = 256
-LANES = 4
+BINS = 288  #: exponent steps: a float32's (0..254) and those of a tile total's upper pieces (up to 274)
+LANES = 1  #: copies of the bins (`add`'s lane): the tile path needs no more
 _NAN, _PINF, _NINF = LANES * BINS, LANES * BINS + 1, LANES * BINS + 2
 SIZE = LANES * BINS + 3  #: int64 words of one accumulator: LANES × BINS mantissa sums, then NaN, +inf, -inf counts
-SPILL_EVERY = 1 << 38  #: values added to the bins before they are moved into a Python int
+SPILL_EVERY = 1 << 37  #: values added before the bins are moved into a Python int (each adds at most twice)
+TILE = 2048  #: values summed in one int64 before they reach the bins
+SPAN = 28  #: exponents below a tile's largest that its int64 takes (2^(24 + 28 + 11) < 2^63)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -52,17 +57,62 @@ def add(acc: np.ndarray, lane: int, v: np.float32) -> None:
 
 
 @numba.njit(cache=True, nogil=True)
+def _deposit(acc: np.ndarray, base: int, total: np.int64) -> None:
+    """acc += total · 2^(base - 150) (|total| < 2^63): three pieces below 2^24 into bins base, base + 24, base + 48."""
+    neg = total < 0
+    mag = -total if neg else total
+    for j in range(3):
+        piece = (mag >> np.int64(24 * j)) & np.int64(0xFFFFFF)
+        if piece != 0:
+            acc[base + 24 * j] += -piece if neg else piece
+
+
+@numba.njit(cache=True, nogil=True)
+def add_split(acc_in: np.ndarray, acc_out: np.ndarray, a: np.ndarray, flag: np.ndarray) -> None:
+    """acc_in += Σ a[flag], acc_out += Σ a[~flag], exactly (at most `TILE` values; the two may be one array)."""
+    n = a.shape[0]
+    top = np.uint32(0)
+    for i in range(n):
+        top = max(top, f32_to_bits(a[i]) & np.uint32(0x7FFFFFFF))
+    e_top = np.int64(top >> np.uint32(23))
+    if e_top == 255:  # an inf or NaN: one by one
+        for i in range(n):
+            add(acc_in if flag[i] else acc_out, 0, a[i])
+        return
+    base = max(max(e_top, np.int64(1)) - SPAN, np.int64(1))
+    s_in = np.int64(0)
+    s_out = np.int64(0)
+    missed = 0
+    for i in range(n):
+        bits = f32_to_bits(a[i])
+        e = np.int64((bits >> np.uint32(23)) & np.uint32(0xFF))
+        m = np.int64(bits & np.uint32(0x7FFFFF))
+        big = m | (np.int64(0x800000) if e != 0 else np.int64(0))
+        sh = max(e, np.int64(1)) - base
+        ok = sh >= 0
+        v = (big << (sh if ok else np.int64(0))) if ok else np.int64(0)
+        neg = np.int64(bits >> np.uint32(31))
+        v = (v ^ -neg) + neg
+        f = flag[i]
+        s_in += v if f else np.int64(0)
+        s_out += np.int64(0) if f else v
+        missed += not ok
+    if missed:
+        for i in range(n):
+            bits = f32_to_bits(a[i])
+            if max(np.int64((bits >> np.uint32(23)) & np.uint32(0xFF)), np.int64(1)) < base:
+                add(acc_in if flag[i] else acc_out, 0, a[i])
+    _deposit(acc_in, base, s_in)
+    _deposit(acc_out, base, s_out)
+
+
+@numba.njit(cache=True, nogil=True)
 def accumulate(acc: np.ndarray, x: np.ndarray) -> None:
     """acc += Σ x exactly (x: flat float32)."""
-    n = x.shape[0]
-    n4 = n - n % LANES
-    for i in range(0, n4, LANES):
-        add(acc, 0, x[i])
-        add(acc, 1, x[i + 1])
-        add(acc, 2, x[i + 2])
-        add(acc, 3, x[i + 3])
-    for i in range(n4, n):
-        add(acc, 0, x[i])
+    flag = np.ones(TILE, np.bool_)
+    for t0 in range(0, x.shape[0], TILE):
+        m = min(TILE, x.shape[0] - t0)
+        add_split(acc, acc, x[t0:t0 + m], flag[:m])
 
 
 def _bins_int(acc: np.ndarray) -> int:

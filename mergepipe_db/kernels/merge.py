@@ -424,17 +424,25 @@ def random_keep(keep: np.ndarray, b: np.ndarray, x: np.ndarray, u: np.ndarray, p
                 l1: bool, acc_kept: np.ndarray, acc_dropped: np.ndarray) -> None:
     """A random drop's mask on one block: keep = u < p[i * p_step] (``p_step`` 0: one probability, DARE's
     float32 d; 1: DELLA's per element); with ``l1``, the exact sums (`exact_sum`) of the kept |Δ| into
-    `acc_kept` and of the dropped ones into `acc_dropped` (one addition an element: ‖Δ‖₁ is their total)."""
+    `acc_kept` and of the dropped ones into `acc_dropped` (‖Δ‖₁ is their total), a tile at a time."""
     n = keep.shape[0]
-    if l1:
+    if p_step == 0:
+        p0 = p[0]
         for i in range(n):
-            a = abs(widen(x[i]) - b[i])
-            k = u[i] < p[i * p_step]
-            keep[i] = k
-            exact_sum.add(acc_kept if k else acc_dropped, i & (exact_sum.LANES - 1), a)
+            keep[i] = u[i] < p0
     else:
         for i in range(n):
-            keep[i] = u[i] < p[i * p_step]
+            keep[i] = u[i] < p[i]
+    if not l1:
+        return
+    T = exact_sum.TILE
+    a = np.empty(T, np.float32)
+    for t0 in range(0, n, T):
+        m = min(T, n - t0)
+        xs, bs = x[t0:t0 + m], b[t0:t0 + m]
+        for i in range(m):
+            a[i] = abs(widen(xs[i]) - bs[i])
+        exact_sum.add_split(acc_kept, acc_dropped, a[:m], keep[t0:t0 + m])
 
 
 @numba.njit(inline="always", nogil=True)

@@ -90,7 +90,8 @@ class DeltaFold(MergeOperator):
     A method subclassing this sets `sparsification` and implements ``_begin``, ``_combine`` (fold D_k
     into its sums), ``_finish`` and ``_base_only``; a magnitude trim implements ``_fold_trimmed``
     (`order_stats.Magnitudes` and ``_fold_masked`` do the work); ``_fold_fast``, ``_dare_block_fast`` and
-    ``_masked_block`` (a random drop's T with a rescale other than DARE's classic one) are optional fused kernels. `additive.AdditiveFold` and `sign_consensus.TiesFold` are the two families.
+    ``_masked_block`` (a random drop's T with a rescale other than DARE's classic one) are optional fused kernels.
+    `additive.AdditiveFold` and `sign_consensus.TiesFold` are the two families.
     """
 
     #: How T_k is formed from Δ_k when density < 1: None (T_k = Δ_k), "magnitude" (TIES trim),
