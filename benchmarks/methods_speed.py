@@ -184,10 +184,17 @@ def to_markdown(raw: dict[str, Any]) -> str:
             f"{full['wall'] / fl:.2f}×" if fl else "–", f"{full['maxrss'] / 2**30:.2f} GiB",
             w(tenth), f"{frac:.3f}" if frac is not None else "–",
             f"{tenth['read_bytes'] / 1e9:.2f} / {full['read_bytes'] / 1e9:.2f}" if tenth else "–",
-            w(mk), f"{mk['maxrss'] / 2**30:.2f} GiB" if mk else "–", vs_mk])
-    return md_table(["method", "experts", "ours @1.0", "I/O floor", "ours / floor", "ours peak RSS",
+            w(mk), f"{mk['maxrss'] / 2**30:.2f} GiB" if mk else "–", vs_mk,
+            " / ".join(f"{x['load']:.1f}" for x in (full, tenth, mk) if x)])
+    fam = raw.get("family", {})
+    shape = fam.get("shape", {})
+    head = (f"Family: {fam.get('model_bytes', 0) / 1e9:.2f} GB per model (Llama-shaped BF16, "
+            f"{shape.get('num_layers')} layers, hidden {shape.get('hidden_size')}), {K} experts, experts ingested "
+            f"together (exact cross products for the geometric methods). Disk (dd, cold, median of 3): "
+            f"O_DIRECT read {rates['read_Bps'] / 1e9:.2f} GB/s, write+fsync {rates['write_Bps'] / 1e9:.2f} GB/s.\n\n")
+    return head + md_table(["method", "experts", "ours @1.0", "I/O floor", "ours / floor", "ours peak RSS",
                      "ours @0.1", "expert bytes read @0.1 / all", "read GB 0.1 / 1.0 (/proc)", "MergeKit",
-                     "MergeKit RSS", "ours@1.0 / MergeKit"], rows)
+                     "MergeKit RSS", "ours@1.0 / MergeKit", "load avg (1 min) after 1.0 / 0.1 / MergeKit"], rows)
 
 
 def main(argv: list[str] | None = None) -> int:
