@@ -2,6 +2,11 @@
 nearswap, arcee_fusion): each expert's Δ_k (or θ_k) is kept, in float32 and the tensor's shape, with Δ_k = 0 on
 the rows of omitted blocks, and the method's formula runs once all experts are in. Memory: K + 1 tensors of the
 tensor's size (as MergeKit holds them).
+
+A method with ``compacts_rows`` may run its formula on the rows read only under a partial selection: the fold
+records which rows any expert read, `_rows_read` gives them (None when the whole tensor must be used) and
+`_compact` stacks every expert's values there; the method writes the omitted rows itself (its formula's value
+for an all-zero Δ).
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ class GatherFold(MergeOperator):
     gather: ClassVar[str] = "delta"
     #: options this method takes (name -> default), read from `self.options`
     option_defaults: ClassVar[dict[str, float]] = {}
+    #: record the rows read (`_rows_read`, `_compact`): the formula may run on them alone under a partial selection
+    compacts_rows: ClassVar[bool] = False
 
     def _validate(self) -> None:
         self.params: dict[str, float] = {}
@@ -39,8 +46,17 @@ class GatherFold(MergeOperator):
 
     def _begin(self) -> None:
         self._held: list[np.ndarray | None] = []
+        if self.compacts_rows:
+            assert self._ctx is not None
+            self._read = np.zeros(self._ctx.n_rows, np.bool_)  # rows some expert read
+            self._full = True  # every expert read every block whose Δ may be nonzero
 
     def _add(self, x: ExpertInput) -> None:
+        if self.compacts_rows:
+            assert self._ctx is not None
+            self._full = self._full and x.full
+            for s, e in x.selected_row_ranges(self._ctx):
+                self._read[s:e] = True
         if not x.selected_blocks:
             self._held.append(None)
             return
@@ -57,6 +73,21 @@ class GatherFold(MergeOperator):
                 v = np.zeros_like(base) if self.gather == "delta" else base
             vals.append(v)
         return np.asarray(self._combine_all(base, vals), dtype=np.float32).reshape(base.shape)
+
+    def _rows_read(self) -> np.ndarray | None:
+        """The rows some expert read, ascending, under a partial selection that left some row unread; None under a
+        full selection or when every row was read (the formula then runs on the whole tensor)."""
+        if self._full or bool(self._read.all()):
+            return None
+        return np.flatnonzero(self._read)
+
+    def _compact(self, values: list[np.ndarray], rows: np.ndarray) -> np.ndarray:
+        """Every expert's values on `rows`, stacked: float32 (K, len(rows), row size)."""
+        n_rows = self._read.shape[0]
+        out = np.empty((len(values), len(rows), values[0].size // n_rows if values else 0), np.float32)
+        for k, v in enumerate(values):
+            np.take(v.reshape(n_rows, -1), rows, axis=0, out=out[k])
+        return out
 
     @abc.abstractmethod
     def _combine_all(self, base: np.ndarray, values: list[np.ndarray]) -> Any:

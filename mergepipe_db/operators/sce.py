@@ -12,7 +12,6 @@ from typing import Any, ClassVar
 import numpy as np
 
 from mergepipe_db.operators.gather import GatherFold
-from mergepipe_db.operators.inputs import ExpertInput
 from mergepipe_db.operators.registry import register
 
 __all__ = ["Sce"]
@@ -27,40 +26,25 @@ class Sce(GatherFold):
     #: experts are read together
     joint_election: ClassVar[bool] = True
     uses_torch = True
+    compacts_rows = True
 
     def coefficient(self, k: int) -> float:
         return 1.0
 
-    def _begin(self) -> None:
-        super()._begin()
-        assert self._ctx is not None
-        self._read = np.zeros(self._ctx.n_rows, np.bool_)  # rows some expert read
-        self._full = True  # every expert read every block whose Δ may be nonzero
-
-    def _add(self, x: ExpertInput) -> None:
-        assert self._ctx is not None
-        self._full = self._full and x.full
-        for s, e in x.selected_row_ranges(self._ctx):
-            self._read[s:e] = True
-        super()._add(x)
-
     def _combine_all(self, base: np.ndarray, values: list[np.ndarray]) -> np.ndarray:
         import torch
 
-        if self._full or bool(self._read.all()):  # the whole tensor, as MergeKit
+        rows = self._rows_read()
+        if rows is None:  # the whole tensor, as MergeKit
             tvs = torch.stack([torch.from_numpy(v) for v in values], dim=0)
             tvs = self._select(tvs)
             weights = tvs.square().reshape(tvs.shape[0], -1).mean(dim=1)
             return (torch.from_numpy(base) + self._combine(tvs, weights)).numpy()
         # the rows read, compacted: the omitted rows have every Δ_k = 0 (variance 0, never selected), so they
         # add nothing to count_nonzero(var) or to Σ tvs_k²; the mean still divides by the whole numel
-        rows = np.flatnonzero(self._read)
         n_rows = self._read.shape[0]
         b2 = base.reshape(n_rows, -1)
-        compact = np.empty((len(values), len(rows), b2.shape[1]), np.float32)
-        for k, v in enumerate(values):
-            np.take(v.reshape(n_rows, -1), rows, axis=0, out=compact[k])
-        tvs = torch.from_numpy(compact)
+        tvs = torch.from_numpy(self._compact(values, rows))
         if len(rows):  # (no row read: nothing to select, and torch.var of nothing warns)
             tvs = self._select(tvs)
         weights = tvs.square().reshape(tvs.shape[0], -1).sum(dim=1) / base.size
