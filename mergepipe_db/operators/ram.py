@@ -1,6 +1,10 @@
 """ram and ramplus_tl, Reinforced Agent Merging (docs/SEMANTICS.md): an element's update is averaged over the
 experts that change it by more than ε, and kept whole where one expert alone does; ramplus_tl scales each
-expert's unique updates by 1 + r·min(max(ρ_k, 0), α), ρ_k its shared/unique count ratio over the tensor."""
+expert's unique updates by 1 + r·min(max(ρ_k, 0), α), ρ_k its shared/unique count ratio over the tensor.
+
+Under a partial selection the formula runs on the rows read only (compacted, `GatherFold.compacts_rows`); an
+omitted row has every Δ_k = 0, so its value is θ₀ + 0.0, and it adds to ramplus_tl's counts only when ε < 0
+(|0| > ε: every expert counts it, shared when K > 1, unique when K = 1)."""
 
 from __future__ import annotations
 
@@ -20,8 +24,23 @@ class RamFold(GatherFold):
     #: an element's count c couples every expert's Δ there: the planner reads block rows of all experts together
     joint_election: ClassVar[bool] = True
     scaled: ClassVar[bool] = False
+    compacts_rows = True
 
     def _combine_all(self, base: np.ndarray, values: list[np.ndarray]) -> np.ndarray:
+        rows = self._rows_read()
+        if rows is None:
+            return self._formula(base, values, 0)
+        n_rows = self._read.shape[0]
+        b2 = base.reshape(n_rows, -1)
+        compact = self._compact(values, rows)
+        # the omitted elements: |0| > ε counts them for every expert only when ε < 0
+        omitted = base.size - compact[0].size if self.params["epsilon"] < 0 else 0
+        out = base + np.float32(0.0)  # the formula on Δ_k = 0: c = 0 (or K), every term +0.0
+        out.reshape(n_rows, -1)[rows] = self._formula(np.take(b2, rows, axis=0), list(compact), omitted)
+        return out
+
+    def _formula(self, base: np.ndarray, values: list[np.ndarray], omitted: int) -> np.ndarray:
+        """The formula on θ₀ and the Δ_k of some rows; `omitted` elements elsewhere have |Δ_k| > ε for every k."""
         eps = self.params["epsilon"]
         nz = [np.abs(d) > eps for d in values]
         c = np.zeros(base.shape, np.int64)
@@ -33,8 +52,8 @@ class RamFold(GatherFold):
         for d, m in zip(values, nz):
             lam = 1.0
             if self.scaled:
-                shared = int(np.count_nonzero(m & overlap))
-                uniq = int(np.count_nonzero(m & unique))
+                shared = int(np.count_nonzero(m & overlap)) + (omitted if len(values) > 1 else 0)
+                uniq = int(np.count_nonzero(m & unique)) + (omitted if len(values) == 1 else 0)
                 rho = shared / max(float(uniq), eps)
                 lam = 1.0 + self.params["r"] * min(max(rho, 0.0), self.params["alpha"])
             z = np.where(m, d, np.float32(0.0))

@@ -1,0 +1,125 @@
+"""ram and ramplus_tl under a partial selection: the formula on the rows read only (docs/SEMANTICS.md, ram).
+
+The reference is the whole-tensor formula in plain numpy, written from SEMANTICS.md, run on every row (Δ_k = 0
+on the rows no expert read): the compacted computation must give the same bytes everywhere (compared as int32
+bit patterns), -0.0 in θ₀ included, for ε > 0, an |Δ| exactly at ε, ε = 0 and ε < 0 (where |0| > ε counts the
+omitted rows for every expert in ramplus_tl's ratios; ramplus_tl with ε < 0 is taken with one expert only:
+with K > 1 every element then overlaps, unique_k = 0 and ρ_k = shared_k / max(0, ε) divides by zero, as before).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mergepipe_db.operators import ExpertInput, ExpertParams, TensorContext, make_operator
+from mergepipe_db.operators.ram import RamFold
+
+SHAPE, RPB = (40, 24), 4  # 10 blocks of 4 rows
+SELECTED = [(0, 1, 3, 7), (0, 1, 7), (), (1, 3, 7)]  # expert 2 selects nothing; blocks 2, 4, 5, 6, 8, 9 unread
+
+
+def plain(base, deltas, eps, r=None, alpha=None):
+    """out = θ₀ + Σ_k (z_k·unique·λ_k + (z_k·overlap) / float32(max(c, 1))), summed in order into +0.0."""
+    nz = [np.abs(d) > eps for d in deltas]
+    c = np.sum(np.stack(nz).astype(np.int64), axis=0)
+    unique, overlap = c == 1, c > 1
+    acc = np.zeros(base.shape, np.float32)
+    for d, m in zip(deltas, nz):
+        lam = 1.0
+        if r is not None:
+            rho = int((m & overlap).sum()) / max(float(int((m & unique).sum())), eps)
+            lam = 1.0 + r * min(max(rho, 0.0), alpha)
+        z = np.where(m, d, np.float32(0.0))
+        a = np.where(unique, z * np.float32(lam), np.float32(0.0))
+        b = np.where(overlap, z / np.maximum(c, 1).astype(np.float32), np.float32(0.0))
+        acc = acc + (a + b)
+    return base + acc
+
+
+def _rows(blocks) -> list[int]:
+    return sorted({r for b in blocks for r in range(b * RPB, min(SHAPE[0], (b + 1) * RPB))})
+
+
+def _case(seed: int, eps: float, selected=SELECTED):
+    g = np.random.default_rng(seed)
+    base = g.standard_normal(SHAPE).astype(np.float32)
+    base[[1, 9, 14, 20], 3] = -0.0  # rows 1, 14 are read, 9, 20 are not
+    deltas = []
+    for blocks in selected:
+        d = np.zeros(SHAPE, np.float32)
+        for r in _rows(blocks):
+            d[r] = (g.standard_normal(SHAPE[1]) * 0.01).astype(np.float32)
+            d[r, g.integers(0, SHAPE[1], 6)] = 0.0  # unique updates and untouched elements
+            d[r, g.integers(0, SHAPE[1], 2)] = np.float32(abs(eps)) * g.choice([-1, 1])  # |Δ| == |ε|
+            d[r, g.integers(0, SHAPE[1], 1)] = -0.0
+        deltas.append(d)
+    return base, deltas
+
+
+def _run(method, base, selected, deltas, opts, full):
+    ctx = TensorContext(name="w", shape=SHAPE, rows_per_block=RPB, n_blocks=10, seed=0)
+    op = make_operator(method, [ExpertParams(f"e{k}") for k in range(len(deltas))], options=opts)
+    op.begin(base, ctx)
+    for k, (blocks, d) in enumerate(zip(selected, deltas)):
+        op.add(ExpertInput.from_delta(k, None, blocks, full, delta=d if blocks else None))
+    return op.finish().copy()
+
+
+def _bits(a) -> np.ndarray:
+    return np.asarray(a, np.float32).view(np.int32)
+
+
+CASES = [("ram", {"epsilon": 1e-3}), ("ram", {"epsilon": 0.0}), ("ram", {"epsilon": -1e-3}),
+         ("ramplus_tl", {"epsilon": 1e-3, "r": 0.3, "alpha": 5.0}),
+         ("ramplus_tl", {"epsilon": 1e-5, "r": -0.7, "alpha": 0.2})]
+
+
+def _want(method, opts, base, deltas):
+    eps = opts["epsilon"]
+    if method == "ram":
+        return plain(base, deltas, eps)
+    return plain(base, deltas, eps, opts["r"], opts["alpha"])
+
+
+@pytest.mark.parametrize("method,opts", CASES)
+def test_partial_selection_gives_the_whole_tensor_bytes(method, opts, monkeypatch) -> None:
+    base, deltas = _case(3, opts["epsilon"])
+    sizes = []
+    formula = RamFold._formula
+
+    def spy(self, b, values, omitted):
+        sizes.append(b.size)
+        return formula(self, b, values, omitted)
+
+    monkeypatch.setattr(RamFold, "_formula", spy)
+    got = _run(method, base, SELECTED, deltas, opts, full=False)
+    read = _rows({b for s in SELECTED for b in s})
+    assert sizes == [len(read) * SHAPE[1]]  # the formula ran on the rows read only
+    want = _want(method, opts, base, deltas)
+    assert np.array_equal(_bits(got), _bits(want))
+    assert _bits(got[9, 3]) == 0 and _bits(got[20, 3]) == 0  # -0.0 + 0.0 on an omitted row
+    # the full selection (today's whole-tensor path) gives the same bytes
+    sizes.clear()
+    full = _run(method, base, SELECTED, deltas, opts, full=True)
+    assert sizes == [base.size]
+    assert np.array_equal(_bits(full), _bits(got))
+
+
+@pytest.mark.parametrize("eps,blocks", [(1e-3, (0, 2)), (-1e-3, (0, 2)), (-1e-3, ())])
+def test_one_expert_counts_omitted_rows_as_unique_when_eps_is_negative(eps, blocks) -> None:
+    """K = 1: an omitted element has c = 1 when ε < 0 (unique), so unique_1 counts it: with no row read it is
+    what keeps ρ_1 = 0 / max(unique_1, ε) defined, as on the whole tensor."""
+    selected = [blocks]
+    base, deltas = _case(7, eps, selected)
+    opts = {"epsilon": eps, "r": 0.5, "alpha": 10.0}
+    got = _run("ramplus_tl", base, selected, deltas, opts, full=False)
+    assert np.array_equal(_bits(got), _bits(_want("ramplus_tl", opts, base, deltas)))
+
+
+@pytest.mark.parametrize("method,opts", [CASES[0], CASES[3]])
+def test_no_row_read_gives_the_base_plus_zero(method, opts) -> None:
+    base, deltas = _case(6, opts["epsilon"])
+    none = [(), (), (), ()]
+    got = _run(method, base, none, [np.zeros(SHAPE, np.float32)] * 4, opts, full=False)
+    assert np.array_equal(_bits(got), _bits(base + np.float32(0.0)))
