@@ -12,6 +12,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from mergepipe_db.errors import MethodParameterError
 from mergepipe_db.operators.gather import GatherFold
 from mergepipe_db.operators.registry import register
 
@@ -77,3 +78,10 @@ class RamPlusTL(RamFold):
 
     option_defaults: ClassVar[dict[str, float]] = {"r": 0.1, "alpha": 0.2, "epsilon": 1e-5}
     scaled = True
+
+    def _check(self) -> None:
+        # ρ_k = shared_k / max(unique_k, ε): an expert with no unique update would divide by zero (MergeKit's
+        # float32 division gives inf or NaN there, a NaN tensor out); refused before anything is read
+        if not self.params["epsilon"] > 0:
+            raise MethodParameterError(f"{self.name}: parameter epsilon must be > 0 (ρ divides by max(unique "
+                                       f"count, epsilon)), got {self.params['epsilon']:g}")

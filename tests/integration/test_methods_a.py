@@ -278,6 +278,7 @@ BAD: list[tuple[str, dict, dict | None, str]] = [
     ("ties", {"rescale": "l2"}, {"weight": 1.0, "density": 0.5}, "rescale"),
     ("sce", {"select_topk": "half"}, {}, "select_topk"),
     ("ramplus_tl", {"alpha": float("inf")}, {}, "alpha"),
+    ("ramplus_tl", {"epsilon": 0.0}, {}, "epsilon must be > 0"),
 ]
 # A parameter of another method (`r` under ram, `select_topk` under linear) is ignored, as MergeKit does
 # (tests/core/test_mergekit_config.py); values of the wrong type are SpecErrors naming the key path.

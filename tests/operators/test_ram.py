@@ -106,15 +106,23 @@ def test_partial_selection_gives_the_whole_tensor_bytes(method, opts, monkeypatc
     assert np.array_equal(_bits(full), _bits(got))
 
 
-@pytest.mark.parametrize("eps,blocks", [(1e-3, (0, 2)), (-1e-3, (0, 2)), (-1e-3, ())])
-def test_one_expert_counts_omitted_rows_as_unique_when_eps_is_negative(eps, blocks) -> None:
-    """K = 1: an omitted element has c = 1 when ε < 0 (unique), so unique_1 counts it: with no row read it is
-    what keeps ρ_1 = 0 / max(unique_1, ε) defined, as on the whole tensor."""
-    selected = [blocks]
-    base, deltas = _case(7, eps, selected)
-    opts = {"epsilon": eps, "r": 0.5, "alpha": 10.0}
+def test_one_expert_partial_selection_matches_the_whole_tensor() -> None:
+    selected = [(0, 2)]
+    base, deltas = _case(7, 1e-3, selected)
+    opts = {"epsilon": 1e-3, "r": 0.5, "alpha": 10.0}
     got = _run("ramplus_tl", base, selected, deltas, opts, full=False)
     assert np.array_equal(_bits(got), _bits(_want("ramplus_tl", opts, base, deltas)))
+
+
+@pytest.mark.parametrize("eps", [0.0, -1e-3])
+def test_ramplus_tl_refuses_an_epsilon_that_rho_could_divide_by(eps) -> None:
+    """ρ_k = shared_k / max(unique_k, ε): with ε <= 0 an expert without a unique update divides by zero (MergeKit
+    makes that tensor NaN); refused with a named error before anything is read."""
+    from mergepipe_db.errors import MethodParameterError
+
+    base, deltas = _case(7, eps, [(0, 2)])
+    with pytest.raises(MethodParameterError, match="epsilon must be > 0"):
+        _run("ramplus_tl", base, [(0, 2)], deltas, {"epsilon": eps, "r": 0.5, "alpha": 10.0}, full=False)
 
 
 @pytest.mark.parametrize("method,opts", [CASES[0], CASES[3]])
