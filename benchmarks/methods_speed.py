@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -171,7 +172,10 @@ def to_markdown(raw: dict[str, Any]) -> str:
             if not x:
                 return "not run"
             if x.get("rc"):
-                return "timed out" if x.get("timed_out") else f"failed: {' '.join(x.get('error', []))[:80]}"
+                if x.get("timed_out"):  # MergeKit's progress bar says how far it got
+                    done = re.search(r"(\d+)%", " ".join(x.get("error", [])))
+                    return f"> {x['wall']:.0f} s (stopped{f' at {done.group(1)} %' if done else ''})"
+                return f"failed: {' '.join(x.get('error', []))[:80]}"
             return f"{x['wall']:.1f} s"
 
         fl = floor_s(full, rates) if not full.get("rc") else None

@@ -774,6 +774,18 @@ _RADIX_ROWS_MIN = 1 << 18  # below this many elements one row: clearing and summ
 
 
 @numba.njit(cache=True, nogil=True)
+def _radix_count_one(hist: np.ndarray, v: np.uint32, low: bool, p0: np.uint32, p1: np.uint32, last: int) -> None:
+    """Count one bit pattern: its top 16 bits (``low`` false), or its low 16 bits in the row of its prefix."""
+    top = v >> np.uint32(16)
+    if not low:
+        hist[0, top] += 1
+    elif top == p0:
+        hist[0, v & np.uint32(0xFFFF)] += 1
+    elif top == p1:
+        hist[last, v & np.uint32(0xFFFF)] += 1
+
+
+@numba.njit(cache=True, nogil=True)
 def _radix_count(bits: np.ndarray, prefixes: np.ndarray, low: bool, hist: np.ndarray) -> None:
     """hist[0, bits[i] >> 16] += 1 (not ``low``), or hist[m, bits[i] & 0xFFFF] += 1 over the patterns whose
     top 16 bits equal prefixes[m] (``low``; one or two distinct prefixes). Branch-free: a pattern outside
@@ -788,13 +800,7 @@ def _radix_count(bits: np.ndarray, prefixes: np.ndarray, low: bool, hist: np.nda
     spare = np.uint32(m * RADIX_BINS)
     if n < _RADIX_ROWS_MIN:
         for i in range(n):
-            v = bits[i]
-            if not low:
-                hist[0, v >> sixteen] += 1
-            elif (v >> sixteen) == p0:
-                hist[0, v & lowmask] += 1
-            elif (v >> sixteen) == p1:
-                hist[m - 1, v & lowmask] += 1
+            _radix_count_one(hist, bits[i], low, p0, p1, m - 1)
         return
     R = _RADIX_ROWS
     rows = np.zeros((R, m * RADIX_BINS + 8), np.int32)
@@ -813,13 +819,7 @@ def _radix_count(bits: np.ndarray, prefixes: np.ndarray, low: bool, hist: np.nda
                     j = v >> sixteen
                 rows[r, j] += 1
         for i in range(q, e0):
-            v = bits[i]
-            if not low:
-                hist[0, v >> sixteen] += 1
-            elif (v >> sixteen) == p0:
-                hist[0, v & lowmask] += 1
-            elif (v >> sixteen) == p1:
-                hist[m - 1, v & lowmask] += 1
+            _radix_count_one(hist, bits[i], low, p0, p1, m - 1)
         for r in range(R):
             for c in range(m):
                 for j in range(RADIX_BINS):
