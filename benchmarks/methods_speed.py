@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cfgs = {}
     for method in methods:
-        cfg_path = OUT / f"{method}.yml"
+        cfg_path = OUT / f"{args.family.name}-{method}.yml"  # per family: a run on another never rewrites it
         cfg_path.write_text(yaml.safe_dump(config_yaml(method, args.family), sort_keys=False))
         cfgs[method] = cfg_path
     for method in methods:  # ours first: both budgets of every method
