@@ -47,26 +47,28 @@ __all__ = [
 def gram(vectors: list[np.ndarray | None]) -> np.ndarray:
     """Gram matrices per group: ``vectors[i]`` is a (groups, n) float32 array, or None for a zero vector;
     returns float64 (groups, m, m) with ``G[g, i, j] = Σ_n v_i[g, n]·v_j[g, n]`` summed in float64, over
-    column chunks of ~2^16 elements (the float64 copies are of one chunk at a time)."""
-    present = [v for v in vectors if v is not None]
-    groups = present[0].shape[0] if present else 1
-    n = present[0].shape[1] if present else 0
+    column chunks of ~2^16 elements: each chunk of the present vectors is copied into one float64 (groups, m', w)
+    buffer and multiplied by its transpose (one BLAS product for every pair)."""
+    present = [i for i, v in enumerate(vectors) if v is not None]
     m = len(vectors)
-    g = np.zeros((groups, m, m), np.float64)
+    if not present:
+        return np.zeros((1, m, m), np.float64)
+    first = vectors[present[0]]
+    assert first is not None
+    groups, n = first.shape
     step = max(1, (1 << 16) // max(groups, 1))
+    sub = np.zeros((groups, len(present), len(present)), np.float64)
+    buf = np.empty((groups, len(present), min(step, max(n, 1))), np.float64)
     for s in range(0, n, step):
-        wide = [None if v is None else v[:, s:s + step].astype(np.float64) for v in vectors]
-        for i in range(m):
-            vi = wide[i]
-            if vi is None:
-                continue
-            for j in range(i, m):
-                vj = wide[j]
-                if vj is not None:
-                    g[:, i, j] += np.einsum("gn,gn->g", vi, vj)
-    for i in range(m):
-        for j in range(i + 1, m):
-            g[:, j, i] = g[:, i, j]
+        w = min(step, n - s)
+        for r, i in enumerate(present):
+            buf[:, r, :w] = vectors[i][:, s:s + w]  # type: ignore[index]
+        chunk = buf[:, :, :w]
+        sub += np.matmul(chunk, chunk.transpose(0, 2, 1))
+    upper = np.triu_indices(len(present), 1)
+    sub[:, upper[1], upper[0]] = sub[:, upper[0], upper[1]]  # exactly symmetric, whatever the BLAS kernel's order
+    g = np.zeros((groups, m, m), np.float64)
+    g[:, np.array(present)[:, None], np.array(present)[None, :]] = sub
     return g
 
 
