@@ -59,20 +59,24 @@ def _column_ranks(keys: np.ndarray, idx: np.ndarray, keys2: np.ndarray, idx2: np
         rank[src_i[pos]] = pos
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, parallel=True)
 def _probabilities(out: np.ndarray, delta: np.ndarray, R: int, n: int, C: int, eps: np.float32,
                    low: np.float32) -> None:
-    keys = np.empty(n, np.uint32)
-    keys2 = np.empty(n, np.uint32)
-    idx = np.empty(n, np.int32)
-    idx2 = np.empty(n, np.int32)
-    rank = np.empty(n, np.int32)
-    count = np.empty((4, 256), np.int32)
+    """The R·C columns (independent rankings) in contiguous chunks on numba's threads, each chunk with its
+    own work arrays: the bits do not depend on the number of threads."""
     two = np.float32(2.0)
     denom = np.float32(n - 1)
-    for r in range(R):
-        for c in range(C):
-            base = r * n * C + c
+    columns = R * C
+    chunks = min(columns, 64)
+    for t in numba.prange(chunks):
+        keys = np.empty(n, np.uint32)
+        keys2 = np.empty(n, np.uint32)
+        idx = np.empty(n, np.int32)
+        idx2 = np.empty(n, np.int32)
+        rank = np.empty(n, np.int32)
+        count = np.empty((4, 256), np.int32)
+        for col in range(columns * t // chunks, columns * (t + 1) // chunks):
+            base = (col // C) * n * C + col % C
             for j in range(n):
                 bits = f32_to_bits(delta[base + j * C]) & _ABS
                 keys[j] = _NAN_KEY if bits > _INF else bits

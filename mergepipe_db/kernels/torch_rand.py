@@ -66,6 +66,14 @@ def _uniforms(seed: np.uint32, out: np.ndarray) -> None:
         _temper_into(state, out[pos:pos + _N])
 
 
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _uniforms_blocks(seeds: np.ndarray, bounds: np.ndarray, out: np.ndarray) -> None:
+    """Block b's uniforms into ``out[bounds[b]:bounds[b + 1]]`` from its own generator (seed ``seeds[b]``): the
+    blocks are independent streams, drawn on numba's threads (the bits do not depend on how many)."""
+    for b in numba.prange(seeds.shape[0]):
+        _uniforms(seeds[b], out[bounds[b]:bounds[b + 1]])
+
+
 # A stream drawn piecewise (the fused DARE-TIES kernel draws each expert's uniforms one tile at a time): the
 # state, the uniforms of its current words (`buf`, 624) and how many of them are used. numba compiles these
 # into `merge_kernels.dare_ties_fused`, whose on-disk cache does not notice edits here: after changing this
@@ -104,3 +112,11 @@ def torch_rand_into(seed: int, out: np.ndarray) -> None:
     ``manual_seed(seed)`` (0 <= seed < 2^64)."""
     assert out.dtype == np.float32 and out.ndim == 1
     _uniforms(np.uint32(seed & 0xFFFFFFFF), out)
+
+
+def torch_rand_blocks_into(seeds: list[int], bounds: np.ndarray, out: np.ndarray) -> None:
+    """`torch_rand_into` of several blocks at once, in parallel: block b (seed ``seeds[b]``) fills
+    ``out[bounds[b]:bounds[b + 1]]`` (`bounds`: len(seeds) + 1 non-decreasing int64 offsets into the flat float32
+    `out`)."""
+    assert out.dtype == np.float32 and out.ndim == 1 and len(bounds) == len(seeds) + 1
+    _uniforms_blocks(np.array([s & 0xFFFFFFFF for s in seeds], np.uint32), np.asarray(bounds, np.int64), out)

@@ -43,6 +43,19 @@ def dare_uniforms(seed: int, expert_key: str, tensor_name: str, block_index: int
     torch_rand_into(block_seed(seed, expert_key, tensor_name, block_index), out)
 
 
+def dare_uniforms_packed(seed: int, expert_key: str, tensor_name: str, blocks: list[tuple[int, int]],
+                         out: np.ndarray) -> np.ndarray:
+    """`dare_uniforms` of several blocks, drawn in parallel (`kernels.torch_rand.torch_rand_blocks_into`), packed
+    one after another into the flat float32 `out` in the order of `blocks` ((block index, element count) pairs);
+    returns each block's start offset in `out` (int64, one more entry: the end)."""
+    from mergepipe_db.kernels.torch_rand import torch_rand_blocks_into
+
+    bounds = np.zeros(len(blocks) + 1, np.int64)
+    bounds[1:] = np.cumsum([n for _, n in blocks], dtype=np.int64)
+    torch_rand_blocks_into([block_seed(seed, expert_key, tensor_name, b) for b, _ in blocks], bounds, out)
+    return bounds
+
+
 def dare_keep_mask(seed: int, expert_key: str, tensor_name: str, block_index: int,
                    block_shape: tuple[int, ...], density: float) -> Any:
     """The DARE keep mask (a bool torch tensor, ``block_shape``) of one block: ``rand(block_shape) < density``

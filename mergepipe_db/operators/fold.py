@@ -14,7 +14,7 @@ import numpy as np
 
 from mergepipe_db.errors import SpecError
 from mergepipe_db.operators.base import MergeOperator, all_finite, chunks, kernels
-from mergepipe_db.operators.dare import check_mask_keys, dare_uniforms
+from mergepipe_db.operators.dare import check_mask_keys, dare_uniforms_packed
 from mergepipe_db.operators.inputs import ExpertInput
 from mergepipe_db.operators.order_stats import Magnitudes
 
@@ -258,6 +258,19 @@ class DeltaFold(MergeOperator):
         assert self._ctx is not None
         return della_probabilities(delta, self._ctx.shape, rows, d, self.epsilon(k))
 
+    def _block_uniforms(self, x: ExpertInput) -> Iterator[tuple[int, int, int, np.ndarray]]:
+        """(block, first element, end element, its DARE uniforms) of each selected block with elements, in order;
+        every block's uniforms are drawn first, the blocks' generators on numba's threads."""
+        ctx = self._ctx
+        assert ctx is not None
+        rn = ctx.row_numel
+        spans = [(b, rs * rn, re * rn) for b in x.selected_blocks for rs, re in [ctx.block_rows(b)] if re * rn > rs * rn]
+        u_all = self.scratch("u", sum(e0 - s0 for _, s0, e0 in spans))
+        offsets = dare_uniforms_packed(ctx.seed, self.experts[x.index].key, ctx.name,
+                                       [(b, e0 - s0) for b, s0, e0 in spans], u_all)
+        for i, (b, s0, e0) in enumerate(spans):
+            yield b, s0, e0, u_all[offsets[i]:offsets[i + 1]]
+
     def _fold_random(self, x: ExpertInput) -> None:
         """DARE and DELLA with a rescale other than DARE's classic one (docs/SEMANTICS.md): keep = u < p per
         selected block; T_k = where(keep, Δ_k·s, 0.0) with s = ‖Δ_k‖₁ / ‖kept Δ_k‖₁ over the rows read ("l1",
@@ -270,31 +283,23 @@ class DeltaFold(MergeOperator):
         assert ctx is not None
         k = x.index
         w = self.weights[k]
-        key = self.experts[k].key
         mode = self.rescale_mode
         l1 = mode == "l1"
         della = self.sparsification == "della"
         src = x.fast_source() if self._bflat is not None else None
-        rn = ctx.row_numel
         sums = (ExactSum(), ExactSum())  # the kept |Δ|, the dropped |Δ|
         keep_all = self.scratch("keep", ctx.numel, np.bool_) if l1 else None
         d32 = np.array([self.densities[k]], np.float32)  # u < d, the Python float cast to float32 (NEP 50)
         self._set_expert(w)
         later: list[tuple[int, int, int]] = []
-        for b in x.selected_blocks:
-            rs, re = ctx.block_rows(b)
-            s0, e0 = rs * rn, re * rn
-            if s0 == e0:
-                continue
+        for b, s0, e0, u in self._block_uniforms(x):
             n = e0 - s0
-            u = self.scratch("u", n)
-            dare_uniforms(ctx.seed, key, ctx.name, b, u)
             bb, xb = self._block_operands(x, src, s0, e0)
             if della:
                 delta = xb if src is None else self.scratch("della_delta", n)
                 if src is not None:
                     kernels().delta_into(delta, bb, xb)
-                p, step = self._keep_probability(k, delta, re - rs), 1
+                p, step = self._keep_probability(k, delta, n // ctx.row_numel), 1
             else:
                 p, step = d32, 0
             keep = keep_all[s0:e0] if keep_all is not None else self.scratch("keep_block", n, np.bool_)
@@ -320,18 +325,10 @@ class DeltaFold(MergeOperator):
         ctx = self._ctx
         assert ctx is not None and self._bflat is not None and self.sparsification == "random"
         k = x.index
-        key = self.experts[k].key
         d32 = np.array([self.densities[k]], np.float32)
-        rn = ctx.row_numel
         sums = (ExactSum(), ExactSum())
-        for b in x.selected_blocks:
-            rs, re = ctx.block_rows(b)
-            s0, e0 = rs * rn, re * rn
+        for _b, s0, e0, u in self._block_uniforms(x):
             n = e0 - s0
-            if n == 0:
-                continue
-            u = self.scratch("u", n)
-            dare_uniforms(ctx.seed, key, ctx.name, b, u)
             kernels().random_keep(self.scratch("keep_block", n, np.bool_), self._bflat[s0:e0], src[s0:e0], u, d32,
                                   0, True, sums[0].reserve(n), sums[1].reserve(n))
         return _l1_ratio(sums[0].value_with(sums[1]), sums[0].value())
@@ -372,17 +369,9 @@ class DeltaFold(MergeOperator):
         assert ctx is not None
         k = x.index
         w, d = self.weights[k], self.densities[k]
-        key = self.experts[k].key
         self._set_expert(w)
-        rn = ctx.row_numel
         src = x.fast_source()
-        for b in x.selected_blocks:
-            rs, re = ctx.block_rows(b)
-            s0, e0 = rs * rn, re * rn
-            if s0 == e0:
-                continue
-            u = self.scratch("u", e0 - s0)
-            dare_uniforms(ctx.seed, key, ctx.name, b, u)
+        for b, s0, e0, u in self._block_uniforms(x):
             if src is not None and self._dare_block_fast(src, b, s0, e0, u, d, w):
                 continue
             for s, e in chunks([(s0, e0)]):

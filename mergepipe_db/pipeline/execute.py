@@ -20,6 +20,8 @@ tensor (on these VMs a page touched for the first time costs more than the read 
 (BF16 as uint16 bits); torch is imported only for what needs it (DARE's masks, slerp, LoRA factors, F16
 output), and then runs with one intra-op thread (`MERGEPIPE_COMPUTE_THREADS`
 overrides): on a 2-core machine the other core serves the reader and the output thread.
+The numba kernels whose work splits into independent parts (DARE's per-block generators, DELLA's per-row ranks)
+run on numba's threads (`NUMBA_NUM_THREADS`, default every core); their bits do not depend on how many.
 """
 from __future__ import annotations
 
