@@ -54,3 +54,22 @@ def test_many_values_in_a_row() -> None:
     got = della_probabilities(delta.reshape(-1), (3, 70_001), 3, 0.4, 0.2)
     assert np.array_equal(got.view(np.int32), numpy_probabilities(delta.reshape(-1), (3, 70_001), 3, 0.4, 0.2)
                           .view(np.int32))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_parallel_rows_give_the_same_bits_for_any_thread_count(threads) -> None:
+    """The rows are ranked in parallel chunks: the result equals the plain numpy ranks whatever numba's thread
+    count (more chunks than rows, fewer, and one thread)."""
+    import numba
+
+    rng = np.random.default_rng(threads)
+    for rows, n in ((200, 37), (3, 500), (70, 1)):
+        delta = (rng.standard_normal((rows, n)) * 0.01).astype(np.float32).reshape(-1)
+        want = numpy_probabilities(delta, (rows, n), rows, 0.5, 0.1)
+        before = numba.get_num_threads()
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        try:
+            got = della_probabilities(delta, (rows, n), rows, 0.5, 0.1)
+        finally:
+            numba.set_num_threads(before)
+        assert np.array_equal(got.view(np.int32), want.view(np.int32))

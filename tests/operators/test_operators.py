@@ -651,6 +651,31 @@ def test_mt19937_uniforms_are_torch_rand_bit_for_bit(n) -> None:
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), seed
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_block_uniforms_drawn_in_parallel_are_torch_rand_of_each_block(threads) -> None:
+    """`torch_rand_blocks_into` draws blocks on numba's threads: each block is torch.rand of its own generator,
+    packed in order (empty blocks included), whatever the thread count."""
+    import numba
+
+    from mergepipe_db.kernels.torch_rand import torch_rand_blocks_into
+
+    sizes = [5, 0, 624, 1249, 3, 700]
+    seeds = [7, 2**40 + 3, 11, 2**63 - 1, 0, 99]
+    bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    got = np.full(int(bounds[-1]), np.nan, np.float32)
+    before = numba.get_num_threads()
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    try:
+        torch_rand_blocks_into(seeds, bounds, got)
+    finally:
+        numba.set_num_threads(before)
+    for seed, s, e in zip(seeds, bounds[:-1], bounds[1:]):
+        g = torch.Generator(device="cpu")
+        g.manual_seed(seed)
+        want = torch.rand(int(e - s), generator=g, dtype=torch.float32).numpy()
+        assert np.array_equal(got[s:e].view(np.uint32), want.view(np.uint32)), seed
+
+
 def test_dare_mask_is_deterministic_and_block_local() -> None:
     shape, rpb = (50, 12), 6
     ctx = context(shape, rpb, seed=5)
