@@ -175,6 +175,9 @@ class MergeOperator(abc.ABC):
     additive: ClassVar[bool] = False
     #: plan whole tensors (slerp)
     tensor_granular: ClassVar[bool] = False
+    #: a tensor-granular operator that copies whatever it keeps of an input during add(): the executor may hand it
+    #: inputs read in place or in reused buffers, as it does the others (slerp keeps θ_k itself: False)
+    copies_inputs: ClassVar[bool] = False
     #: reads θ_k (linear, slerp); the others use Δ_k
     uses_theta: ClassVar[bool] = False
     #: needs tensor-global thresholds (ties, breadcrumbs): a partial read takes them from the sketch

@@ -264,7 +264,8 @@ class DeltaFold(MergeOperator):
         ctx = self._ctx
         assert ctx is not None
         rn = ctx.row_numel
-        spans = [(b, rs * rn, re * rn) for b in x.selected_blocks for rs, re in [ctx.block_rows(b)] if re * rn > rs * rn]
+        spans = [(b, rs * rn, re * rn) for b in x.selected_blocks for rs, re in [ctx.block_rows(b)]
+                 if re * rn > rs * rn]
         u_all = self.scratch("u", sum(e0 - s0 for _, s0, e0 in spans))
         offsets = dare_uniforms_packed(ctx.seed, self.experts[x.index].key, ctx.name,
                                        [(b, e0 - s0) for b, s0, e0 in spans], u_all)

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from mergepipe_db.errors import SpecError
-from mergepipe_db.operators.base import MergeOperator
+from mergepipe_db.operators.base import MergeOperator, kernels
 from mergepipe_db.operators.inputs import ExpertInput
 from mergepipe_db.operators.registry import register
 
@@ -226,6 +226,7 @@ class GramFold(MergeOperator):
 
     tensor_granular = True
     uses_theta = True
+    copies_inputs = True  # Δ_k into its own buffer (`_delta_copy`)
     #: how a tensor is grouped for its coefficients ("flat", "rows", "cols")
     _deltas: list[np.ndarray | None]
 
@@ -256,9 +257,28 @@ class GramFold(MergeOperator):
         self._full: list[bool] = []
 
     def _add(self, x: ExpertInput) -> None:
-        d = x.delta if x.selected_blocks else None
-        self._deltas.append(None if d is None else np.array(d, dtype=np.float32, copy=True))
+        self._deltas.append(self._delta_copy(x, len(self._deltas)) if x.selected_blocks else None)
         self._full.append(bool(x.full))
+
+    def _delta_copy(self, x: ExpertInput, k: int) -> np.ndarray:
+        """Δ_k of the tensor (θ_k − θ₀ in float32 on the selected rows, 0 elsewhere) in this operator's reused
+        buffer for input k: from the stored bytes in one pass where they are given (`kernels.merge.delta_into`),
+        else a copy of the input's Δ."""
+        ctx, base, bflat = self._ctx, self._base, self._bflat
+        assert ctx is not None and base is not None and bflat is not None
+        out = self.scratch(f"gram_delta{k}", base.size)
+        src = x.fast_source()
+        if src is None:
+            d = x.delta
+            assert d is not None
+            np.copyto(out, d.reshape(-1), casting="same_kind")
+            return out.reshape(base.shape)
+        ranges = x.element_ranges(ctx)
+        if sum(e - s for s, e in ranges) < base.size:
+            out.fill(0.0)
+        for s, e in ranges:
+            kernels().delta_into(out[s:e], bflat[s:e], src[s:e])
+        return out.reshape(base.shape)
 
     def _planned(self) -> tuple[float, list[float]] | None:
         """The plan's coefficients of this tensor, when it has them and some expert was not read whole."""
@@ -289,10 +309,15 @@ class GramFold(MergeOperator):
             a0s, cs = self._coefficients(g)
         b = vecs[0]
         a0f = a0s.astype(np.float32)[:, None]
-        out = b * a0f if not np.all(a0s == 1.0) else b.copy()
+        out = self.scratch("gram_out", b.size).reshape(b.shape)  # finish() may return a reused buffer
+        if np.all(a0s == 1.0):
+            np.copyto(out, b)
+        else:
+            np.multiply(b, a0f, out=out)
+        term = self.scratch("gram_term", b.size).reshape(b.shape)
         for k, v in enumerate(vecs[1:]):
             if v is not None:
-                out += v * cs[:, k].astype(np.float32)[:, None]
+                out += np.multiply(v, cs[:, k].astype(np.float32)[:, None], out=term)
         return _ungroup(out, base.shape, mode)
 
     def _end(self) -> None:
@@ -306,6 +331,7 @@ class Slerp(GramFold):
     with the plan's coefficients from catalog statistics (`slerp_coefficients`, `GramFold.use_coefficients`)."""
 
     uses_torch = True
+    copies_inputs = False  # keeps θ_1 itself until finish
     _theta1: np.ndarray | None = None
 
     def _validate(self) -> None:

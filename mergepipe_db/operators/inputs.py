@@ -173,7 +173,7 @@ class ExpertInput:
         """θ_k in float32: the stored values on the selected rows, θ₀ on the others."""
         raw = self._raw
         assert raw is not None
-        if self._ctx is None:
+        if self._ctx is None or len(self.selected_blocks) == self._ctx.n_blocks:  # every row read
             return as_float32(raw)
         theta = self._need_base().copy()
         tf, rf = theta.reshape(-1), raw.reshape(-1)

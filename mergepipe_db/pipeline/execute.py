@@ -589,7 +589,8 @@ def _execute(
         table = BaseOnly(op) if op is not None and any(ot.dtype == "BF16" for ot in out_tensors) else None
         tensor_ops = _TensorOps(plan) if op is None else None
         # an operator that keeps θ_k past add() (slerp keeps its one expert until finish) gets fresh memory
-        reuse_theta = not operator_class(spec.method).tensor_granular
+        op_class = operator_class(spec.method)
+        reuse_theta = not op_class.tensor_granular or op_class.copies_inputs
         for t, ot in zip(plan.base_tensors, out_tensors):
             if tensor_ops is not None:  # a config resolved per tensor: this tensor's operator and parameters
                 op, params = tensor_ops.get(t.idx)
@@ -628,7 +629,7 @@ def _execute(
                     elif reuse_theta and et.dtype in ("BF16", "F32"):  # read in place by the fused kernels
                         raw = item.data.view(numpy_storage_dtype(et.dtype)).reshape(t.shape)
                         x = ExpertInput.from_raw(e.position, params[e.position], item.blocks, full, sketch,
-                                                 base=base32, raw=raw)
+                                                 base=base32, raw=raw, ctx=ctx)
                     else:  # F16, and every dtype for an operator that keeps θ_k (slerp): θ_k in float32
                         raw = item.data.view(numpy_storage_dtype(et.dtype)).reshape(t.shape)
                         pooled_theta = reuse_theta
