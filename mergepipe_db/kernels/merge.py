@@ -934,21 +934,19 @@ def sce_abs_var(out: np.ndarray, ds: tuple[np.ndarray, ...], n_experts: int) -> 
 
 
 @numba.njit(cache=True, nogil=True)
-def sce_keep(bits: np.ndarray, t: np.uint32, k: int, keep: np.ndarray) -> None:
-    """keep[i] = 1 on the k largest of `bits` (non-negative float32 patterns as uint32, NaN largest), else 0:
-    every pattern above `t` (the k-th largest), then the first ones equal to `t` in index order until k."""
+def sce_keep(bits: np.ndarray, t: np.uint32, k: int, keep: np.ndarray) -> bool:
+    """keep[i] = 1 on the k largest of `bits` (non-negative float32 patterns as uint32, NaN largest), else 0,
+    when they are every pattern at or above `t` (the k-th largest); False, `keep` untouched, when some patterns
+    equal to `t` are in the k largest and some are not (which ones is then the caller's choice)."""
     n = bits.shape[0]
-    above = 0
+    at_least = 0
     for i in range(n):
-        above += np.int64(bits[i] > t)
-    ties = k - above
+        at_least += np.int64(bits[i] >= t)
+    if at_least != k:
+        return False
     for i in range(n):
-        v = bits[i]
-        on = v > t
-        if v == t and ties > 0:
-            on = True
-            ties -= 1
-        keep[i] = np.uint8(on)
+        keep[i] = np.uint8(bits[i] >= t)
+    return True
 
 
 @numba.njit(cache=True, nogil=True)

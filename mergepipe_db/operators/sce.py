@@ -1,6 +1,8 @@
 """sce: select the elements of highest variance across the experts, weight each expert by its mean squared task
 vector, erase the minority sign (docs/SEMANTICS.md). torch's var, topk and mean are the definition (their
-summation orders set the bits); torch is imported when a tensor is finished.
+summation orders set the bits); numba kernels compute it per element in torch's orders, without K-sized
+temporaries (`_merge_flat`), and torch, imported when a tensor is finished, sums the squares, chooses among
+variances tied at the top-k cut and does an array's last columns.
 
 Under a partial selection the formula runs on the rows read only (the union of every expert's selected rows,
 compacted into contiguous arrays); the other rows get the formula's value for an all-zero Δ, θ₀ + 0.0."""
@@ -93,10 +95,12 @@ class Sce(GatherFold):
     def _keep(self, ds: list[np.ndarray]) -> np.ndarray | None:
         """The `select_topk` mask (uint8 per element); None when it is 1 (nothing masked).
 
-        torch.topk's k largest |var| by a threshold: the k-th largest (radix select), every element above it,
-        and the first ones equal to it in index order until k are kept (torch.topk's choice among ties is
-        unspecified; exact ties of the variance at the cut are rare in real data). |var| is torch's, bit for bit
-        (`sce_abs_var`)."""
+        torch.topk's k largest |var|: the k-th largest by radix select, and every element at or above it kept
+        when those are exactly k. Only when variances equal to the k-th largest are split (some in, some out:
+        frequent with BF16 experts, whose Δ take few values) does torch.topk itself choose, unsorted (the same
+        set; its choice among ties is its own). |var| is torch's, bit for bit (`sce_abs_var`)."""
+        import torch
+
         density = self.params["select_topk"]
         if density >= 1:
             return None
@@ -108,11 +112,11 @@ class Sce(GatherFold):
         kern = kernels()
         var = self.scratch("sce_var", n)
         k = int(int(kern.sce_abs_var(var, kern.pack(ds), len(ds))) * density)
-        if k > 0:
-            t = kth_largest_bits(var, k, self)
-            kern.sce_keep(var.view(np.uint32), np.uint32(t), k, keep)
-        else:
+        if k <= 0:
             keep[:] = 0
+        elif not kern.sce_keep(var.view(np.uint32), np.uint32(kth_largest_bits(var, k, self)), k, keep):
+            keep[:] = 0
+            keep[torch.topk(torch.from_numpy(var), k, sorted=False).indices.numpy()] = 1
         return keep
 
     @staticmethod

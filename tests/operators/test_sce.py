@@ -149,21 +149,22 @@ def test_selection_is_torch_topk_without_ties(n, topk) -> None:
 
 
 @pytest.mark.parametrize("n", [3000, 50_000])
-def test_selection_keeps_the_first_ties_by_index(n) -> None:
-    """Variances equal to the k-th largest: every one above it is kept, then the tied ones in index order."""
+@pytest.mark.parametrize("n_tied", [150, 400, 1])  # tied values kept: some, all, one
+def test_selection_with_ties_at_the_cut_is_torch_topk(n, n_tied) -> None:
+    """Variances equal to the k-th largest: all of them kept when the cut falls at their end (no torch.topk),
+    torch.topk's own choice among them when it falls inside."""
     g = np.random.default_rng(n)
     a = (g.standard_normal(n) * 0.01).astype(np.float32)
     tied = np.sort(g.choice(n, 400, replace=False))
-    a[tied] = 0.005  # |Δ| spread over two experts: var = a² exactly for these
+    a[tied] = 0.005  # Δ = ±a over two experts: var = a² exactly, the same for these
     ds = [a, -a]
-    var = torch.var(torch.stack([torch.from_numpy(d) for d in ds]), dim=0, unbiased=False).numpy()
+    var = torch.var(torch.stack([torch.from_numpy(d) for d in ds]), dim=0, unbiased=False)
     t = var[tied[0]]
-    above = int((var > t).sum())
-    k = above + 150  # the cut falls inside the tie group
-    topk = (k + 0.5) / int(np.count_nonzero(var))
-    assert int(int(np.count_nonzero(var)) * topk) == k
-    want = (var > t).astype(np.uint8)
-    want[tied[:150]] = 1
+    k = int((var > t).sum()) + n_tied
+    topk = (k + 0.5) / int(torch.count_nonzero(var))
+    assert int(int(torch.count_nonzero(var)) * topk) == k
+    want = np.zeros(n, np.uint8)
+    want[torch.topk(var.abs(), k).indices.numpy()] = 1
     got = _op(topk, 2)._keep(ds)
     assert int(got.sum()) == k and np.array_equal(got, want)
 
