@@ -146,33 +146,46 @@ def _locate(hist: np.ndarray, k: int) -> tuple[int, int]:
     return -1, seen
 
 
+_ROWS = 4  # interleaved counter rows: runs of equal values (zero importances) do not wait on one counter
+_ROWS_MIN = 1 << 18  # below this many elements one row: clearing and summing the rows would dominate
+
+
 @numba.njit(cache=True, nogil=True)
 def kth_smallest(a: np.ndarray, ks: np.ndarray, out: np.ndarray) -> None:
     """out[j] = the ks[j]-th smallest (0-based) of the float32 values `a` (no NaN): the value at ks[j] of the
     ascending sort, by radix select on order keys: one pass counts their top 16 bits and locates each ks[j]'s
-    prefix, a second counts the low 16 bits of the keys with one of those prefixes."""
+    prefix, a second counts the low 16 bits of the keys with one of those (distinct) prefixes."""
+    n = a.shape[0]
     sixteen = np.uint32(16)
     low_mask = np.uint32(0xFFFF)
-    high = np.zeros(1 << 16, np.int64)
-    for i in range(a.shape[0]):
-        high[_order_key(a[i]) >> sixteen] += 1
+    rows = _ROWS if n >= _ROWS_MIN else 1
+    counts = np.zeros((rows, 1 << 16), np.int64)
+    for i in range(n):
+        counts[i & (rows - 1), _order_key(a[i]) >> sixteen] += 1
+    high = counts.sum(axis=0)
     nk = ks.shape[0]
-    prefix = np.empty(nk, np.uint32)
+    prefixes = np.empty(nk, np.uint32)  # distinct prefixes, ascending (ks ascending)
+    which = np.empty(nk, np.int64)
     below = np.empty(nk, np.int64)
+    m = 0
     for j in range(nk):
         h, seen = _locate(high, ks[j])
-        prefix[j] = np.uint32(h)
+        if m == 0 or prefixes[m - 1] != np.uint32(h):
+            prefixes[m] = np.uint32(h)
+            m += 1
+        which[j] = m - 1
         below[j] = seen
-    low = np.zeros((nk, 1 << 16), np.int64)
-    for i in range(a.shape[0]):
+    low = np.zeros((rows, m, 1 << 16), np.int64)
+    for i in range(n):
         key = _order_key(a[i])
         top = key >> sixteen
-        for j in range(nk):
-            if top == prefix[j]:
-                low[j, key & low_mask] += 1
+        for p in range(m):
+            if top == prefixes[p]:
+                low[i & (rows - 1), p, key & low_mask] += 1
+    lows = low.sum(axis=0)
     for j in range(nk):
-        lo, _ = _locate(low[j], ks[j] - below[j])
-        out[j] = _from_order_key((prefix[j] << sixteen) | np.uint32(lo))
+        lo, _ = _locate(lows[which[j]], ks[j] - below[j])
+        out[j] = _from_order_key((prefixes[which[j]] << sixteen) | np.uint32(lo))
 
 
 @numba.njit(cache=True, nogil=True)
