@@ -13,27 +13,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["karcher_mean_start", "karcher_step", "karcher_tangent"]
+__all__ = ["karcher_step", "karcher_tangent"]
 
-_CHUNK = 1 << 13  # elements of the sum kept in cache while every input adds to them (the start, once)
-
-
-@numba.njit(cache=True, nogil=True)
-def karcher_mean_start(out: np.ndarray, units: tuple, weights: np.ndarray, count: int) -> None:
-    """out = Σ_k weights[k]·units[k] for k < count, in k order from +0.0: torch's ``mean += a * u`` from zeros
-    (``a`` the float32 of the Python float)."""
-    n = out.shape[0]
-    zero = np.float32(0.0)
-    for s in range(0, n, _CHUNK):
-        e = min(s + _CHUNK, n)
-        o = out[s:e]
-        for i in range(e - s):
-            o[i] = zero
-        for k in range(count):
-            u = units[k][s:e]
-            w = weights[k]
-            for i in range(e - s):
-                o[i] = o[i] + w * u[i]
 
 
 @numba.njit(cache=True, nogil=True)

@@ -526,15 +526,15 @@ class Karcher(GramFold):
 def karcher_float32(tensors: list[np.ndarray], max_iter: int, tol: float,
                     owned: Sequence[bool] | None = None) -> np.ndarray:
     """The weighted (1/N) Karcher mean of float32 tensors on the hypersphere, every step a float32 operation of
-    torch's, as docs/SEMANTICS.md writes it: the norms and dots by torch, the element-wise steps (the start,
-    the tangent sum in input order, the step along it) by fused kernels doing the same float32 operations in
+    torch's, as docs/SEMANTICS.md writes it: the norms and dots by torch, the element-wise steps (the start and
+    the tangent, sums in input order; the step along the tangent) by fused kernels doing the same float32 operations in
     the same order (`kernels.karcher`), so the result is torch's bit for bit.
 
     ``owned[i]``: ``tensors[i]`` (float32, contiguous) may be overwritten, with its unit vector; the others are
     not written. An array given more than once is divided once."""
     import torch
 
-    from mergepipe_db.kernels.karcher import karcher_mean_start, karcher_step, karcher_tangent
+    from mergepipe_db.kernels.karcher import karcher_step, karcher_tangent
     from mergepipe_db.kernels.merge import pack
 
     shape = np.shape(tensors[0])
@@ -562,18 +562,19 @@ def karcher_float32(tensors: list[np.ndarray], max_iter: int, tol: float,
     count = len(valid)
     vt = [torch.from_numpy(u) for u in vu[:count]]
     mean_np = np.empty(vu[0].shape[0], np.float32)
-    karcher_mean_start(mean_np, vu, np.array(na, np.float32), count)
+    tangent_np = np.zeros_like(mean_np)
+    picks = np.arange(count, dtype=np.int64)  # then: the inputs whose angle to the mean is at least tol, in order
+    dots = np.zeros(count, np.float32)
+    # the start, Σ a·u from +0.0, is the tangent sum with dots 0 at a +0.0 mean (u − 0·0 is u exactly)
+    karcher_tangent(mean_np, tangent_np, vu, picks, dots, np.array(na, np.float32), count)
     mean = torch.from_numpy(mean_np)
     mn = torch.linalg.vector_norm(mean)
     if float(mn) < tol:
         mean.copy_(torch.from_numpy(vu[0]))
     else:
         torch.div(mean, mn, out=mean)
-    tangent_np = np.empty_like(mean_np)
     tangent = torch.from_numpy(tangent_np)
-    dots = np.empty(count, np.float32)
     coefs = np.empty(count, np.float32)
-    picks = np.empty(count, np.int64)  # the inputs whose angle to the mean is at least tol, in order
     for _ in range(max_iter):
         terms = 0
         for j, a in enumerate(na):
