@@ -893,3 +893,120 @@ def masked_delta(out: np.ndarray, base: np.ndarray, raw: np.ndarray, lo: np.floa
         out[i] = t
         finite &= abs(t) < inf
     return finite
+
+
+# -- sce (`operators/sce.py`): the top-k mask by a threshold, the weights' squares, the election and the sum -----
+
+
+_SCE_TILE = 1024  # columns per tile of the sce kernels: each expert's loop over a tile vectorizes
+
+
+@numba.njit(cache=True, nogil=True)
+def sce_abs_var(out: np.ndarray, ds: tuple[np.ndarray, ...], n_experts: int) -> int:
+    """out = |torch.var(stack(ds[:n_experts]), dim=0, unbiased=False)| per element, bit for bit: torch's CPU
+    Welford over the experts in order, in float64 (mean += δ/n, m2 += δ·(x − mean)), m2 / K rounded to
+    float32. Returns how many are nonzero (NaN included), torch's count_nonzero."""
+    n = out.shape[0]
+    nonzero = 0
+    kf = np.float64(n_experts)
+    mean = np.empty(_SCE_TILE, np.float64)
+    m2 = np.empty(_SCE_TILE, np.float64)
+    zero = np.float32(0.0)
+    for t0 in range(0, n, _SCE_TILE):
+        m = min(_SCE_TILE, n - t0)
+        mean[:m] = 0.0
+        m2[:m] = 0.0
+        for k in range(n_experts):
+            x = ds[k][t0:t0 + m]
+            nf = np.float64(k + 1)
+            for i in range(m):
+                xi = np.float64(x[i])
+                delta = xi - mean[i]
+                mi = mean[i] + delta / nf
+                mean[i] = mi
+                m2[i] = m2[i] + delta * (xi - mi)
+        o = out[t0:t0 + m]
+        for i in range(m):
+            v = abs(np.float32(m2[i] / kf))
+            o[i] = v
+            nonzero += np.int64(v != zero)
+    return nonzero
+
+
+@numba.njit(cache=True, nogil=True)
+def sce_keep(bits: np.ndarray, t: np.uint32, k: int, keep: np.ndarray) -> bool:
+    """keep[i] = 1 on the k largest of `bits` (non-negative float32 patterns as uint32, NaN largest), else 0,
+    when they are every pattern at or above `t` (the k-th largest); False, `keep` untouched, when some patterns
+    equal to `t` are in the k largest and some are not (which ones is then the caller's choice)."""
+    n = bits.shape[0]
+    at_least = 0
+    for i in range(n):
+        at_least += np.int64(bits[i] >= t)
+    if at_least != k:
+        return False
+    for i in range(n):
+        keep[i] = np.uint8(bits[i] >= t)
+    return True
+
+
+@numba.njit(cache=True, nogil=True)
+def sce_masked_square(out: np.ndarray, d: np.ndarray, keep: np.ndarray, masked: bool) -> None:
+    """out = (d * float32(keep))² (``masked``), or d² — torch's ``(tvs * mask).square()`` of one expert."""
+    if masked:
+        for i in range(out.shape[0]):
+            t = d[i] * np.float32(keep[i])
+            out[i] = t * t
+    else:
+        for i in range(out.shape[0]):
+            out[i] = d[i] * d[i]
+
+
+@numba.njit(cache=True, nogil=True)
+def sce_combine(out: np.ndarray, base: np.ndarray, ds: tuple[np.ndarray, ...], n_experts: int, keep: np.ndarray,
+                masked: bool, w: np.ndarray) -> None:
+    """out = θ₀ + Σ_k t_k·(w_k·erase_k) / clamp(Σ_k w_k·erase_k, 1e-6) over the first out.shape[0] elements,
+    t_k = Δ_k·float32(keep) (``masked``) or Δ_k, erase_k = sign(t_k) == (Σ_k t_k >= 0 ? 1 : -1), `w` the
+    normalized float32 weights: sce's `_combine` per element, every sum over k in order into +0.0 (torch's
+    order along dim 0 away from an array's last columns, see `Sce`), sign(NaN) = 0 as torch's."""
+    n = out.shape[0]
+    zero = np.float32(0.0)
+    one = np.float32(1.0)
+    floor = np.float32(1e-6)
+    mk = np.ones(_SCE_TILE, np.float32)
+    s = np.empty(_SCE_TILE, np.float32)
+    num = np.empty(_SCE_TILE, np.float32)
+    den = np.empty(_SCE_TILE, np.float32)
+    for t0 in range(0, n, _SCE_TILE):
+        m = min(_SCE_TILE, n - t0)
+        if masked:
+            kp = keep[t0:t0 + m]
+            for i in range(m):
+                mk[i] = np.float32(kp[i])
+        s[:m] = zero
+        for k in range(n_experts):
+            x = ds[k][t0:t0 + m]
+            if masked:
+                for i in range(m):
+                    s[i] += x[i] * mk[i]
+            else:
+                for i in range(m):
+                    s[i] += x[i]
+        for i in range(m):  # the majority sign, kept in s
+            s[i] = one if s[i] >= zero else -one
+        num[:m] = zero
+        den[:m] = zero
+        for k in range(n_experts):
+            x = ds[k][t0:t0 + m]
+            wk = w[k]
+            for i in range(m):
+                tk = x[i] * mk[i] if masked else x[i]
+                e = wk * np.float32((np.float32(tk > zero) - np.float32(tk < zero)) == s[i])
+                num[i] += tk * e
+                den[i] += e
+        b = base[t0:t0 + m]
+        o = out[t0:t0 + m]
+        for i in range(m):
+            d = den[i]
+            if d < floor:  # clamp(min=1e-6); NaN stays NaN
+                d = floor
+            o[i] = b[i] + num[i] / d

@@ -1,6 +1,7 @@
 """arcee_fusion: keep the other model's update where its importance, |Δ| times the row's KL divergence between
 the softmaxes of θ_1 and θ₀, reaches median + 1.5·IQR of the tensor's importances (docs/SEMANTICS.md). torch's
-softmax, log, sum and sort are the definition; torch is imported when a tensor is finished."""
+softmax, log and sum are the definition (the importance, the quantiles' selection and the result are numba
+passes doing torch's float32 operations); torch is imported when a tensor is finished."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import hashlib
 import numpy as np
 
 from mergepipe_db.errors import MethodParameterError
-from mergepipe_db.operators.gather import GatherFold
+from mergepipe_db.operators.gather import GatherFold, gather_kernels
 from mergepipe_db.operators.registry import register
 
 __all__ = ["QUANTILE_SAMPLE_SIZE", "ArceeFusion"]
@@ -48,6 +49,41 @@ class ArceeFusion(GatherFold):
 
         assert self._ctx is not None
         t0, t1 = torch.from_numpy(base), torch.from_numpy(values[0])
+        if base.ndim == 0 or base.size == 0:
+            return self._literal(t0, t1)
+        # torch's operations of the formula, in place: the same kernels on fewer fresh tensors
+        eps = 1e-8
+        p = F.softmax(t1, dim=-1).add_(eps)
+        q = F.softmax(t0, dim=-1).add_(eps)
+        kl = torch.sum(torch.div(p, q, out=q).log_().mul_(p), dim=-1, keepdim=True)  # log(p/q)·p = p·log(p/q)
+        # importance = |θ_1 - θ₀| · kl, the mask and the result: one numba pass each, torch's float32 operations
+        kern = gather_kernels()
+        b, x = base.reshape(-1), values[0].reshape(-1)
+        importance = self.scratch("importance", base.size)
+        no_nan = kern.fusion_importance(importance, b, x, kl.reshape(-1).numpy())
+        flat = torch.from_numpy(importance)
+        if flat.numel() > QUANTILE_SAMPLE_SIZE:
+            g = torch.Generator(device="cpu")
+            g.manual_seed(sample_seed(self._ctx.seed, self._ctx.name))
+            flat = flat[torch.randint(flat.numel(), (QUANTILE_SAMPLE_SIZE,), generator=g)]
+        qs = (torch.tensor([0.25, 0.5, 0.75]) * (flat.numel() - 1)).long()
+        if no_nan:  # the values at qs of the ascending sort, by radix select (NaN sorts last: torch's sort then)
+            picked = np.empty(3, np.float32)
+            kern.kth_smallest(np.ascontiguousarray(flat.numpy()), qs.numpy(), picked)
+            q1, median, q3 = torch.from_numpy(picked)
+        else:
+            q1, median, q3 = torch.sort(flat)[0][qs]
+        threshold = median + 1.5 * (q3 - q1)
+        out = np.empty_like(b)
+        kern.fusion_apply(out, b, x, importance, np.float32(threshold.item()))
+        return out
+
+    def _literal(self, t0, t1):  # noqa: ANN001, ANN202 - torch tensors
+        """The formula in torch, for a 0-d or empty tensor."""
+        import torch
+        import torch.nn.functional as F  # noqa: N812
+
+        assert self._ctx is not None
         diff = (t1 - t0).abs()
         eps = 1e-8
         p = F.softmax(t1, dim=-1) + eps
@@ -55,10 +91,6 @@ class ArceeFusion(GatherFold):
         kl = torch.sum(p * torch.log(p / q), dim=-1, keepdim=True)
         importance = diff * kl
         flat = importance.reshape(-1)
-        if flat.numel() > QUANTILE_SAMPLE_SIZE:
-            g = torch.Generator(device="cpu")
-            g.manual_seed(sample_seed(self._ctx.seed, self._ctx.name))
-            flat = flat[torch.randint(flat.numel(), (QUANTILE_SAMPLE_SIZE,), generator=g)]
         srt, _ = torch.sort(flat)
         qs = (torch.tensor([0.25, 0.5, 0.75]) * (srt.numel() - 1)).long()
         q1, median, q3 = srt[qs]

@@ -1,7 +1,8 @@
 """`GatherFold`, the template of the methods that need every expert's whole tensor at once (sce, ram, ramplus_tl,
 nearswap, arcee_fusion): each expert's Δ_k (or θ_k) is kept, in float32 and the tensor's shape, with Δ_k = 0 on
 the rows of omitted blocks, and the method's formula runs once all experts are in. Memory: K + 1 tensors of the
-tensor's size (as MergeKit holds them).
+tensor's size (as MergeKit holds them); the K are the rows of one (K, numel) buffer reused between tensors
+(`_stacked`), filled straight from the stored values by a numba kernel.
 
 A method with ``compacts_rows`` may run its formula on the rows read only under a partial selection: the fold
 records which rows any expert read, `_rows_read` gives them (None when the whole tensor must be used) and
@@ -19,7 +20,14 @@ import numpy as np
 from mergepipe_db.operators.base import MergeOperator, finite
 from mergepipe_db.operators.inputs import ExpertInput
 
-__all__ = ["GatherFold"]
+__all__ = ["GatherFold", "gather_kernels"]
+
+
+def gather_kernels():  # noqa: ANN201 - the numba kernels, imported on first use
+    """`mergepipe_db.kernels.gather`, imported on first use (numba's import and compilation cost seconds)."""
+    from mergepipe_db.kernels import gather
+
+    return gather
 
 
 class GatherFold(MergeOperator):
@@ -45,9 +53,12 @@ class GatherFold(MergeOperator):
         return None
 
     def _begin(self) -> None:
+        assert self._ctx is not None
         self._held: list[np.ndarray | None] = []
+        n = self._ctx.numel
+        #: every expert's values, row k flat (reused between tensors): the arrays `_combine_all` gets are its rows
+        self._stacked = self.scratch("gathered", self.n_experts * n).reshape(self.n_experts, n)
         if self.compacts_rows:
-            assert self._ctx is not None
             self._read = np.zeros(self._ctx.n_rows, np.bool_)  # rows some expert read
             self._full = True  # every expert read every block whose Δ may be nonzero
 
@@ -60,17 +71,27 @@ class GatherFold(MergeOperator):
         if not x.selected_blocks:
             self._held.append(None)
             return
-        v = x.delta if self.gather == "delta" else x.theta
-        assert v is not None
-        self._held.append(np.array(v, dtype=np.float32, copy=True).reshape(self._base.shape))  # type: ignore[union-attr]
+        assert self._ctx is not None and self._bflat is not None
+        row = self._stacked[x.index]
+        src = x.stored_flat()
+        if src is not None:  # straight from the stored values, no intermediate θ_k or Δ_k
+            kern = gather_kernels()
+            fill = kern.gather_delta if self.gather == "delta" else kern.gather_theta
+            fill(row, self._bflat, src, x.element_ranges_array(self._ctx))
+        else:
+            v = x.delta if self.gather == "delta" else x.theta
+            assert v is not None
+            row[:] = v.reshape(-1)
+        self._held.append(row.reshape(self._ctx.shape))
 
     def _finish(self) -> np.ndarray:
         base = self._base
         assert base is not None
         vals = []
-        for v in self._held:
-            if v is None:
-                v = np.zeros_like(base) if self.gather == "delta" else base
+        for k, v in enumerate(self._held):
+            if v is None:  # Δ_k = 0, θ_k = θ₀
+                v = self._stacked[k].reshape(base.shape)
+                v[...] = 0.0 if self.gather == "delta" else base
             vals.append(v)
         return np.asarray(self._combine_all(base, vals), dtype=np.float32).reshape(base.shape)
 
@@ -95,3 +116,4 @@ class GatherFold(MergeOperator):
 
     def _end(self) -> None:
         self._held = []
+        self._stacked = np.empty((0, 0), np.float32)

@@ -19,6 +19,7 @@ They hold the tensor's inputs in memory (as MergeKit does), float32, plus float6
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -531,7 +532,8 @@ class Karcher(GramFold):
         base = self._base
         assert base is not None
         thetas = [base if t is None else t for t in self._thetas] + [base]  # MergeKit's order: the base last
-        return karcher_float32(thetas, int(self.options["max_iter"]), float(self.options["tol"]))
+        owned = [t is not None for t in self._thetas] + [False]  # our copies become their unit vectors
+        return karcher_float32(thetas, int(self.options["max_iter"]), float(self.options["tol"]), owned)
 
     def _begin(self) -> None:
         super()._begin()
@@ -549,41 +551,76 @@ class Karcher(GramFold):
         self._thetas = []
 
 
-def karcher_float32(tensors: list[np.ndarray], max_iter: int, tol: float) -> np.ndarray:
-    """The weighted (1/N) Karcher mean of float32 tensors on the hypersphere, every step a float32 torch
-    operation (norms, dots, the tangent sum in input order), as docs/SEMANTICS.md writes it."""
+def karcher_float32(tensors: list[np.ndarray], max_iter: int, tol: float,
+                    owned: Sequence[bool] | None = None) -> np.ndarray:
+    """The weighted (1/N) Karcher mean of float32 tensors on the hypersphere, every step a float32 operation of
+    torch's, as docs/SEMANTICS.md writes it: the norms and dots by torch, the element-wise steps (the start and
+    the tangent, sums in input order; the step along the tangent) by fused kernels doing the same float32 operations in
+    the same order (`kernels.karcher`), so the result is torch's bit for bit.
+
+    ``owned[i]``: ``tensors[i]`` (float32, contiguous) may be overwritten, with its unit vector; the others are
+    not written. An array given more than once is divided once."""
     import torch
 
-    ts = [torch.from_numpy(np.ascontiguousarray(t, dtype=np.float32)) for t in tensors]
+    from mergepipe_db.kernels.karcher import karcher_step, karcher_tangent
+    from mergepipe_db.kernels.merge import pack
+
+    shape = np.shape(tensors[0])
+    flats = [np.ascontiguousarray(t, dtype=np.float32).reshape(-1) for t in tensors]
+    ts = [torch.from_numpy(f) for f in flats]
     n = len(ts)
     alphas = [1.0 / n] * n
     norms = [torch.linalg.vector_norm(t) for t in ts]
-    units = [torch.zeros_like(t) if float(nm) == 0.0 else t / nm for t, nm in zip(ts, norms)]
     valid = [i for i in range(n) if float(norms[i]) > tol]
     if not valid:
         return np.zeros_like(tensors[0])
+    units: dict[int, np.ndarray] = {}  # by id of the input array: its unit vector t / ‖t‖
+    for i in valid:
+        if id(tensors[i]) in units:
+            continue
+        writable = owned is not None and all(owned[j] for j in range(n) if tensors[j] is tensors[i])
+        in_place = writable or not np.may_share_memory(flats[i], tensors[i])  # else flats[i] is our copy
+        out = ts[i] if in_place else torch.empty_like(ts[i])
+        torch.div(ts[i], norms[i], out=out)
+        units[id(tensors[i])] = out.numpy()
+    del ts, flats
     total = sum(alphas[i] for i in valid)
     na = [alphas[i] / total for i in valid]
-    vu = [units[i] for i in valid]
-    mean = torch.zeros_like(vu[0])
-    for a, u in zip(na, vu):
-        mean += a * u
+    vu = pack([units[id(tensors[i])] for i in valid])
+    count = len(valid)
+    vt = [torch.from_numpy(u) for u in vu[:count]]
+    mean_np = np.empty(vu[0].shape[0], np.float32)
+    tangent_np = np.zeros_like(mean_np)
+    picks = np.arange(count, dtype=np.int64)  # then: the inputs whose angle to the mean is at least tol, in order
+    dots = np.zeros(count, np.float32)
+    # the start, Σ a·u from +0.0, is the tangent sum with dots 0 at a +0.0 mean (u − 0·0 is u exactly)
+    karcher_tangent(mean_np, tangent_np, vu, picks, dots, np.array(na, np.float32), count)
+    mean = torch.from_numpy(mean_np)
     mn = torch.linalg.vector_norm(mean)
-    mean = vu[0].clone() if float(mn) < tol else mean / mn
+    if float(mn) < tol:
+        mean.copy_(torch.from_numpy(vu[0]))
+    else:
+        torch.div(mean, mn, out=mean)
+    tangent = torch.from_numpy(tangent_np)
+    coefs = np.empty(count, np.float32)
     for _ in range(max_iter):
-        tangent = torch.zeros_like(mean)
-        for a, u in zip(na, vu):
-            dot = torch.clamp(torch.dot(mean.flatten(), u.flatten()), -1.0, 1.0)
+        terms = 0
+        for j, a in enumerate(na):
+            dot = torch.clamp(torch.dot(mean, vt[j]), -1.0, 1.0)
             th = torch.arccos(dot)
             if float(th) < tol:
                 continue
-            tangent += a * (th / torch.sin(th)) * (u - dot * mean)
+            picks[terms], dots[terms], coefs[terms] = j, dot.item(), (a * (th / torch.sin(th))).item()
+            terms += 1
+        karcher_tangent(tangent_np, mean_np, vu, picks, dots, coefs, terms)
         tn = torch.linalg.vector_norm(tangent)
         if float(tn) < tol:
             break
-        mean = torch.cos(tn) * mean + torch.sin(tn) * (tangent / tn)
+        karcher_step(mean_np, tangent_np, np.float32(torch.cos(tn).item()), np.float32(torch.sin(tn).item()),
+                     np.float32(tn.item()))
         un = torch.linalg.vector_norm(mean)
         if float(un) > tol:
-            mean = mean / un
+            torch.div(mean, un, out=mean)
     scale = sum(a * nm for a, nm in zip(alphas, norms))
-    return (scale * mean).numpy()
+    mean.mul_(scale)
+    return mean_np.reshape(shape)

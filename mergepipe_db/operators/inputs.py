@@ -193,6 +193,14 @@ class ExpertInput:
             return self._theta.reshape(-1)
         return None
 
+    def stored_flat(self) -> np.ndarray | None:
+        """θ_k's stored values, flat (BF16 bit patterns as uint16, or float32) and valid on the selected rows, when
+        θ_k is held as those only (neither θ_k nor Δ_k given or computed yet); None otherwise."""
+        raw = self._raw
+        if self._theta is None and self._delta is None and raw is not None and raw.dtype in (np.uint16, np.float32):
+            return raw.reshape(-1)
+        return None
+
     def element_ranges_array(self, ctx: TensorContext) -> np.ndarray:
         """Selected element ranges as an int64 array of [start, stop) rows (the kernels' ``ranges``)."""
         r = self.element_ranges(ctx)

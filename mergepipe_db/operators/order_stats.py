@@ -12,7 +12,8 @@ import numpy as np
 from mergepipe_db.core import sketch
 from mergepipe_db.operators.base import kernels
 
-__all__ = ["EDGES", "LAST_BIN", "RADIX_SMALL", "Magnitudes", "Scratch", "count_prefixes", "kth_largest_exact"]
+__all__ = ["EDGES", "LAST_BIN", "RADIX_SMALL", "Magnitudes", "Scratch", "count_prefixes", "kth_largest_bits",
+           "kth_largest_exact"]
 
 #: the sketch's bin edges (the smallest value of each bin), and its last bin (NaN sits there too)
 EDGES = sketch.bin_edges()
@@ -56,6 +57,15 @@ def kth_largest_exact(a: np.ndarray, k: int, op: Scratch, cache: dict[str, np.nd
     n = a.size
     if n <= RADIX_SMALL:
         return float(np.sort(a)[n - k])  # ascending, NaN last: the k-th largest with NaN largest
+    return float(np.array([kth_largest_bits(a, k, op, cache)], np.uint32).view(np.float32)[0])
+
+
+def kth_largest_bits(a: np.ndarray, k: int, op: Scratch, cache: dict[str, np.ndarray] | None = None) -> int:
+    """The bit pattern of `kth_largest_exact`'s value (1 <= k <= numel), as an int; NaNs ordered by pattern.
+    ValueError when a value has its sign bit set (the radix path; a short array is sorted as patterns)."""
+    n = a.size
+    if n <= RADIX_SMALL:
+        return int(np.sort(a.view(np.uint32))[n - k])
     kern = kernels()
     bits = a.view(np.uint32)
     hi, above = kern.locate_from_top(_high_counts(bits, cache), k)
@@ -65,7 +75,7 @@ def kth_largest_exact(a: np.ndarray, k: int, op: Scratch, cache: dict[str, np.nd
         h2[:] = 0
         kern.radix_count_low(bits, np.array([hi], np.uint32), h2.reshape(1, -1))
     low, _ = kern.locate_from_top(h2, k - above)
-    return float(np.array([(hi << 16) | low], dtype=np.uint32).view(np.float32)[0])
+    return (int(hi) << 16) | int(low)
 
 
 def count_prefixes(a: np.ndarray, ks: list[int], cache: dict[str, np.ndarray]) -> None:

@@ -13,7 +13,7 @@ from typing import ClassVar
 import numpy as np
 
 from mergepipe_db.errors import MethodParameterError
-from mergepipe_db.operators.gather import GatherFold
+from mergepipe_db.operators.gather import GatherFold, gather_kernels
 from mergepipe_db.operators.registry import register
 
 __all__ = ["Ram", "RamPlusTL"]
@@ -30,39 +30,37 @@ class RamFold(GatherFold):
     def _combine_all(self, base: np.ndarray, values: list[np.ndarray]) -> np.ndarray:
         rows = self._rows_read()
         if rows is None:
-            return self._formula(base, values, 0)
+            return self._formula(base.reshape(-1), self._stacked, 0)
         n_rows = self._read.shape[0]
         b2 = base.reshape(n_rows, -1)
         compact = self._compact(values, rows)
         # the omitted elements: |0| > ε counts them for every expert only when ε < 0
         omitted = base.size - compact[0].size if self.params["epsilon"] < 0 else 0
         out = base + np.float32(0.0)  # the formula on Δ_k = 0: c = 0 (or K), every term +0.0
-        out.reshape(n_rows, -1)[rows] = self._formula(np.take(b2, rows, axis=0), list(compact), omitted)
+        formula = self._formula(np.take(b2, rows, axis=0).reshape(-1), compact.reshape(len(values), -1), omitted)
+        out.reshape(n_rows, -1)[rows] = formula.reshape(b2[:len(rows)].shape)
         return out
 
-    def _formula(self, base: np.ndarray, values: list[np.ndarray], omitted: int) -> np.ndarray:
-        """The formula on θ₀ and the Δ_k of some rows; `omitted` elements elsewhere have |Δ_k| > ε for every k."""
+    def _formula(self, base: np.ndarray, deltas: np.ndarray, omitted: int) -> np.ndarray:
+        """The formula on θ₀ (flat) and the Δ_k of the same elements (float32 (K, n)); `omitted` elements
+        elsewhere have |Δ_k| > ε for every k. A numba pass per element (`kernels.gather.ram_combine`): the
+        float32 operations of ``θ₀ + Σ_k (z_k·unique·λ_k + (z_k·overlap) / max(c, 1))`` in numpy's order."""
+        kern = gather_kernels()
         eps = self.params["epsilon"]
-        nz = [np.abs(d) > eps for d in values]
-        c = np.zeros(base.shape, np.int64)
-        for m in nz:
-            c += m
-        unique, overlap = c == 1, c > 1
-        denom = np.maximum(c, 1).astype(np.float32)
-        acc = np.zeros_like(base)
-        for d, m in zip(values, nz):
-            lam = 1.0
-            if self.scaled:
-                shared = int(np.count_nonzero(m & overlap)) + (omitted if len(values) > 1 else 0)
-                uniq = int(np.count_nonzero(m & unique)) + (omitted if len(values) == 1 else 0)
-                rho = shared / max(float(uniq), eps)
-                lam = 1.0 + self.params["r"] * min(max(rho, 0.0), self.params["alpha"])
-            z = np.where(m, d, np.float32(0.0))
-            u = z * unique
-            if lam != 1.0:
-                u = u * np.float32(lam)
-            acc = acc + (u + (z * overlap) / denom)
-        return base + acc
+        n_experts = deltas.shape[0]
+        lam = np.ones(n_experts, np.float32)
+        if self.scaled:
+            shared = np.zeros(n_experts, np.int64)
+            unique = np.zeros(n_experts, np.int64)
+            kern.ram_counts(deltas, np.float32(eps), shared, unique)
+            for k in range(n_experts):
+                sh = int(shared[k]) + (omitted if n_experts > 1 else 0)
+                un = int(unique[k]) + (omitted if n_experts == 1 else 0)
+                rho = sh / max(float(un), eps)
+                lam[k] = 1.0 + self.params["r"] * min(max(rho, 0.0), self.params["alpha"])
+        out = np.empty(base.shape, np.float32)
+        kern.ram_combine(out, base, deltas, np.float32(eps), lam)
+        return out
 
 
 @register("ram")

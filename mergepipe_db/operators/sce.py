@@ -1,6 +1,8 @@
 """sce: select the elements of highest variance across the experts, weight each expert by its mean squared task
 vector, erase the minority sign (docs/SEMANTICS.md). torch's var, topk and mean are the definition (their
-summation orders set the bits); torch is imported when a tensor is finished.
+summation orders set the bits); numba kernels compute it per element in torch's orders, without K-sized
+temporaries (`_merge_flat`), and torch, imported when a tensor is finished, sums the squares, chooses among
+variances tied at the top-k cut and does an array's last columns.
 
 Under a partial selection the formula runs on the rows read only (the union of every expert's selected rows,
 compacted into contiguous arrays); the other rows get the formula's value for an all-zero Δ, θ₀ + 0.0."""
@@ -11,7 +13,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from mergepipe_db.operators.base import kernels
 from mergepipe_db.operators.gather import GatherFold
+from mergepipe_db.operators.order_stats import kth_largest_bits
 from mergepipe_db.operators.registry import register
 
 __all__ = ["Sce"]
@@ -36,42 +40,84 @@ class Sce(GatherFold):
 
         rows = self._rows_read()
         if rows is None:  # the whole tensor, as MergeKit
-            tvs = torch.stack([torch.from_numpy(v) for v in values], dim=0)
-            tvs = self._select(tvs)
-            weights = tvs.square().reshape(tvs.shape[0], -1).mean(dim=1)
-            return (torch.from_numpy(base) + self._combine(tvs, weights)).numpy()
+            out, _ = self._merge_flat(base.reshape(-1), [v.reshape(-1) for v in values], base.size)
+            return out
         # the rows read, compacted: the omitted rows have every Δ_k = 0 (variance 0, never selected), so they
         # add nothing to count_nonzero(var) or to Σ tvs_k²; the mean still divides by the whole numel
         n_rows = self._read.shape[0]
         b2 = base.reshape(n_rows, -1)
-        tvs = torch.from_numpy(self._compact(values, rows))
-        if len(rows):  # (no row read: nothing to select, and torch.var of nothing warns)
-            tvs = self._select(tvs)
-        weights = tvs.square().reshape(tvs.shape[0], -1).sum(dim=1) / base.size
-        final = self._combine(tvs, weights)
+        tvs = self._compact(values, rows)
+        final, weights = self._merge_flat(np.take(b2, rows, axis=0).reshape(-1),
+                                          [t.reshape(-1) for t in tvs], base.size)
         # an omitted row: the same steps on Δ_k = 0 (+0.0 unless the weights are not finite)
         zero = self._combine(torch.zeros((len(values), 1), dtype=torch.float32), weights)
         out = base + zero.numpy()[0]
-        out.reshape(n_rows, -1)[rows] = (torch.from_numpy(np.take(b2, rows, axis=0)) + final).numpy()
+        out.reshape(n_rows, -1)[rows] = final.reshape(len(rows), b2.shape[1])
         return out
 
-    def _select(self, tvs: Any) -> Any:
-        """`tvs` with only the top `select_topk` fraction of the nonzero variances kept (all when it is 1)."""
+    #: the last columns (this many, plus up to 63 more to a multiple of 64 before them) go through torch's
+    #: `_combine`: torch's sum over dim 0 adds the K rows in order into +0.0, except in an array's last columns
+    #: (its narrow-vector and scalar tails), whose order depends on the CPU's vector width
+    TORCH_TAIL = 128
+
+    def _merge_flat(self, base: np.ndarray, ds: list[np.ndarray], divisor: int) -> tuple[np.ndarray, Any]:
+        """θ₀ + sce's update on flat float32 arrays (θ₀ and every Δ_k), w_k = Σ tvs_k² / `divisor`: the torch
+        formula of docs/SEMANTICS.md without K-sized temporaries, bit for bit. Returns it and the raw weights
+        (a float32 tensor of K)."""
+        import torch
+
+        kern = kernels()
+        n, n_experts = base.shape[0], len(ds)
+        keep = self._keep(ds)
+        masked = keep is not None
+        keep_arr = keep if keep is not None else np.zeros(1, np.uint8)
+        # w_k: torch's sum of the squares. Expanded to two rows, torch sums each row whole on one thread, as it
+        # does each row of the stacked (K, n) array (a single row would be split across threads)
+        sq = self.scratch("sce_sq", n)
+        sums = []
+        for d in ds:
+            kern.sce_masked_square(sq, d, keep_arr, masked)
+            sums.append(torch.from_numpy(sq).view(1, -1).expand(2, -1).sum(dim=1)[0])
+        weights = torch.stack(sums) / divisor
+        total = torch.sum(weights).item()
+        norm = torch.ones_like(weights) / n_experts if abs(total) < 1e-6 else weights / total
+        out = np.empty(n, np.float32)
+        bulk = 0 if n < 4 * self.TORCH_TAIL else n - self.TORCH_TAIL - n % 64
+        if bulk:
+            kern.sce_combine(out[:bulk], base, kern.pack(ds), n_experts, keep_arr, masked, norm.numpy())
+        if bulk < n:  # the tail, by torch as written
+            tvs = torch.stack([torch.from_numpy(d[bulk:]) for d in ds])
+            if masked:
+                tvs = tvs * torch.from_numpy(keep_arr[bulk:]).to(torch.float32)
+            out[bulk:] = (torch.from_numpy(base[bulk:]) + self._combine(tvs, weights)).numpy()
+        return out, weights
+
+    def _keep(self, ds: list[np.ndarray]) -> np.ndarray | None:
+        """The `select_topk` mask (uint8 per element); None when it is 1 (nothing masked).
+
+        torch.topk's k largest |var|: the k-th largest by radix select, and every element at or above it kept
+        when those are exactly k. Only when variances equal to the k-th largest are split (some in, some out:
+        frequent with BF16 experts, whose Δ take few values) does torch.topk itself choose, unsorted (the same
+        set; its choice among ties is its own). |var| is torch's, bit for bit (`sce_abs_var`)."""
         import torch
 
         density = self.params["select_topk"]
         if density >= 1:
-            return tvs
-        if density <= 0:
-            mask = torch.zeros_like(tvs[0])
-        else:
-            var = torch.var(tvs, dim=0, unbiased=False)
-            k = int(int(torch.count_nonzero(var)) * density)
-            mask = torch.zeros_like(var)
-            if k > 0:
-                _, idx = torch.topk(var.abs().view(-1), k=k, largest=True)
-                mask.view(-1)[idx] = 1
-        return tvs * mask.unsqueeze(0)
+            return None
+        n = ds[0].shape[0]
+        keep = self.scratch("sce_keep", n, np.uint8)
+        if density <= 0 or n == 0:
+            keep[:] = 0
+            return keep
+        kern = kernels()
+        var = self.scratch("sce_var", n)
+        k = int(int(kern.sce_abs_var(var, kern.pack(ds), len(ds))) * density)
+        if k <= 0:
+            keep[:] = 0
+        elif not kern.sce_keep(var.view(np.uint32), np.uint32(kth_largest_bits(var, k, self)), k, keep):
+            keep[:] = 0
+            keep[torch.topk(torch.from_numpy(var), k, sorted=False).indices.numpy()] = 1
+        return keep
 
     @staticmethod
     def _combine(tvs: Any, weights: Any) -> Any:

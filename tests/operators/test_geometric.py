@@ -16,6 +16,7 @@ from mergepipe_db.operators import ExpertInput, ExpertParams, TensorContext, mak
 from mergepipe_db.operators.geometric import (
     gram,
     karcher_coefficients,
+    karcher_float32,
     model_stock_coefficients,
     multislerp_coefficients,
     nuslerp_coefficients,
@@ -111,6 +112,45 @@ def ref_karcher(tensors, max_iter=10, tol=1e-5):
     return sum(nm / n for nm in norms) * mean
 
 
+def torch_karcher_float32(tensors, max_iter, tol):
+    """karcher's full-read loop as plain float32 torch operations (each step allocating its result), the
+    definition `karcher_float32` must equal bit for bit: inputs with norm <= tol left out, angles < tol
+    skipped, the base given last by the operator."""
+    ts = [torch.from_numpy(np.ascontiguousarray(t, dtype=np.float32)) for t in tensors]
+    n = len(ts)
+    alphas = [1.0 / n] * n
+    norms = [torch.linalg.vector_norm(t) for t in ts]
+    units = [torch.zeros_like(t) if float(nm) == 0.0 else t / nm for t, nm in zip(ts, norms)]
+    valid = [i for i in range(n) if float(norms[i]) > tol]
+    if not valid:
+        return np.zeros_like(tensors[0])
+    total = sum(alphas[i] for i in valid)
+    na = [alphas[i] / total for i in valid]
+    vu = [units[i] for i in valid]
+    mean = torch.zeros_like(vu[0])
+    for a, u in zip(na, vu):
+        mean += a * u
+    mn = torch.linalg.vector_norm(mean)
+    mean = vu[0].clone() if float(mn) < tol else mean / mn
+    for _ in range(max_iter):
+        tangent = torch.zeros_like(mean)
+        for a, u in zip(na, vu):
+            dot = torch.clamp(torch.dot(mean.flatten(), u.flatten()), -1.0, 1.0)
+            th = torch.arccos(dot)
+            if float(th) < tol:
+                continue
+            tangent += a * (th / torch.sin(th)) * (u - dot * mean)
+        tn = torch.linalg.vector_norm(tangent)
+        if float(tn) < tol:
+            break
+        mean = torch.cos(tn) * mean + torch.sin(tn) * (tangent / tn)
+        un = torch.linalg.vector_norm(mean)
+        if float(un) > tol:
+            mean = mean / un
+    scale = sum(a * nm for a, nm in zip(alphas, norms))
+    return (scale * mean).numpy()
+
+
 # --- helpers ---------------------------------------------------------------------------------------------
 
 
@@ -177,6 +217,57 @@ def test_karcher(shape) -> None:
         base, th = data(shape, k, 30 + i)
         got = stream("karcher", base, th, max_iter=mi, tol=tol)
         assert rel(got, ref_karcher(th + [base], mi, tol)) <= 1e-6
+
+
+def _karcher_inputs(n, k, seed, scales):
+    """k experts θ₀ + noise·scale (the scales cycled), then θ₀, flat float32."""
+    rng = np.random.default_rng(seed)
+    base = rng.standard_normal(n).astype(np.float32)
+    return [base + (rng.standard_normal(n) * scales[i % len(scales)]).astype(np.float32) for i in range(k)] + [base]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 7, 8, 9, 12, 13])
+def test_karcher_full_read_is_the_torch_loop_bit_for_bit(k) -> None:
+    """`karcher_float32` (torch's dots and norms, fused float32 kernels for the rest) equals the plain torch loop
+    bit for bit, across input counts (the kernel's passes of 8, 4 and 1 inputs), one iteration or several, all
+    of max_iter without converging (float32 noise, tol 1e-7) with angles below tol skipped in some iterations,
+    some inputs always skipped (tol 0.3), max_iter 0 and tol 0; it does not write its inputs, or writes only
+    those it owns."""
+    for n, scales, mi, tol in ((4099, [1e-3], 10, 1e-5), (1000, [0.3], 10, 1e-5), (37, [0.5], 3, 0.0),
+                               (513, [0.3], 0, 1e-5), (2048, [0.05, 0.6, 0.1, 0.9], 10, 0.3),
+                               (5000, [1e-3], 10, 1e-7)):
+        xs = _karcher_inputs(n, k, 100 + k, scales)
+        keep = [x.copy() for x in xs]
+        want = torch_karcher_float32(xs, mi, tol)
+        got = karcher_float32(xs, mi, tol)
+        assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32)), (n, tol)
+        assert all(np.array_equal(x, y) for x, y in zip(xs, keep))
+        owned = [x.copy() for x in xs[:-1]] + [xs[-1]]
+        got = karcher_float32(owned, mi, tol, [True] * k + [False])
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+        assert np.array_equal(xs[-1], keep[-1])
+
+
+def test_karcher_full_read_edge_cases_bit_for_bit() -> None:
+    """Shapes kept; an input given twice (an omitted expert is the base again), owned or not; a zero input
+    (left out); inputs whose mean is 0 (the loop starts from the first); every input below tol (zeros)."""
+    xs = _karcher_inputs(300 * 7, 4, 7, [0.1])
+    shaped = [x.reshape(300, 7) for x in xs]
+    want = torch_karcher_float32(shaped, 10, 1e-5)
+    got = karcher_float32(shaped, 10, 1e-5)
+    assert got.shape == (300, 7) and np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    base = xs[-1]
+    keep = base.copy()
+    for owned in (None, [False, True, False, False, False]):
+        ins = [xs[0].copy(), base, xs[2].copy(), base, base]
+        got = karcher_float32(ins, 10, 1e-5, owned)
+        want = torch_karcher_float32([xs[0], keep, xs[2], keep, keep], 10, 1e-5)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)) and np.array_equal(base, keep)
+    zero = np.zeros_like(base)
+    for ins in ([xs[0], zero, xs[1], base], [xs[0], -xs[0]], [xs[1], -xs[1], xs[2]], [zero, zero]):
+        want = torch_karcher_float32(ins, 10, 1e-5)
+        got = karcher_float32(ins, 10, 1e-5)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
 def test_omitted_expert_tensor_is_the_base() -> None:

@@ -113,3 +113,99 @@ def test_no_row_read_gives_the_base_plus_zero() -> None:
     base, selected, deltas = _case(6)
     got = _run(base, [(), (), (), ()], deltas, 0.5, full=False)
     assert np.array_equal(_bits(got), _bits(base + np.float32(0.0)))
+
+
+# -- the kernels' formula (numba) against torch's on arrays past the torch-computed last columns ---------------
+
+
+def _op(topk: float, n_experts: int):
+    return make_operator("sce", [ExpertParams(f"e{k}") for k in range(n_experts)], options={"select_topk": topk})
+
+
+def _deltas(seed: int, n_experts: int, n: int) -> list[np.ndarray]:
+    g = np.random.default_rng(seed)
+    ds = []
+    for _ in range(n_experts):
+        d = (g.standard_normal(n) * 10.0 ** g.integers(-4, 1, n)).astype(np.float32)
+        d[g.integers(0, n, n // 10)] = 0.0
+        d[g.integers(0, n, 20)] = -0.0
+        ds.append(d)
+    ds[1][::7] = -ds[0][::7]  # cancelling pairs
+    return ds
+
+
+@pytest.mark.parametrize("n", [5000, 70_001])  # sorted / radix-selected threshold
+@pytest.mark.parametrize("topk", [0.5, 0.1, 0.999])
+def test_selection_is_torch_topk_without_ties(n, topk) -> None:
+    ds = _deltas(n, 6, n)
+    var = torch.var(torch.stack([torch.from_numpy(d) for d in ds]), dim=0, unbiased=False)
+    k = int(int(torch.count_nonzero(var)) * topk)
+    want = np.zeros(n, np.uint8)
+    want[torch.topk(var.abs(), k).indices.numpy()] = 1
+    cut = var.abs().numpy()[want == 1].min()
+    assert int((var.abs().numpy() == cut).sum()) == 1  # no tie at the cut: torch's choice is then unique
+    got = _op(topk, len(ds))._keep(ds)
+    assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("n", [3000, 50_000])
+@pytest.mark.parametrize("n_tied", [150, 400, 1])  # tied values kept: some, all, one
+def test_selection_with_ties_at_the_cut_is_torch_topk(n, n_tied) -> None:
+    """Variances equal to the k-th largest: all of them kept when the cut falls at their end (no torch.topk),
+    torch.topk's own choice among them when it falls inside."""
+    g = np.random.default_rng(n)
+    a = (g.standard_normal(n) * 0.01).astype(np.float32)
+    tied = np.sort(g.choice(n, 400, replace=False))
+    a[tied] = 0.005  # Δ = ±a over two experts: var = a² exactly, the same for these
+    ds = [a, -a]
+    var = torch.var(torch.stack([torch.from_numpy(d) for d in ds]), dim=0, unbiased=False)
+    t = var[tied[0]]
+    k = int((var > t).sum()) + n_tied
+    topk = (k + 0.5) / int(torch.count_nonzero(var))
+    assert int(int(torch.count_nonzero(var)) * topk) == k
+    want = np.zeros(n, np.uint8)
+    want[torch.topk(var.abs(), k).indices.numpy()] = 1
+    got = _op(topk, 2)._keep(ds)
+    assert int(got.sum()) == k and np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("data", ["near", "grid"])
+def test_abs_var_is_torch_var_bit_for_bit(data) -> None:
+    """Where float64 rounding shows through the float32 result: near-equal values (a two-pass variance differs
+    from torch's Welford there) and values on a grid (so does a Welford dividing by multiplying by 1/n)."""
+    from mergepipe_db.kernels import merge as kern
+
+    g = np.random.default_rng(11)
+    n = 100_000
+    if data == "near":
+        c = g.standard_normal(n).astype(np.float32)
+        ds = [(c * (1 + g.standard_normal(n) * 10.0 ** g.integers(-7, 0, n))).astype(np.float32) for _ in range(8)]
+    else:
+        ds = [g.integers(-1000, 1000, n).astype(np.float32) * np.float32(2**-20) for _ in range(8)]
+    ds[2][::97] = np.inf
+    ds[3][::89] = np.nan
+    ds[4][::5] = ds[5][::5]
+    want = torch.var(torch.stack([torch.from_numpy(d) for d in ds]), dim=0, unbiased=False).abs().numpy()
+    got = np.empty(n, np.float32)
+    nonzero = kern.sce_abs_var(got, kern.pack(ds), len(ds))
+    assert np.array_equal(_bits(got), _bits(want))
+    assert nonzero == int(np.count_nonzero(want))
+
+
+@pytest.mark.parametrize("n_experts", [3, 8])
+@pytest.mark.parametrize("topk", [0.5, 1.0, 0.0])
+@pytest.mark.parametrize("shape", [(300, 1037), (64 * 100 + 37,)])
+def test_whole_tensor_is_the_torch_formula_bit_for_bit(shape, topk, n_experts) -> None:
+    n = int(np.prod(shape))
+    ds = [d.reshape(shape) for d in _deltas(n + n_experts, n_experts, n)]
+    base = np.random.default_rng(n).standard_normal(shape).astype(np.float32)
+    base.flat[::101] = -0.0
+    ctx = TensorContext(name="w", shape=shape, rows_per_block=shape[0], n_blocks=1, seed=0)
+    op = _op(topk, n_experts)
+    op.begin(base, ctx)
+    for k, d in enumerate(ds):
+        op.add(ExpertInput.from_delta(k, None, (0,), True, delta=d))
+    got = op.finish()
+    tvs = torch.stack([torch.from_numpy(d).reshape(-1) for d in ds])
+    want = lit_sce(torch.from_numpy(base).reshape(-1), tvs, topk, n).reshape(shape)
+    assert np.array_equal(_bits(got), _bits(want))

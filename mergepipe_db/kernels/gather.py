@@ -1,0 +1,198 @@
+"""Kernels (numba) of the whole-tensor methods (`operators/gather.py`: ram, ramplus_tl, arcee_fusion; the
+gathered inputs of every `GatherFold`).
+
+Each does, per element, the float32 operations of the operator's numpy/torch formula in the same order (no
+fast-math: nothing reassociated or contracted), so results are identical bit for bit; counts are integers.
+Loops run over tiles of zero-based slices so LLVM vectorizes them. All kernels release the GIL.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from mergepipe_db.kernels.float_bits import bits_to_f32, f32_to_bits, widen
+
+_TILE = 1024  # elements per tile: a tile's count and accumulator stay in L1 across the experts
+_SIGN = np.uint32(0x80000000)
+
+
+@numba.njit(cache=True, nogil=True)
+def gather_delta(out: np.ndarray, base: np.ndarray, raw: np.ndarray, ranges: np.ndarray) -> None:
+    """out = Δ = θ_k − θ₀ on the selected element `ranges` of θ_k's stored values `raw` (flat), 0.0 elsewhere."""
+    zero = np.float32(0.0)
+    prev = 0
+    for r in range(ranges.shape[0]):
+        s, e = ranges[r, 0], ranges[r, 1]
+        out[prev:s] = zero
+        o, b, x = out[s:e], base[s:e], raw[s:e]
+        for i in range(e - s):
+            o[i] = widen(x[i]) - b[i]
+        prev = e
+    out[prev:] = zero
+
+
+@numba.njit(cache=True, nogil=True)
+def gather_theta(out: np.ndarray, base: np.ndarray, raw: np.ndarray, ranges: np.ndarray) -> None:
+    """out = θ_k: the stored values `raw` (flat) on the selected element `ranges`, θ₀ elsewhere."""
+    prev = 0
+    for r in range(ranges.shape[0]):
+        s, e = ranges[r, 0], ranges[r, 1]
+        out[prev:s] = base[prev:s]
+        o, x = out[s:e], raw[s:e]
+        for i in range(e - s):
+            o[i] = widen(x[i])
+        prev = e
+    out[prev:] = base[prev:]
+
+
+@numba.njit(cache=True, nogil=True)
+def _ram_tile_counts(cnt: np.ndarray, deltas: np.ndarray, s: int, m: int, eps: np.float32) -> None:
+    """cnt[:m] = c = Σ_k (|Δ_k| > ε) over elements s..s+m."""
+    cnt[:m] = 0
+    for k in range(deltas.shape[0]):
+        d = deltas[k, s:s + m]
+        for t in range(m):
+            cnt[t] += np.int32(abs(d[t]) > eps)
+
+
+@numba.njit(cache=True, nogil=True)
+def ram_counts(deltas: np.ndarray, eps: np.float32, shared: np.ndarray, unique: np.ndarray) -> None:
+    """ramplus_tl's counts of expert k (`deltas`: (K, n) float32): shared[k] += #(|Δ_k| > ε and c > 1),
+    unique[k] += #(|Δ_k| > ε and c == 1), with c = Σ_k (|Δ_k| > ε)."""
+    n = deltas.shape[1]
+    cnt = np.empty(_TILE, np.int32)
+    for s in range(0, n, _TILE):
+        m = min(_TILE, n - s)
+        _ram_tile_counts(cnt, deltas, s, m, eps)
+        for k in range(deltas.shape[0]):
+            d = deltas[k, s:s + m]
+            sh = 0
+            un = 0
+            for t in range(m):
+                nz = abs(d[t]) > eps
+                sh += np.int64(nz & (cnt[t] > 1))
+                un += np.int64(nz & (cnt[t] == 1))
+            shared[k] += sh
+            unique[k] += un
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")  # no zero-division check: the loop vectorizes
+def ram_combine(out: np.ndarray, base: np.ndarray, deltas: np.ndarray, eps: np.float32, lam: np.ndarray) -> None:
+    """out = θ₀ + Σ_k (z_k·unique·λ_k + (z_k·overlap) / float32(max(c, 1))), summed in expert order into +0.0,
+    with z_k = where(|Δ_k| > ε, Δ_k, 0.0), unique = (c == 1), overlap = (c > 1) as 1.0/0.0 factors (`deltas`:
+    (K, n) float32; `lam`: float32 λ_k, 1.0 for ram)."""
+    n = deltas.shape[1]
+    zero = np.float32(0.0)
+    one = np.float32(1.0)
+    cnt = np.empty(_TILE, np.int32)
+    den = np.empty(_TILE, np.float32)
+    acc = np.empty(_TILE, np.float32)
+    for s in range(0, n, _TILE):
+        m = min(_TILE, n - s)
+        _ram_tile_counts(cnt, deltas, s, m, eps)
+        for t in range(m):
+            den[t] = np.float32(max(cnt[t], 1))
+            acc[t] = zero
+        for k in range(deltas.shape[0]):
+            d = deltas[k, s:s + m]
+            w = lam[k]
+            for t in range(m):
+                z = d[t] if abs(d[t]) > eps else zero
+                u = z * (one if cnt[t] == 1 else zero) * w
+                acc[t] = acc[t] + (u + (z * (one if cnt[t] > 1 else zero)) / den[t])
+        o, b = out[s:s + m], base[s:s + m]
+        for t in range(m):
+            o[t] = b[t] + acc[t]
+
+
+@numba.njit(cache=True, nogil=True)
+def fusion_importance(out: np.ndarray, theta0: np.ndarray, theta1: np.ndarray, kl: np.ndarray) -> bool:
+    """out = |θ_1 − θ₀| · kl[row] (flat, rows of ``len(out) // len(kl)`` elements); False when some value is
+    NaN."""
+    rn = out.shape[0] // kl.shape[0]
+    ok = True
+    for r in range(kl.shape[0]):
+        s = r * rn
+        o, a, b = out[s:s + rn], theta0[s:s + rn], theta1[s:s + rn]
+        w = kl[r]
+        for i in range(rn):
+            v = abs(b[i] - a[i]) * w
+            o[i] = v
+            ok &= v == v
+    return ok
+
+
+@numba.njit(inline="always")
+def _order_key(x: np.float32) -> np.uint32:
+    """A float32's bit pattern mapped so that unsigned order is numeric order (-0.0 just below +0.0; no NaN)."""
+    b = f32_to_bits(x)
+    return b ^ np.uint32(0xFFFFFFFF) if b & _SIGN else b | _SIGN
+
+
+@numba.njit(inline="always")
+def _from_order_key(key: np.uint32) -> np.float32:
+    return bits_to_f32(key ^ _SIGN if key & _SIGN else key ^ np.uint32(0xFFFFFFFF))
+
+
+@numba.njit(cache=True, nogil=True)
+def _locate(hist: np.ndarray, k: int) -> tuple[int, int]:
+    """(bin, count below it) of the k-th smallest item (0-based) of a histogram over increasing keys."""
+    seen = 0
+    for h in range(hist.shape[0]):
+        if seen + hist[h] > k:
+            return h, seen
+        seen += hist[h]
+    return -1, seen
+
+
+_ROWS = 4  # interleaved counter rows: runs of equal values (zero importances) do not wait on one counter
+_ROWS_MIN = 1 << 18  # below this many elements one row: clearing and summing the rows would dominate
+
+
+@numba.njit(cache=True, nogil=True)
+def kth_smallest(a: np.ndarray, ks: np.ndarray, out: np.ndarray) -> None:
+    """out[j] = the ks[j]-th smallest (0-based) of the float32 values `a` (no NaN): the value at ks[j] of the
+    ascending sort, by radix select on order keys: one pass counts their top 16 bits and locates each ks[j]'s
+    prefix, a second counts the low 16 bits of the keys with one of those (distinct) prefixes."""
+    n = a.shape[0]
+    sixteen = np.uint32(16)
+    low_mask = np.uint32(0xFFFF)
+    rows = _ROWS if n >= _ROWS_MIN else 1
+    counts = np.zeros((rows, 1 << 16), np.int64)
+    for i in range(n):
+        counts[i & (rows - 1), _order_key(a[i]) >> sixteen] += 1
+    high = counts.sum(axis=0)
+    nk = ks.shape[0]
+    prefixes = np.empty(nk, np.uint32)  # distinct prefixes, ascending (ks ascending)
+    which = np.empty(nk, np.int64)
+    below = np.empty(nk, np.int64)
+    m = 0
+    for j in range(nk):
+        h, seen = _locate(high, ks[j])
+        if m == 0 or prefixes[m - 1] != np.uint32(h):
+            prefixes[m] = np.uint32(h)
+            m += 1
+        which[j] = m - 1
+        below[j] = seen
+    low = np.zeros((rows, m, 1 << 16), np.int64)
+    for i in range(n):
+        key = _order_key(a[i])
+        top = key >> sixteen
+        for p in range(m):
+            if top == prefixes[p]:
+                low[i & (rows - 1), p, key & low_mask] += 1
+    lows = low.sum(axis=0)
+    for j in range(nk):
+        lo, _ = _locate(lows[which[j]], ks[j] - below[j])
+        out[j] = _from_order_key((prefixes[which[j]] << sixteen) | np.uint32(lo))
+
+
+@numba.njit(cache=True, nogil=True)
+def fusion_apply(out: np.ndarray, theta0: np.ndarray, theta1: np.ndarray, importance: np.ndarray,
+                 threshold: np.float32) -> None:
+    """out = θ₀ + (θ_1 − θ₀) · float32(importance >= threshold)."""
+    zero = np.float32(0.0)
+    one = np.float32(1.0)
+    for i in range(out.shape[0]):
+        out[i] = theta0[i] + (theta1[i] - theta0[i]) * (one if importance[i] >= threshold else zero)

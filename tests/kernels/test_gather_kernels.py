@@ -1,0 +1,175 @@
+"""The whole-tensor kernels (`kernels/gather.py`) give the bits of the numpy/torch formulas they replace: the
+gathered Δ_k / θ_k, ram's and ramplus_tl's counts and combination, arcee_fusion's importance, quantiles and
+result (the operator against torch's formula with its sort, on tensors below and above the sampling size)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from mergepipe_db.kernels import gather as kern
+from mergepipe_db.operators import ExpertInput, ExpertParams, TensorContext, make_operator
+from mergepipe_db.operators.fusion import QUANTILE_SAMPLE_SIZE, sample_seed
+
+
+def _bits(a) -> np.ndarray:
+    return np.asarray(a, np.float32).view(np.int32)
+
+
+def _bf16(a: np.ndarray) -> np.ndarray:
+    return (np.asarray(a, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def _widen(u: np.ndarray) -> np.ndarray:
+    return (u.astype(np.uint32) << 16).view(np.float32)
+
+
+@pytest.mark.parametrize("stored", ["bf16", "f32"])
+def test_gathered_delta_and_theta_are_the_stored_values_on_the_ranges_only(stored) -> None:
+    g = np.random.default_rng(1)
+    base = g.standard_normal(1000).astype(np.float32)
+    raw = g.standard_normal(1000).astype(np.float32)
+    raw = _bf16(raw) if stored == "bf16" else raw
+    theta = _widen(raw) if stored == "bf16" else raw
+    ranges = np.array([[0, 10], [100, 350], [900, 990]], np.int64)
+    on = np.zeros(1000, np.bool_)
+    for s, e in ranges:
+        on[s:e] = True
+    raw_junk = raw.copy()
+    raw_junk[~on] = raw_junk[0]  # bytes outside the ranges are never read
+    delta = np.full(1000, np.nan, np.float32)
+    kern.gather_delta(delta, base, raw_junk, ranges)
+    assert np.array_equal(_bits(delta), _bits(np.where(on, theta - base, np.float32(0.0))))
+    out = np.full(1000, np.nan, np.float32)
+    kern.gather_theta(out, base, raw_junk, ranges)
+    assert np.array_equal(_bits(out), _bits(np.where(on, theta, base)))
+
+
+def _ram_numpy(base, deltas, eps, r=None, alpha=None):
+    """The numpy formula the kernels replace (as ram.py had it): bool factors, +0.0-started sum in order."""
+    with np.errstate(all="ignore"):
+        return _ram_numpy_terms(base, deltas, eps, r, alpha)
+
+
+def _ram_numpy_terms(base, deltas, eps, r, alpha):
+    nz = [np.abs(d) > eps for d in deltas]
+    c = np.zeros(base.shape, np.int64)
+    for m in nz:
+        c += m
+    unique, overlap = c == 1, c > 1
+    denom = np.maximum(c, 1).astype(np.float32)
+    acc = np.zeros_like(base)
+    counts = []
+    for d, m in zip(deltas, nz):
+        lam = 1.0
+        if r is not None:
+            shared, uniq = int(np.count_nonzero(m & overlap)), int(np.count_nonzero(m & unique))
+            counts.append((shared, uniq))
+            lam = 1.0 + r * min(max(shared / max(float(uniq), eps), 0.0), alpha)
+        z = np.where(m, d, np.float32(0.0))
+        u = z * unique
+        if lam != 1.0:
+            u = u * np.float32(lam)
+        acc = acc + (u + (z * overlap) / denom)
+    return base + acc, counts
+
+
+@pytest.mark.parametrize("n_experts", [1, 2, 3, 8, 9])
+@pytest.mark.parametrize("eps", [1e-3, 0.0, -1e-3, 0.1])
+def test_ram_kernels_give_the_numpy_formula_bits(n_experts, eps) -> None:
+    g = np.random.default_rng(n_experts)
+    n = 3 * 1024 + 77  # tiles and a tail
+    base = g.standard_normal(n).astype(np.float32)
+    base[:7] = -0.0
+    deltas = np.empty((n_experts, n), np.float32)
+    for k in range(n_experts):
+        d = (g.standard_normal(n) * 0.01).astype(np.float32)
+        d[g.integers(0, n, n // 3)] = 0.0
+        d[g.integers(0, n, 20)] = np.float32(abs(eps)) * g.choice([-1, 1])  # |Δ| == |ε|
+        d[g.integers(0, n, 20)] = np.float32(0.1)  # ε = 0.1: compared in float32, not float64
+        d[g.integers(0, n, 5)] = -0.0
+        d[g.integers(0, n, 3)] = np.inf
+        d[g.integers(0, n, 3)] = np.nan
+        deltas[k] = d
+    r, alpha = 0.3, 5.0
+    for scaled in (False, True) if eps > 0 else (False,):  # ramplus_tl refuses ε <= 0
+        want, counts = _ram_numpy(base, list(deltas), eps, *((r, alpha) if scaled else (None, None)))
+        lam = np.ones(n_experts, np.float32)
+        if scaled:
+            shared = np.zeros(n_experts, np.int64)
+            unique = np.zeros(n_experts, np.int64)
+            kern.ram_counts(deltas, np.float32(eps), shared, unique)
+            assert list(zip(shared.tolist(), unique.tolist())) == counts
+            for k, (sh, un) in enumerate(counts):
+                lam[k] = 1.0 + r * min(max(sh / max(float(un), eps), 0.0), alpha)
+        out = np.empty(n, np.float32)
+        kern.ram_combine(out, base, deltas, np.float32(eps), lam)
+        assert np.array_equal(_bits(out), _bits(want))
+
+
+def test_kth_smallest_is_the_sorted_value() -> None:
+    g = np.random.default_rng(2)
+    cases = {
+        "normal": g.standard_normal(200_000).astype(np.float32),
+        "mostly zeros": np.where(g.random(300_000) < 0.9, np.float32(0.0),
+                                 np.abs(g.standard_normal(300_000)).astype(np.float32) * 1e-9),
+        "signed zeros and tiny": np.concatenate([np.zeros(1000, np.float32), -np.zeros(1000, np.float32),
+                                                 np.array([1e-45, -1e-45, np.inf, -np.inf], np.float32),
+                                                 g.standard_normal(5000).astype(np.float32) * 1e-40]),
+        "all equal": np.full(10_000, np.float32(3.5)),
+        "one": np.array([-2.0], np.float32),
+    }
+    for name, a in cases.items():
+        n = a.size
+        ks = np.array(sorted({int(q * (n - 1)) for q in (0.0, 0.25, 0.5, 0.75, 1.0)} | {n // 2, n // 2 + 1} - {n}),
+                      np.int64)
+        got = np.empty(ks.size, np.float32)
+        kern.kth_smallest(a, ks, got)
+        want = np.sort(a)[ks]
+        assert np.array_equal(got, want), name  # equal values (a zero's sign is the sort's choice)
+
+
+def _arcee_torch(base: np.ndarray, theta: np.ndarray, seed: int, name: str) -> np.ndarray:
+    """arcee_fusion in torch, with the sort (docs/SEMANTICS.md), as fusion.py computed it before the kernels."""
+    t0, t1 = torch.from_numpy(base), torch.from_numpy(theta)
+    diff = (t1 - t0).abs()
+    p = F.softmax(t1, dim=-1) + 1e-8
+    q = F.softmax(t0, dim=-1) + 1e-8
+    kl = torch.sum(p * torch.log(p / q), dim=-1, keepdim=True)
+    importance = diff * kl
+    flat = importance.reshape(-1)
+    if flat.numel() > QUANTILE_SAMPLE_SIZE:
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(sample_seed(seed, name))
+        flat = flat[torch.randint(flat.numel(), (QUANTILE_SAMPLE_SIZE,), generator=gen)]
+    srt, _ = torch.sort(flat)
+    qs = (torch.tensor([0.25, 0.5, 0.75]) * (srt.numel() - 1)).long()
+    q1, median, q3 = srt[qs]
+    threshold = median + 1.5 * (q3 - q1)
+    return (t0 + (t1 - t0) * (importance >= threshold).float()).numpy()
+
+
+@pytest.mark.parametrize("shape,plant", [((300, 64), None), ((40,), None), ((3, 4, 50), None),
+                                         ((200, 64), "equal rows"), ((200, 64), "nan"),
+                                         ((2100, 512), "equal rows")])
+def test_arcee_fusion_gives_the_torch_formula_bits(shape, plant) -> None:
+    torch.set_num_threads(1)
+    g = np.random.default_rng(3)
+    base = _widen(_bf16(g.standard_normal(shape) * 0.02))
+    theta = base + (g.standard_normal(shape) * 0.003).astype(np.float32)
+    theta = _widen(_bf16(theta))  # BF16 rounding: many Δ exactly 0, importance ties at 0
+    if plant == "equal rows":
+        theta.reshape(-1, shape[-1])[::3] = base.reshape(-1, shape[-1])[::3]  # kl = 0: a third of the importances 0
+    elif plant == "nan":
+        theta[5, 7] = np.nan  # a NaN row: torch's sort places NaN last
+    n_rows = shape[0] if len(shape) > 1 else 1
+    ctx = TensorContext(name="w", shape=shape, rows_per_block=n_rows if len(shape) > 1 else 1, n_blocks=1, seed=4)
+    op = make_operator("arcee_fusion", [ExpertParams("e0")])
+    op.begin(base, ctx)
+    op.add(ExpertInput.from_raw(0, None, (0,), True, raw=_bf16(theta)))
+    got = op.finish()
+    assert np.array_equal(_bits(got), _bits(_arcee_torch(base, theta, 4, "w")))
+    if plant is None:
+        assert not np.array_equal(got, base) and not np.array_equal(got, theta)  # the mask keeps some, not all
