@@ -70,18 +70,22 @@ def catalogued_files(catalog) -> tuple[dict[str, set[str]], dict[tuple[str, int]
     return owner, blobs
 
 
-def reads_per_expert(files, calls: list[tuple[str, int, int]], experts: list[str]) -> dict[frozenset, int]:
+def reads_per_expert(files, calls: list[tuple[str, int, int]], experts: list[str],
+                     base_role_bytes: int = 0) -> dict[frozenset, int]:
     """Expert bytes of `calls`, by the files each expert is catalogued with (`catalogued_files`: its files and
     its packed blocks in a block store), keyed by groups of experts: one expert each, unless packed experts
     share a block (one blob in the store, content-addressed), whose reads cannot tell them apart. Reads of the
-    base's files are left out; a read of any other file fails the test."""
+    base's files are left out, unless the base is also merged as an expert: then what they total beyond
+    `base_role_bytes` (its reads as θ₀) is that expert's; a read of any other file fails the test."""
     owner, blobs = files
     merged = set(experts)
     group = {n: frozenset([n]) for n in experts}
     attributed: list[tuple[frozenset, int]] = []
+    base_reads = 0
     for path, offset, n in calls:
         names = owner.get(path) or blobs.get((path, offset), set())
         if names == {"base"}:
+            base_reads += n
             continue
         mine = names & merged
         assert mine, f"read of {n} bytes at {offset} of {path}, a file no merged expert is catalogued with ({names})"
@@ -93,13 +97,15 @@ def reads_per_expert(files, calls: list[tuple[str, int, int]], experts: list[str
     out: dict[frozenset, int] = {g: 0 for g in group.values()}
     for names, n in attributed:
         out[group[next(iter(names))]] += n
+    if "base" in merged:
+        out[group["base"]] += base_reads - base_role_bytes
     return out
 
 
 def merge_counted(catalog, byte_reads: ReadLog, files, spec: dict, out: Path, budget, **kw):
     """Plan, then merge, counting the expert bytes read at the byte store (`byte_reads`; `files`:
     `catalogued_files`): per expert they must equal the plan's bytes for that expert and the manifest's
-    realized bytes; the base's reads are not counted. Returns (merge result, plan, manifest)."""
+    realized bytes; the base's reads as θ₀ are not counted. Returns (merge result, plan, manifest)."""
     plan = catalog.plan(spec, budget=budget)
     byte_reads.clear()
     res = catalog.merge(spec, out=out, budget=budget, **kw)
@@ -107,7 +113,9 @@ def merge_counted(catalog, byte_reads: ReadLog, files, spec: dict, out: Path, bu
     manifest = json.loads((out / "manifest.json").read_text())["manifest"]
     assert res.plan_hash == plan.plan_hash, f"budget {budget}: planned twice, two plans"
     names = {e.position: e.checkpoint.name for e in plan.experts}
-    counted = reads_per_expert(files, calls, list(names.values()))
+    # the base merged as an expert too (a model listed twice): its files' reads beyond θ₀'s are that expert's;
+    # θ₀'s share is the executor's base counter, so there the split (not the total) is taken from the code
+    counted = reads_per_expert(files, calls, list(names.values()), res.base_bytes)
     planned = dict.fromkeys(counted, 0)
     realized = dict.fromkeys(counted, 0)
     for e in plan.experts:
