@@ -104,6 +104,12 @@ class Draw:
         """The experts the spec merges (a MergeKit-style entry for the base is not one)."""
         return [m["model"] for m in self.spec["models"] if m["model"] != "base"]
 
+    @property
+    def inputs(self) -> list[dict]:
+        """The spec's model entries that are inputs of the merge, in spec order: a MergeKit-style entry for the
+        base is one for linear only (docs/SEMANTICS.md, "Precedence": linear averages every listed model)."""
+        return [m for m in self.spec["models"] if m["model"] != "base" or self.method == "linear"]
+
 
 def _shape(rng: random.Random, itemsize: int, block_bytes: int) -> tuple[int, ...]:
     r = rng.random()
@@ -387,7 +393,7 @@ def rounding_slack(draw: Draw, base: Path, experts: list[Path], given: list[dict
     partial result M (Σ_k |w_k|·|θ_k| / |W| for linear, |θ₀| + |λ|·Σ_k |w_k|·|Δ_k| / |W| for task arithmetic),
     and the deviation compares two such outputs."""
     p = draw.spec["parameters"]
-    weights = [float(m["parameters"]["weight"]) for m in draw.spec["models"] if m["model"] != "base"]
+    weights = [float(m["parameters"]["weight"]) for m in draw.inputs]
     normalize = p.get("normalize", NORMALIZE_DEFAULT[draw.method])
     total = sum(weights)
     div = abs(total) if normalize and abs(total) >= 1e-8 else 1.0
@@ -418,7 +424,7 @@ def zeroed_delta_oracle(draw: Draw, plan, manifest: dict) -> tuple[list[dict[str
     tensor (docs/SEMANTICS.md), which the zeroed reference cannot know. Elsewhere in such a tensor that expert
     contributes T_k = 0 whatever the threshold, so those rows are compared."""
     itemsize = DTYPES[draw.dtype].itemsize
-    selected: list[dict[str, list[tuple[int, int]]]] = [{} for _ in draw.merged]  # by position: spec order
+    selected: list[dict[str, list[tuple[int, int]]]] = [{} for _ in draw.inputs]  # by position: spec order
     for pos, tname, ranges in manifest["access"]:
         blocks = row_blocks(draw.shapes[tname], itemsize, draw.block_bytes)
         rows = selected[pos].setdefault(tname, [])
@@ -443,8 +449,9 @@ def check_case(catalog, tmp_path: Path, seed: int, byte_reads: ReadLog, *, mixed
     catalog.ingest(base, name="base", block_bytes=draw.block_bytes)
     paths, given = catalogue_experts(catalog, draw, tmp_path, base, experts)
     index = {p.name: k for k, p in enumerate(experts)}
-    merged_paths = [paths[index[n]] for n in draw.merged]
-    merged_given = [given[index[n]] for n in draw.merged]
+    names = [m["model"] for m in draw.inputs]  # the base's own entry read from its own files (linear)
+    merged_paths = [base if n == "base" else paths[index[n]] for n in names]
+    merged_given = [None if n == "base" else given[index[n]] for n in names]
     spec = draw.spec
 
     files = catalogued_files(catalog)
@@ -454,12 +461,12 @@ def check_case(catalog, tmp_path: Path, seed: int, byte_reads: ReadLog, *, mixed
     gp = spec["parameters"]
     out_dtype = DTYPES[SPEC_DTYPES[spec["dtype"]]] if "dtype" in spec else None
 
-    expert_keys = [catalog.checkpoint_id(n) for n in draw.merged]
+    expert_keys = [catalog.checkpoint_id(n) for n in names]
 
     def reference(selected_rows=None, coefficients=None):
         return reference_merge(
             draw.method, base, merged_paths,
-            [dict(m.get("parameters") or {}) for m in spec["models"] if m["model"] != "base"],
+            [dict(m.get("parameters") or {}) for m in draw.inputs],
             normalize=gp.get("normalize"), lam=gp.get("lambda", 1.0), t=gp.get("t"), seed=spec["seed"],
             expert_keys=expert_keys, block_bytes=draw.block_bytes, out_dtype=out_dtype, expert_deltas=merged_given,
             selected_rows=selected_rows, coefficients=coefficients)
