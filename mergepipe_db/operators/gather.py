@@ -41,6 +41,9 @@ class GatherFold(MergeOperator):
     option_defaults: ClassVar[dict[str, float]] = {}
     #: record the rows read (`_rows_read`, `_compact`): the formula may run on them alone under a partial selection
     compacts_rows: ClassVar[bool] = False
+    #: every input is copied into its row of `_stacked` at add(): a tensor-granular method (arcee_fusion) may be
+    #: handed inputs read in place, as the others are
+    copies_inputs: ClassVar[bool] = True
 
     def _validate(self) -> None:
         self.params: dict[str, float] = {}

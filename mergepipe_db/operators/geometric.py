@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from mergepipe_db.errors import SpecError
-from mergepipe_db.operators.base import MergeOperator, kernels
+from mergepipe_db.operators.base import MergeOperator
 from mergepipe_db.operators.inputs import ExpertInput
 from mergepipe_db.operators.registry import register
 
@@ -263,22 +263,20 @@ class GramFold(MergeOperator):
 
     def _delta_copy(self, x: ExpertInput, k: int) -> np.ndarray:
         """Δ_k of the tensor (θ_k − θ₀ in float32 on the selected rows, 0 elsewhere) in this operator's reused
-        buffer for input k: from the stored bytes in one pass where they are given (`kernels.merge.delta_into`),
-        else a copy of the input's Δ."""
+        buffer for input k: from the stored values in one pass where the input holds only those
+        (`kernels.gather.gather_delta`, as `GatherFold` fills its rows), else a copy of the input's Δ."""
+        from mergepipe_db.kernels.gather import gather_delta
+
         ctx, base, bflat = self._ctx, self._base, self._bflat
         assert ctx is not None and base is not None and bflat is not None
         out = self.scratch(f"gram_delta{k}", base.size)
-        src = x.fast_source()
-        if src is None:
+        src = x.stored_flat()
+        if src is not None:
+            gather_delta(out, bflat, src, x.element_ranges_array(ctx))
+        else:
             d = x.delta
             assert d is not None
             np.copyto(out, d.reshape(-1), casting="same_kind")
-            return out.reshape(base.shape)
-        ranges = x.element_ranges(ctx)
-        if sum(e - s for s, e in ranges) < base.size:
-            out.fill(0.0)
-        for s, e in ranges:
-            kernels().delta_into(out[s:e], bflat[s:e], src[s:e])
         return out.reshape(base.shape)
 
     def _planned(self) -> tuple[float, list[float]] | None:
