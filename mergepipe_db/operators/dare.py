@@ -1,8 +1,8 @@
 """DARE's seeded random masks: one block's uniforms come from a generator keyed by (seed, expert, tensor, block),
 so a block's mask does not depend on which other blocks are read (docs/SEMANTICS.md).
 
-torch's results are the definition (`torch.rand` of the keyed generator); `dare_uniforms` draws the same bits
-by MT19937 (`mergepipe_db.kernels.torch_rand`) without importing torch. `dare_keep_mask` is the torch reference.
+torch's results are the definition (`torch.rand` of the keyed generator); `dare_uniforms_packed` draws the same
+bits by MT19937 (`mergepipe_db.kernels.torch_rand`) without importing torch. `dare_keep_mask` is the torch reference.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from mergepipe_db.errors import SpecError
 if TYPE_CHECKING:
     from mergepipe_db.operators.base import MergeOperator
 
-__all__ = ["block_seed", "check_mask_keys", "dare_keep_mask", "dare_uniforms"]
+__all__ = ["block_seed", "check_mask_keys", "dare_keep_mask", "dare_uniforms_packed"]
 
 
 def block_seed(seed: int, expert_key: str, tensor_name: str, block_index: int) -> int:
@@ -35,19 +35,12 @@ def _block_generator(seed: int, expert_key: str, tensor_name: str, block_index: 
     return g
 
 
-def dare_uniforms(seed: int, expert_key: str, tensor_name: str, block_index: int, out: np.ndarray) -> None:
-    """One block's uniforms, ``torch.rand(out.size)`` of its keyed generator, into `out` (flat float32),
-    drawn by `kernels.torch_rand.torch_rand_into` (the same bits, ~10× faster than torch's element-by-element loop)."""
-    from mergepipe_db.kernels.torch_rand import torch_rand_into
-
-    torch_rand_into(block_seed(seed, expert_key, tensor_name, block_index), out)
-
-
 def dare_uniforms_packed(seed: int, expert_key: str, tensor_name: str, blocks: list[tuple[int, int]],
                          out: np.ndarray) -> np.ndarray:
-    """`dare_uniforms` of several blocks, drawn in parallel (`kernels.torch_rand.torch_rand_blocks_into`), packed
-    one after another into the flat float32 `out` in the order of `blocks` ((block index, element count) pairs);
-    returns each block's start offset in `out` (int64, one more entry: the end)."""
+    """Several blocks' uniforms, each ``torch.rand(n)`` of its keyed generator, drawn in parallel by MT19937
+    (`kernels.torch_rand.torch_rand_blocks_into`: the same bits, ~10× faster than torch's loop), packed one after
+    another into the flat float32 `out` in the order of `blocks` ((block index, element count) pairs); returns each
+    block's start offset in `out` (int64, one more entry: the end)."""
     from mergepipe_db.kernels.torch_rand import torch_rand_blocks_into
 
     bounds = np.zeros(len(blocks) + 1, np.int64)
