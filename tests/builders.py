@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 from conftest import BLOCK
 from reference_merge import reference_merge
 from safetensors.torch import save_file
 
 from mergepipe_db import Catalog
+from mergepipe_db.operators import ExpertInput, ExpertParams, TensorContext, make_operator
 from mergepipe_db.sources.lora import lora_scale
 
 P = "base_model.model."  # the key prefix of a PEFT adapter's tensors
@@ -121,3 +123,21 @@ def byte_ranges(plan) -> dict:
                 ranges.append([r.offset, r.offset + r.nbytes])
         out[key] = ranges
     return out
+
+
+def fold_deltas(method: str, base: np.ndarray, selected, deltas, options: dict, *, full: bool,
+                rows_per_block: int) -> np.ndarray:
+    """One tensor ("w", θ₀ = `base`) merged by `method` straight through its operator: expert k given as its Δ
+    (`deltas[k]`) on its `selected[k]` blocks (none: nothing read). Returns a copy of the result."""
+    n_blocks = -(-base.shape[0] // rows_per_block)
+    ctx = TensorContext(name="w", shape=base.shape, rows_per_block=rows_per_block, n_blocks=n_blocks, seed=0)
+    op = make_operator(method, [ExpertParams(f"e{k}") for k in range(len(deltas))], options=options)
+    op.begin(base, ctx)
+    for k, (blocks, d) in enumerate(zip(selected, deltas)):
+        op.add(ExpertInput.from_delta(k, None, blocks, full, delta=d if blocks else None))
+    return op.finish().copy()
+
+
+def f32_bits(a) -> np.ndarray:
+    """The float32 bit patterns of `a` (int32), for bit-for-bit comparisons."""
+    return np.asarray(a, np.float32).view(np.int32)

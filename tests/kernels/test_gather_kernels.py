@@ -8,14 +8,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
+from builders import f32_bits
 
 from mergepipe_db.kernels import gather as kern
 from mergepipe_db.operators import ExpertInput, ExpertParams, TensorContext, make_operator
 from mergepipe_db.operators.fusion import QUANTILE_SAMPLE_SIZE, sample_seed
-
-
-def _bits(a) -> np.ndarray:
-    return np.asarray(a, np.float32).view(np.int32)
 
 
 def _bf16(a: np.ndarray) -> np.ndarray:
@@ -41,10 +38,10 @@ def test_gathered_delta_and_theta_are_the_stored_values_on_the_ranges_only(store
     raw_junk[~on] = raw_junk[0]  # bytes outside the ranges are never read
     delta = np.full(1000, np.nan, np.float32)
     kern.gather_delta(delta, base, raw_junk, ranges)
-    assert np.array_equal(_bits(delta), _bits(np.where(on, theta - base, np.float32(0.0))))
+    assert np.array_equal(f32_bits(delta), f32_bits(np.where(on, theta - base, np.float32(0.0))))
     out = np.full(1000, np.nan, np.float32)
     kern.gather_theta(out, base, raw_junk, ranges)
-    assert np.array_equal(_bits(out), _bits(np.where(on, theta, base)))
+    assert np.array_equal(f32_bits(out), f32_bits(np.where(on, theta, base)))
 
 
 def _ram_numpy(base, deltas, eps, r=None, alpha=None):
@@ -78,7 +75,7 @@ def _ram_numpy_terms(base, deltas, eps, r, alpha):
 
 @pytest.mark.parametrize("n_experts", [1, 2, 3, 8, 9])
 @pytest.mark.parametrize("eps", [1e-3, 0.0, -1e-3, 0.1])
-def test_ram_kernels_give_the_numpy_formula_bits(n_experts, eps) -> None:
+def test_ram_kernels_give_the_numpy_formulaf32_bits(n_experts, eps) -> None:
     g = np.random.default_rng(n_experts)
     n = 3 * 1024 + 77  # tiles and a tail
     base = g.standard_normal(n).astype(np.float32)
@@ -106,7 +103,7 @@ def test_ram_kernels_give_the_numpy_formula_bits(n_experts, eps) -> None:
                 lam[k] = 1.0 + r * min(max(sh / max(float(un), eps), 0.0), alpha)
         out = np.empty(n, np.float32)
         kern.ram_combine(out, base, deltas, np.float32(eps), lam)
-        assert np.array_equal(_bits(out), _bits(want))
+        assert np.array_equal(f32_bits(out), f32_bits(want))
 
 
 def test_kth_smallest_is_the_sorted_value() -> None:
@@ -154,7 +151,7 @@ def _arcee_torch(base: np.ndarray, theta: np.ndarray, seed: int, name: str) -> n
 @pytest.mark.parametrize("shape,plant", [((300, 64), None), ((40,), None), ((3, 4, 50), None),
                                          ((200, 64), "equal rows"), ((200, 64), "nan"),
                                          ((2100, 512), "equal rows")])
-def test_arcee_fusion_gives_the_torch_formula_bits(shape, plant) -> None:
+def test_arcee_fusion_gives_the_torch_formulaf32_bits(shape, plant) -> None:
     torch.set_num_threads(1)
     g = np.random.default_rng(3)
     base = _widen(_bf16(g.standard_normal(shape) * 0.02))
@@ -170,6 +167,6 @@ def test_arcee_fusion_gives_the_torch_formula_bits(shape, plant) -> None:
     op.begin(base, ctx)
     op.add(ExpertInput.from_raw(0, None, (0,), True, raw=_bf16(theta)))
     got = op.finish()
-    assert np.array_equal(_bits(got), _bits(_arcee_torch(base, theta, 4, "w")))
+    assert np.array_equal(f32_bits(got), f32_bits(_arcee_torch(base, theta, 4, "w")))
     if plant is None:
         assert not np.array_equal(got, base) and not np.array_equal(got, theta)  # the mask keeps some, not all

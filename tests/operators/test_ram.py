@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from builders import f32_bits, fold_deltas
 
-from mergepipe_db.operators import ExpertInput, ExpertParams, TensorContext, make_operator
 from mergepipe_db.operators.ram import RamFold
 
 SHAPE, RPB = (40, 24), 4  # 10 blocks of 4 rows
@@ -58,16 +58,7 @@ def _case(seed: int, eps: float, selected=SELECTED):
 
 
 def _run(method, base, selected, deltas, opts, full):
-    ctx = TensorContext(name="w", shape=SHAPE, rows_per_block=RPB, n_blocks=10, seed=0)
-    op = make_operator(method, [ExpertParams(f"e{k}") for k in range(len(deltas))], options=opts)
-    op.begin(base, ctx)
-    for k, (blocks, d) in enumerate(zip(selected, deltas)):
-        op.add(ExpertInput.from_delta(k, None, blocks, full, delta=d if blocks else None))
-    return op.finish().copy()
-
-
-def _bits(a) -> np.ndarray:
-    return np.asarray(a, np.float32).view(np.int32)
+    return fold_deltas(method, base, selected, deltas, opts, full=full, rows_per_block=RPB)
 
 
 CASES = [("ram", {"epsilon": 1e-3}), ("ram", {"epsilon": 0.0}), ("ram", {"epsilon": -1e-3}),
@@ -97,13 +88,13 @@ def test_partial_selection_gives_the_whole_tensor_bytes(method, opts, monkeypatc
     read = _rows({b for s in SELECTED for b in s})
     assert sizes == [len(read) * SHAPE[1]]  # the formula ran on the rows read only
     want = _want(method, opts, base, deltas)
-    assert np.array_equal(_bits(got), _bits(want))
-    assert _bits(got[9, 3]) == 0 and _bits(got[20, 3]) == 0  # -0.0 + 0.0 on an omitted row
+    assert np.array_equal(f32_bits(got), f32_bits(want))
+    assert f32_bits(got[9, 3]) == 0 and f32_bits(got[20, 3]) == 0  # -0.0 + 0.0 on an omitted row
     # the full selection (today's whole-tensor path) gives the same bytes
     sizes.clear()
     full = _run(method, base, SELECTED, deltas, opts, full=True)
     assert sizes == [base.size]
-    assert np.array_equal(_bits(full), _bits(got))
+    assert np.array_equal(f32_bits(full), f32_bits(got))
 
 
 def test_one_expert_partial_selection_matches_the_whole_tensor() -> None:
@@ -111,7 +102,7 @@ def test_one_expert_partial_selection_matches_the_whole_tensor() -> None:
     base, deltas = _case(7, 1e-3, selected)
     opts = {"epsilon": 1e-3, "r": 0.5, "alpha": 10.0}
     got = _run("ramplus_tl", base, selected, deltas, opts, full=False)
-    assert np.array_equal(_bits(got), _bits(_want("ramplus_tl", opts, base, deltas)))
+    assert np.array_equal(f32_bits(got), f32_bits(_want("ramplus_tl", opts, base, deltas)))
 
 
 @pytest.mark.parametrize("eps", [0.0, -1e-3])
@@ -130,4 +121,4 @@ def test_no_row_read_gives_the_base_plus_zero(method, opts) -> None:
     base, deltas = _case(6, opts["epsilon"])
     none = [(), (), (), ()]
     got = _run(method, base, none, [np.zeros(SHAPE, np.float32)] * 4, opts, full=False)
-    assert np.array_equal(_bits(got), _bits(base + np.float32(0.0)))
+    assert np.array_equal(f32_bits(got), f32_bits(base + np.float32(0.0)))

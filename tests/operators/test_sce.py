@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from builders import f32_bits, fold_deltas
 
 from mergepipe_db.operators import ExpertInput, ExpertParams, TensorContext, make_operator
 
@@ -58,16 +59,7 @@ def _case(seed: int, big: float | None = None):
 
 
 def _run(base, selected, deltas, topk, full):
-    ctx = TensorContext(name="w", shape=SHAPE, rows_per_block=RPB, n_blocks=10, seed=0)
-    op = make_operator("sce", [ExpertParams(f"e{k}") for k in range(len(deltas))], options={"select_topk": topk})
-    op.begin(base, ctx)
-    for k, (blocks, d) in enumerate(zip(selected, deltas)):
-        op.add(ExpertInput.from_delta(k, None, blocks, full, delta=d if blocks else None))
-    return op.finish().copy()
-
-
-def _bits(a) -> np.ndarray:
-    return np.asarray(a, np.float32).view(np.int32)
+    return fold_deltas("sce", base, selected, deltas, {"select_topk": topk}, full=full, rows_per_block=RPB)
 
 
 @pytest.mark.parametrize("topk", [0.5, 0.0, 1.0, 0.1])
@@ -79,12 +71,12 @@ def test_partial_selection_is_the_formula_on_the_rows_read(topk) -> None:
     tvs = torch.stack([torch.from_numpy(d) for d in deltas])
     want = b + 0.0
     want[rows] = lit_sce(b[rows].flatten(), tvs[:, rows].reshape(len(deltas), -1), topk, base.size).reshape(-1, 24)
-    assert np.array_equal(_bits(got), _bits(want))
+    assert np.array_equal(f32_bits(got), f32_bits(want))
     # the omitted rows are the whole-tensor formula's (today's) bytes: θ₀ + 0.0, -0.0 there becomes +0.0
     whole = lit_sce(b.flatten(), tvs.reshape(len(deltas), -1), topk, base.size).reshape(SHAPE)
     omitted = [r for r in range(SHAPE[0]) if r not in rows]
-    assert np.array_equal(_bits(got[omitted]), _bits(whole[omitted]))
-    assert _bits(got[9, 3]) == 0 and _bits(got[20, 3]) == 0
+    assert np.array_equal(f32_bits(got[omitted]), f32_bits(whole[omitted]))
+    assert f32_bits(got[9, 3]) == 0 and f32_bits(got[20, 3]) == 0
     assert np.allclose(got, whole.numpy(), rtol=0, atol=1e-6)
 
 
@@ -95,7 +87,7 @@ def test_full_selection_is_the_whole_tensor_formula(topk) -> None:
     got = _run(base, selected, deltas, topk, full=True)
     tvs = torch.stack([torch.from_numpy(d) for d in deltas]).reshape(len(deltas), -1)
     want = lit_sce(torch.from_numpy(base).flatten(), tvs, topk, base.size).reshape(SHAPE)
-    assert np.array_equal(_bits(got), _bits(want))
+    assert np.array_equal(f32_bits(got), f32_bits(want))
 
 
 def test_omitted_rows_follow_the_formula_when_the_weights_overflow() -> None:
@@ -112,7 +104,7 @@ def test_omitted_rows_follow_the_formula_when_the_weights_overflow() -> None:
 def test_no_row_read_gives_the_base_plus_zero() -> None:
     base, selected, deltas = _case(6)
     got = _run(base, [(), (), (), ()], deltas, 0.5, full=False)
-    assert np.array_equal(_bits(got), _bits(base + np.float32(0.0)))
+    assert np.array_equal(f32_bits(got), f32_bits(base + np.float32(0.0)))
 
 
 # -- the kernels' formula (numba) against torch's on arrays past the torch-computed last columns ---------------
@@ -188,7 +180,7 @@ def test_abs_var_is_torch_var_bit_for_bit(data) -> None:
     want = torch.var(torch.stack([torch.from_numpy(d) for d in ds]), dim=0, unbiased=False).abs().numpy()
     got = np.empty(n, np.float32)
     nonzero = kern.sce_abs_var(got, kern.pack(ds), len(ds))
-    assert np.array_equal(_bits(got), _bits(want))
+    assert np.array_equal(f32_bits(got), f32_bits(want))
     assert nonzero == int(np.count_nonzero(want))
 
 
@@ -208,4 +200,4 @@ def test_whole_tensor_is_the_torch_formula_bit_for_bit(shape, topk, n_experts) -
     got = op.finish()
     tvs = torch.stack([torch.from_numpy(d).reshape(-1) for d in ds])
     want = lit_sce(torch.from_numpy(base).reshape(-1), tvs, topk, n).reshape(shape)
-    assert np.array_equal(_bits(got), _bits(want))
+    assert np.array_equal(f32_bits(got), f32_bits(want))
