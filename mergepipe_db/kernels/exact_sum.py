@@ -3,12 +3,13 @@ in which they are added or how they are split (blocks, tiles, chunks).
 
 A superaccumulator: a float32 is an integer mantissa M (< 2^24, the implicit bit included) times
 2^(max(e, 1) - 150), e its biased exponent. Values are taken a tile (`TILE`) at a time: those whose exponent
-is within `SPAN` of the tile's largest are added as M << (e - base) into one int64 (24 + 28 + 11 bits: no
-overflow), in a loop that vectorizes; that total is then deposited into the int64 bins (one per exponent step,
-`BINS`) as three 24-bit pieces; the rare smaller values, and tiles holding an inf or NaN, are added one by one
-(±M into the bin of their exponent). Each addition to a bin is below 2^24, so 2^39 of them fit: `ExactSum`
-moves the bins into a Python int before `SPILL_EVERY` values have been added. The final value is that integer
-over 2^150, one correctly rounded division (CPython's int true division).
+is within `SPAN64` of the tile's largest are multiples of 2^(base - 150) below 2^(base - 150 + 42), so their
+float64 sum is exact in any order (24 + 18 + 11 bits: every partial sum is an integer multiple below 2^53), in
+a loop that vectorizes; that total, as an integer, is then deposited into the int64 bins (one per exponent
+step, `BINS`) as three 24-bit pieces; the rare smaller values, and tiles holding an inf or NaN, are added one
+by one (±M into the bin of their exponent). Each addition to a bin is below 2^24, so 2^39 of them fit:
+`ExactSum` moves the bins into a Python int before `SPILL_EVERY` values have been added. The final value is
+that integer over 2^150, one correctly rounded division (CPython's int true division).
 
 inf and NaN are counted apart, and end the sum as numpy's ``np.sum(..., dtype=float64)`` does: NaN if a NaN or
 both infinities were added, else the infinity added. The kernels add with `add`, inlined into theirs
@@ -34,7 +35,7 @@ _NAN, _PINF, _NINF = LANES * BINS, LANES * BINS + 1, LANES * BINS + 2
 SIZE = LANES * BINS + 3  #: int64 words of one accumulator: LANES × BINS mantissa sums, then NaN, +inf, -inf counts
 SPILL_EVERY = 1 << 37  #: values added before the bins are moved into a Python int (each adds at most twice)
 TILE = 2048  #: values summed in one int64 before they reach the bins
-SPAN = 28  #: exponents below a tile's largest that its int64 takes (2^(24 + 28 + 11) < 2^63)
+SPAN64 = 18  #: exponents below a tile's largest that its float64 sums take exactly (2^(24 + 18 + 11) = 2^53)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -67,9 +68,32 @@ def _deposit(acc: np.ndarray, base: int, total: np.int64) -> None:
             acc[base + 24 * j] += -piece if neg else piece
 
 
+@numba.njit(cache=True, nogil=True, fastmath={"reassoc"})
+def _tile_sums(a: np.ndarray, flag: np.ndarray, low: np.uint32) -> tuple[float, float, int]:
+    """(Σ a[flag], Σ a[~flag], how many were left out) over the values whose magnitude pattern is at least
+    `low`, in float64. Exact in any order (see `add_split`), so the sums may be reassociated ("reassoc":
+    the loop vectorizes); nothing else in this function can be reassociated or contracted."""
+    s_in = 0.0
+    s_out = 0.0
+    missed = 0
+    for i in range(a.shape[0]):
+        ok = (f32_to_bits(a[i]) & np.uint32(0x7FFFFFFF)) >= low
+        v = np.float64(a[i]) if ok else 0.0
+        f = flag[i]
+        s_in += v if f else 0.0
+        s_out += 0.0 if f else v
+        missed += not ok
+    return s_in, s_out, missed
+
+
 @numba.njit(cache=True, nogil=True)
 def add_split(acc_in: np.ndarray, acc_out: np.ndarray, a: np.ndarray, flag: np.ndarray) -> None:
-    """acc_in += Σ a[flag], acc_out += Σ a[~flag], exactly (at most `TILE` values; the two may be one array)."""
+    """acc_in += Σ a[flag], acc_out += Σ a[~flag], exactly (at most `TILE` values; the two may be one array).
+
+    The tile's values within `SPAN64` exponents of its largest are multiples of 2^(base - 150) below
+    2^(base - 150 + 42), so any partial sum of at most 2^11 of them is an integer multiple of it below 2^53:
+    their float64 sum is exact in any order (`_tile_sums`), and is deposited as that integer. The smaller ones
+    (rare) are added one by one."""
     n = a.shape[0]
     top = np.uint32(0)
     for i in range(n):
@@ -79,31 +103,16 @@ def add_split(acc_in: np.ndarray, acc_out: np.ndarray, a: np.ndarray, flag: np.n
         for i in range(n):
             add(acc_in if flag[i] else acc_out, 0, a[i])
         return
-    base = max(max(e_top, np.int64(1)) - SPAN, np.int64(1))
-    s_in = np.int64(0)
-    s_out = np.int64(0)
-    missed = 0
-    for i in range(n):
-        bits = f32_to_bits(a[i])
-        e = np.int64((bits >> np.uint32(23)) & np.uint32(0xFF))
-        m = np.int64(bits & np.uint32(0x7FFFFF))
-        big = m | (np.int64(0x800000) if e != 0 else np.int64(0))
-        sh = max(e, np.int64(1)) - base
-        ok = sh >= 0
-        v = (big << (sh if ok else np.int64(0))) if ok else np.int64(0)
-        neg = np.int64(bits >> np.uint32(31))
-        v = (v ^ -neg) + neg
-        f = flag[i]
-        s_in += v if f else np.int64(0)
-        s_out += np.int64(0) if f else v
-        missed += not ok
+    base = max(max(e_top, np.int64(1)) - SPAN64, np.int64(1))
+    low = np.uint32(base << 23) if base > 1 else np.uint32(0)  # below it: exponent < base (not subnormal at 1)
+    s_in, s_out, missed = _tile_sums(a, flag, low)
     if missed:
         for i in range(n):
-            bits = f32_to_bits(a[i])
-            if max(np.int64((bits >> np.uint32(23)) & np.uint32(0xFF)), np.int64(1)) < base:
+            if (f32_to_bits(a[i]) & np.uint32(0x7FFFFFFF)) < low:
                 add(acc_in if flag[i] else acc_out, 0, a[i])
-    _deposit(acc_in, base, s_in)
-    _deposit(acc_out, base, s_out)
+    unit = np.float64(2.0) ** np.float64(150 - base)  # an exact power of two: the sums become integers
+    _deposit(acc_in, base, np.int64(s_in * unit))
+    _deposit(acc_out, base, np.int64(s_out * unit))
 
 
 @numba.njit(cache=True, nogil=True)
