@@ -196,3 +196,36 @@ def fusion_apply(out: np.ndarray, theta0: np.ndarray, theta1: np.ndarray, import
     one = np.float32(1.0)
     for i in range(out.shape[0]):
         out[i] = theta0[i] + (theta1[i] - theta0[i]) * (one if importance[i] >= threshold else zero)
+
+
+# -- nearswap (`operators/nearswap.py`) ---------------------------------------------------------------------------
+
+_NEARSWAP_CHUNKS = 16  # contiguous chunks on numba's threads (elementwise: the bits do not depend on how many)
+
+
+@numba.njit(cache=True, nogil=True)
+def _nearswap_span(out: np.ndarray, a: np.ndarray, b: np.ndarray, t: np.float32) -> None:
+    """One span of `nearswap`."""
+    eps = np.float32(1e-6)
+    zero = np.float32(0.0)
+    one = np.float32(1.0)
+    for i in range(out.shape[0]):
+        d = abs(a[i] - b[i])
+        m = d if (d >= eps or d != d) else eps  # np.maximum: NaN wins
+        w = t / m
+        if w < zero:  # np.clip(w, 0, 1): NaN stays NaN
+            w = zero
+        elif w > one:
+            w = one
+        out[i] = w * b[i] + (one - w) * a[i]
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def nearswap(out: np.ndarray, a: np.ndarray, b: np.ndarray, t: np.float32) -> None:
+    """out = w·b + (1 − w)·a with w = clip(t / maximum(|a − b|, 1e-6), 0, 1), all in float32 in numpy's order
+    (a = θ₀, b = θ_1, flat); in chunks on numba's threads."""
+    n = out.shape[0]
+    c = max(1, min(_NEARSWAP_CHUNKS, n >> 16))
+    for k in numba.prange(c):
+        s, e = n * k // c, n * (k + 1) // c
+        _nearswap_span(out[s:e], a[s:e], b[s:e], t)

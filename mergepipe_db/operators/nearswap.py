@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from mergepipe_db.errors import MethodParameterError
-from mergepipe_db.operators.gather import GatherFold
+from mergepipe_db.operators.gather import GatherFold, gather_kernels
 from mergepipe_db.operators.registry import register
 
 __all__ = ["Nearswap"]
@@ -30,9 +30,11 @@ class Nearswap(GatherFold):
         return 1.0
 
     def _combine_all(self, base: np.ndarray, values: list[np.ndarray]) -> np.ndarray:
+        """w = clip(t / maximum(|θ₀ − θ_1|, 1e-6), 0, 1); w·θ_1 + (1 − w)·θ₀, numpy's float32 operations in its
+        order, one fused pass (`kernels.gather.nearswap`)."""
         assert self.t is not None
-        a, b = base, values[0]
-        absdiff = np.abs(a - b)
-        w = np.float32(self.t) / np.maximum(absdiff, np.float32(1e-6))
-        np.clip(w, np.float32(0), np.float32(1), out=w)
-        return w * b + (np.float32(1) - w) * a
+        a = np.ascontiguousarray(base).reshape(-1)
+        b = np.ascontiguousarray(values[0]).reshape(-1)
+        out = self.scratch("nearswap_out", a.shape[0])  # finish() may return a reused buffer
+        gather_kernels().nearswap(out, a, b, np.float32(self.t))
+        return out.reshape(base.shape)

@@ -1,6 +1,7 @@
 """The whole-tensor kernels (`kernels/gather.py`) give the bits of the numpy/torch formulas they replace: the
-gathered Δ_k / θ_k, ram's and ramplus_tl's counts and combination, arcee_fusion's importance, quantiles and
-result (the operator against torch's formula with its sort, on tensors below and above the sampling size)."""
+gathered Δ_k / θ_k, nearswap's formula, ram's and ramplus_tl's counts and combination, arcee_fusion's
+importance, quantiles and result (the operator against torch's formula with its sort, on tensors below and
+above the sampling size)."""
 
 from __future__ import annotations
 
@@ -170,3 +171,28 @@ def test_arcee_fusion_gives_the_torch_formulaf32_bits(shape, plant) -> None:
     assert np.array_equal(f32_bits(got), f32_bits(_arcee_torch(base, theta, 4, "w")))
     if plant is None:
         assert not np.array_equal(got, base) and not np.array_equal(got, theta)  # the mask keeps some, not all
+
+
+def _nearswap_numpy(a: np.ndarray, b: np.ndarray, t: float) -> np.ndarray:
+    """nearswap as numpy writes it (the formula the kernel replaced)."""
+    w = np.float32(t) / np.maximum(np.abs(a - b), np.float32(1e-6))
+    np.clip(w, np.float32(0), np.float32(1), out=w)
+    return w * b + (np.float32(1) - w) * a
+
+
+@pytest.mark.parametrize("n", [1, 1000, (1 << 16) * 3 + 17])
+@pytest.mark.parametrize("t", [0.001, 0.0, -0.0, -0.5, 2.0, 1e-7, float("inf")])
+def test_nearswap_is_numpys_formula_bit_for_bit(n: int, t: float) -> None:
+    g = np.random.default_rng(n)
+    a = (g.standard_normal(n) * 0.02).astype(np.float32)
+    b = a + (g.standard_normal(n) * 1e-3).astype(np.float32)
+    b[g.random(n) < 0.1] = 0.0
+    if n > 20:  # NaN, infinities of both signs, equal infinities, signed zeros
+        a[3], b[5], a[7], b[9] = np.nan, np.inf, -np.inf, np.nan
+        a[11] = b[11] = np.inf
+        a[13], b[13] = 0.0, -0.0
+        b[15] = a[15]
+    out = np.empty(n, np.float32)
+    kern.nearswap(out, a, b, np.float32(t))
+    with np.errstate(all="ignore"):
+        assert np.array_equal(f32_bits(out), f32_bits(_nearswap_numpy(a, b, t)))
