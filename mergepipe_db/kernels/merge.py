@@ -1010,3 +1010,271 @@ def sce_combine(out: np.ndarray, base: np.ndarray, ds: tuple[np.ndarray, ...], n
             if d < floor:  # clamp(min=1e-6); NaN stays NaN
                 d = floor
             o[i] = b[i] + num[i] / d
+
+
+# -- the same kernels on numba's threads -----------------------------------------------------------------------
+#
+# Each driver splits its elements into contiguous chunks, runs the serial kernel above on each chunk in parallel,
+# and combines what the chunks give by integer sums or per element: the bits are those of the serial kernel,
+# whatever the number of threads (`NUMBA_NUM_THREADS`) or chunks. Arrays shorter than two chunks run serially.
+
+_PAR_CHUNK = 1 << 17  # elements per chunk at least: a chunk's work (~0.1 ms) outweighs handing it to a thread
+_PAR_ALIGN = 1 << 12  # chunk boundaries on multiples of this (whole tiles of the kernels above)
+_PAR_RADIX_CHUNK = 1 << 20  # a radix chunk clears and sums its own (2, RADIX_BINS) histogram: larger chunks
+_PAR_CHUNKS = 16  # chunks at most (a fixed number, not one per thread: numba cannot cache a kernel that asks)
+
+
+@numba.njit(nogil=True)
+def _n_chunks(n: int, least: int) -> int:
+    """How many chunks of at least `least` elements."""
+    return max(1, min(_PAR_CHUNKS, n // least))
+
+
+@numba.njit(nogil=True)
+def _chunk(n: int, c: int, t: int) -> tuple[int, int]:
+    """Chunk t of c over [0, n): its [start, end), both multiples of `_PAR_ALIGN` except the last end."""
+    s = (n * t // c) // _PAR_ALIGN * _PAR_ALIGN
+    e = n if t == c - 1 else (n * (t + 1) // c) // _PAR_ALIGN * _PAR_ALIGN
+    return s, e
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def random_keep_par(keep: np.ndarray, b: np.ndarray, x: np.ndarray, u: np.ndarray, p: np.ndarray, p_step: int,
+                    l1: bool, acc_kept: np.ndarray, acc_dropped: np.ndarray) -> None:
+    """`random_keep` in chunks; each chunk's exact sums in its own accumulators, added into the callers' (exact
+    sums do not depend on how the values are split)."""
+    n = keep.shape[0]
+    c = _n_chunks(n, _PAR_CHUNK)
+    if c == 1:
+        random_keep(keep, b, x, u, p, p_step, l1, acc_kept, acc_dropped)
+        return
+    parts = np.zeros((c, 2, acc_kept.shape[0]), np.int64)
+    for t in numba.prange(c):
+        s, e = _chunk(n, c, t)
+        pt = p[s:e] if p_step != 0 else p
+        random_keep(keep[s:e], b[s:e], x[s:e], u[s:e], pt, p_step, l1, parts[t, 0], parts[t, 1])
+    if l1:
+        for t in range(c):
+            acc_kept += parts[t, 0]
+            acc_dropped += parts[t, 1]
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def masked_delta_span_par(mixed: np.ndarray, b: np.ndarray, x: np.ndarray, keep: np.ndarray, p: np.ndarray,
+                          p_step: int, mode: int, scale: np.float32, w: np.float32) -> None:
+    """`masked_delta_span` in chunks."""
+    n = mixed.shape[0]
+    c = _n_chunks(n, _PAR_CHUNK)
+    for t in numba.prange(c):
+        s, e = _chunk(n, c, t)
+        pt = p[s:e] if p_step != 0 else p
+        masked_delta_span(mixed[s:e], b[s:e], x[s:e], keep[s:e], pt, p_step, mode, scale, w)
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def ties_masked_span_par(S: np.ndarray, P: np.ndarray, N: np.ndarray, WP: np.ndarray, WN: np.ndarray,
+                         b: np.ndarray, x: np.ndarray, keep: np.ndarray, p: np.ndarray, p_step: int, mode: int,
+                         scale: np.float32, w: np.float32, weights: bool, init: bool) -> None:
+    """`ties_masked_span` in chunks (WP, WN may be empty when not ``weights``)."""
+    n = S.shape[0]
+    c = _n_chunks(n, _PAR_CHUNK)
+    for t in numba.prange(c):
+        s, e = _chunk(n, c, t)
+        pt = p[s:e] if p_step != 0 else p
+        ws, we = (s, e) if weights else (0, 0)
+        ties_masked_span(S[s:e], P[s:e], N[s:e], WP[ws:we], WN[ws:we], b[s:e], x[s:e], keep[s:e], pt, p_step,
+                         mode, scale, w, weights, init)
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def dare_delta_span_par(mixed: np.ndarray, b: np.ndarray, x: np.ndarray, u: np.ndarray, dens: np.float32,
+                        w: np.float32) -> None:
+    """`dare_delta_span` in chunks."""
+    n = mixed.shape[0]
+    c = _n_chunks(n, _PAR_CHUNK)
+    for t in numba.prange(c):
+        s, e = _chunk(n, c, t)
+        dare_delta_span(mixed[s:e], b[s:e], x[s:e], u[s:e], dens, w)
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def ties_dare_span_par(S: np.ndarray, P: np.ndarray, N: np.ndarray, WP: np.ndarray, WN: np.ndarray,
+                       b: np.ndarray, x: np.ndarray, u: np.ndarray, dens: np.float32, w: np.float32, weights: bool,
+                       init: bool) -> None:
+    """`ties_dare_span` in chunks (WP, WN may be empty when not ``weights``)."""
+    n = S.shape[0]
+    c = _n_chunks(n, _PAR_CHUNK)
+    for t in numba.prange(c):
+        s, e = _chunk(n, c, t)
+        ws, we = (s, e) if weights else (0, 0)
+        ties_dare_span(S[s:e], P[s:e], N[s:e], WP[ws:we], WN[ws:we], b[s:e], x[s:e], u[s:e], dens, w, weights,
+                       init)
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def delta_into_par(out: np.ndarray, b: np.ndarray, x: np.ndarray) -> None:
+    """`delta_into` in chunks."""
+    n = out.shape[0]
+    c = _n_chunks(n, _PAR_CHUNK)
+    for t in numba.prange(c):
+        s, e = _chunk(n, c, t)
+        delta_into(out[s:e], b[s:e], x[s:e])
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def masked_delta_par(out: np.ndarray, base: np.ndarray, raw: np.ndarray, lo: np.float32, hi: np.float32,
+                     test_lo: bool, band: bool, w: np.float32) -> bool:
+    """`masked_delta` in chunks; every element finite when every chunk's are."""
+    n = out.shape[0]
+    c = _n_chunks(n, _PAR_CHUNK)
+    finite = np.zeros(c, np.bool_)
+    for t in numba.prange(c):
+        s, e = _chunk(n, c, t)
+        finite[t] = masked_delta(out[s:e], base[s:e], raw[s:e], lo, hi, test_lo, band, w)
+    return bool(finite.all())
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def absdelta_par(out: np.ndarray, base: np.ndarray, raw: np.ndarray, ranges: np.ndarray) -> None:
+    """`absdelta` with each range in chunks (ranges in order, so each range's place in `out` is known)."""
+    o = 0
+    for r in range(ranges.shape[0]):
+        s0, e0 = ranges[r, 0], ranges[r, 1]
+        n = e0 - s0
+        c = _n_chunks(n, _PAR_CHUNK)
+        for t in numba.prange(c):
+            s, e = _chunk(n, c, t)
+            y, b, x = out[o + s:o + e], base[s0 + s:s0 + e], raw[s0 + s:s0 + e]
+            for i in range(e - s):
+                y[i] = abs(widen(x[i]) - b[i])
+        o += n
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _radix_count_par(bits: np.ndarray, prefixes: np.ndarray, low: bool, hist: np.ndarray) -> None:
+    """`_radix_count` in chunks, each into its own histogram, summed in chunk order (integer counts)."""
+    n = bits.shape[0]
+    c = _n_chunks(n, _PAR_RADIX_CHUNK)
+    if c == 1:
+        _radix_count(bits, prefixes, low, hist)
+        return
+    parts = np.zeros((c, hist.shape[0], hist.shape[1]), np.int64)
+    for t in numba.prange(c):
+        s, e = _chunk(n, c, t)
+        _radix_count(bits[s:e], prefixes, low, parts[t])
+    for t in range(c):
+        hist += parts[t]
+
+
+@numba.njit(cache=True, nogil=True)
+def radix_count_high_par(bits: np.ndarray, hist: np.ndarray) -> None:
+    """`radix_count_high` on numba's threads."""
+    _radix_count_par(bits, np.zeros(1, np.uint32), False, hist.reshape(1, RADIX_BINS))
+
+
+@numba.njit(cache=True, nogil=True)
+def radix_count_low_par(bits: np.ndarray, prefixes: np.ndarray, hist: np.ndarray) -> None:
+    """`radix_count_low` on numba's threads."""
+    _radix_count_par(bits, prefixes, True, hist)
+
+
+_HIST_TILE = 1024  # |Δ| patterns formed a tile at a time (a loop that vectorizes), then counted
+
+
+@numba.njit(cache=True, nogil=True)
+def _absdelta_bits_tile(out: np.ndarray, b: np.ndarray, x: np.ndarray) -> None:
+    """out = the bit patterns of |θ_k − θ₀| of one tile."""
+    for i in range(out.shape[0]):
+        out[i] = f32_to_bits(abs(widen(x[i]) - b[i]))
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _absdelta_hist_chunks(base: np.ndarray, raw: np.ndarray, parts: np.ndarray) -> None:
+    """parts[t, bits(|Δ|) >> 16] += 1 over chunk t of the flat tensor (`_chunk`, len(parts) chunks); counted
+    in `_RADIX_ROWS` interleaved rows, so runs of equal patterns (zeros, BF16 ties) do not wait on one counter."""
+    n = base.shape[0]
+    c = parts.shape[0]
+    R = _RADIX_ROWS
+    for t in numba.prange(c):
+        s, e = _chunk(n, c, t)
+        rows = np.zeros((R, HIST_BINS), np.int64)
+        tile = np.empty(_HIST_TILE, np.uint32)
+        for t0 in range(s, e, _HIST_TILE):
+            m = min(_HIST_TILE, e - t0)
+            _absdelta_bits_tile(tile[:m], base[t0:t0 + m], raw[t0:t0 + m])
+            q = m // R * R
+            for i in range(0, q, R):
+                for r in range(R):
+                    rows[r, tile[i + r] >> np.uint32(16)] += 1
+            for i in range(q, m):
+                rows[0, tile[i] >> np.uint32(16)] += 1
+        h = parts[t]
+        for r in range(R):
+            for j in range(HIST_BINS):
+                h[j] += rows[r, j]
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _absdelta_low_chunks(base: np.ndarray, raw: np.ndarray, prefixes: np.ndarray, parts: np.ndarray) -> None:
+    """parts[t, j, bits(|Δ|) & 0xFFFF] += 1 over chunk t of the flat tensor, for the patterns whose top 16 bits
+    are prefixes[j] (one or two): branch-free, the others into a spare bin that is dropped, in interleaved
+    rows as `_absdelta_hist_chunks`."""
+    n = base.shape[0]
+    c = parts.shape[0]
+    m = prefixes.shape[0]
+    R = _RADIX_ROWS
+    p0, p1 = prefixes[0], prefixes[m - 1]
+    off1 = np.uint32((m - 1) * RADIX_BINS)
+    spare = np.uint32(m * RADIX_BINS)
+    lowmask = np.uint32(0xFFFF)
+    for t in numba.prange(c):
+        s, e = _chunk(n, c, t)
+        rows = np.zeros((R, m * RADIX_BINS + 1), np.int64)
+        tile = np.empty(_HIST_TILE, np.uint32)
+        for t0 in range(s, e, _HIST_TILE):
+            mt = min(_HIST_TILE, e - t0)
+            _absdelta_bits_tile(tile[:mt], base[t0:t0 + mt], raw[t0:t0 + mt])
+            for i in range(mt):
+                v = tile[i]
+                top = v >> np.uint32(16)
+                tile[i] = (v & lowmask) if top == p0 else (off1 + (v & lowmask) if top == p1 else spare)
+            q = mt // R * R
+            for i in range(0, q, R):
+                for r in range(R):
+                    rows[r, tile[i + r]] += 1
+            for i in range(q, mt):
+                rows[0, tile[i]] += 1
+        h = parts[t]
+        for r in range(R):
+            for j in range(m):
+                for k in range(RADIX_BINS):
+                    h[j, k] += rows[r, j * RADIX_BINS + k]
+
+
+def kth_largest_abs_deltas(base: np.ndarray, raw: np.ndarray, ks: list[int]) -> list[float] | None:
+    """The k-th largest |Δ| of a whole tensor (every element read: `raw` its stored values, flat) for each k of
+    `ks` (1 <= k <= numel; at most two distinct top-16-bit prefixes among them), on numba's threads: a radix
+    select straight from the stored values, one pass counting the top 16 bits of every |Δ| and one counting the
+    low 16 bits of those with the ks' prefixes, each chunk into its own histogram (integer sums: the same for
+    any number of threads). Equal to `kth_largest_abs_delta` (``torch.sort(|Δ|)``'s values); None when some
+    |Δ| is inf or NaN (the caller's literal path then orders them)."""
+    n = base.shape[0]
+    c = _n_chunks(n, _PAR_RADIX_CHUNK)
+    parts = np.zeros((c, HIST_BINS), np.int64)
+    _absdelta_hist_chunks(base, raw, parts)
+    hist = parts.sum(axis=0)
+    if hist[_INF_PREFIX:].any():
+        return None
+    located = [locate_from_top(hist, k) for k in ks]
+    prefixes = np.array(sorted({p for p, _ in located}), np.uint32)
+    if prefixes.shape[0] > 2:
+        raise ValueError("kth_largest_abs_deltas: at most two prefixes")
+    low = np.zeros((c, prefixes.shape[0], RADIX_BINS), np.int64)
+    _absdelta_low_chunks(base, raw, prefixes, low)
+    low_hist = low.sum(axis=0)
+    row = {int(p): j for j, p in enumerate(prefixes)}
+    out = []
+    for k, (p, above) in zip(ks, located):
+        lo16, _ = locate_from_top(low_hist[row[p]], k - above)
+        out.append(float(np.array([(p << 16) | lo16], np.uint32).view(np.float32)[0]))
+    return out

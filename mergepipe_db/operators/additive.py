@@ -64,7 +64,7 @@ class AdditiveFold(DeltaFold):
         if self._mixed is None or self._bflat is None:
             return False
         self._settle()
-        kernels().dare_delta_span(self._mixed[s0:e0], self._bflat[s0:e0], src[s0:e0], u,
+        kernels().dare_delta_span_par(self._mixed[s0:e0], self._bflat[s0:e0], src[s0:e0], u,
                                   np.float32(d), np.float32(w))
         return True
 
@@ -72,7 +72,7 @@ class AdditiveFold(DeltaFold):
                       p: np.ndarray, step: int, mode: int, scale: float, w: float) -> None:
         assert self._mixed is not None
         self._settle()
-        kernels().masked_delta_span(self._mixed[s0:e0], bb, xb, keep, p, step, mode, np.float32(scale),
+        kernels().masked_delta_span_par(self._mixed[s0:e0], bb, xb, keep, p, step, mode, np.float32(scale),
                                     np.float32(w))
 
     def _fold_fast(self, x: ExpertInput, tau: float | None, zero_check: int = 0) -> bool:

@@ -175,7 +175,10 @@ class DeltaFold(MergeOperator):
         assert self._ctx is not None and self._bflat is not None
         src = x.fast_source()
         if src is not None:
-            kernels().absdelta(a, self._bflat, src, x.element_ranges_array(self._ctx))
+            ranges_arr = x.element_ranges_array(self._ctx)
+            # a few long ranges (a full read): each on numba's threads; many short ones: one serial pass
+            absdelta = kernels().absdelta_par if ranges_arr.shape[0] <= 8 else kernels().absdelta
+            absdelta(a, self._bflat, src, ranges_arr)
         else:
             off = 0
             for s, e in chunks(ranges):
@@ -184,7 +187,7 @@ class DeltaFold(MergeOperator):
         hist = None if (x.full or x.sketch is None) else x.sketch
         return Magnitudes(a, self._ctx.numel, hist, self)
 
-    def _fold_masked(self, x: ExpertInput, ranges: list[tuple[int, int]], mags: Magnitudes,
+    def _fold_masked(self, x: ExpertInput, ranges: list[tuple[int, int]], mags: Magnitudes | None,
                      lo: float | None, hi: float | None) -> None:
         """T_k = where(keep, Δ_k, 0.0): keep = |Δ| >= lo when ``hi`` is None (TIES), else
         lo < |Δ| < hi (breadcrumbs; ``lo`` None: no lower test). From θ_k's stored bytes, one numba pass per
@@ -198,10 +201,11 @@ class DeltaFold(MergeOperator):
             hi32 = np.float32(math.inf if hi is None else hi)
             for s, e in chunks(ranges):  # the literal formula in one pass (`kernels.merge.masked_delta`)
                 T = self.scratch("D", e - s)
-                finite = kernels().masked_delta(T, self._bflat[s:e], src[s:e], lo32, hi32, lo is not None, band,
+                finite = kernels().masked_delta_par(T, self._bflat[s:e], src[s:e], lo32, hi32, lo is not None, band,
                                                 np.float32(w))
                 self._combine(s, e, T, True if finite else None)
             return
+        assert mags is not None  # |Δ| of the rows read: the numpy path takes them from there
         a = mags.a
         off = 0
         for s, e in chunks(ranges):
@@ -241,8 +245,18 @@ class DeltaFold(MergeOperator):
         if n_bot < 0:
             n_top += n_bot
             n_bot = 0
+        ks = [k for k, used in ((n_top, n_top > 0), (n - n_bot + 1, n_bot > 0)) if used]
+        src = x.fast_source() if x.full else None
+        cuts = None
+        if src is not None and self._bflat is not None and ks:  # the whole tensor read: from the stored values
+            cuts = kernels().kth_largest_abs_deltas(self._bflat, src, ks)  # None when some |Δ| is inf or NaN
+        if cuts is not None:
+            hi = cuts[0] if n_top > 0 else math.inf
+            lo = cuts[-1] if n_bot > 0 else -math.inf
+            self._fold_masked(x, ranges, None, None if lo == -math.inf else lo, hi)
+            return
         mags = self._magnitudes(x, ranges)
-        mags.prepare([k for k, used in ((n_top, n_top > 0), (n - n_bot + 1, n_bot > 0)) if used])
+        mags.prepare(ks)
         hi = math.inf if n_top == 0 else mags.topk_min(n_top)
         lo = -math.inf if n_bot == 0 else mags.bottomk_max(n_bot)
         if math.isnan(hi) or math.isnan(lo):
@@ -299,12 +313,12 @@ class DeltaFold(MergeOperator):
             if della:
                 delta = xb if src is None else self.scratch("della_delta", n)
                 if src is not None:
-                    kernels().delta_into(delta, bb, xb)
+                    kernels().delta_into_par(delta, bb, xb)
                 p, step = self._keep_probability(k, delta, n // ctx.row_numel), 1
             else:
                 p, step = d32, 0
             keep = keep_all[s0:e0] if keep_all is not None else self.scratch("keep_block", n, np.bool_)
-            kernels().random_keep(keep, bb, xb, u, p, step, l1, sums[0].reserve(n), sums[1].reserve(n))
+            kernels().random_keep_par(keep, bb, xb, u, p, step, l1, sums[0].reserve(n), sums[1].reserve(n))
             if l1:
                 later.append((b, s0, e0))
             else:
@@ -330,7 +344,7 @@ class DeltaFold(MergeOperator):
         sums = (ExactSum(), ExactSum())
         for _b, s0, e0, u in self._block_uniforms(x):
             n = e0 - s0
-            kernels().random_keep(self.scratch("keep_block", n, np.bool_), self._bflat[s0:e0], src[s0:e0], u, d32,
+            kernels().random_keep_par(self.scratch("keep_block", n, np.bool_), self._bflat[s0:e0], src[s0:e0], u, d32,
                                   0, True, sums[0].reserve(n), sums[1].reserve(n))
         return _l1_ratio(sums[0].value_with(sums[1]), sums[0].value())
 

@@ -35,7 +35,7 @@ def _high_counts(bits: np.ndarray, cache: dict[str, np.ndarray] | None) -> np.nd
     if h1 is None:
         kern = kernels()
         h1 = np.zeros(kern.RADIX_BINS, dtype=np.int64)
-        kern.radix_count_high(bits, h1)
+        kern.radix_count_high_par(bits, h1)
         if h1[kern.RADIX_BINS >> 1 :].any():
             raise ValueError("kth_largest_exact: a value has its sign bit set (not a magnitude)")
         if cache is not None:
@@ -73,7 +73,7 @@ def kth_largest_bits(a: np.ndarray, k: int, op: Scratch, cache: dict[str, np.nda
     if h2 is None:
         h2 = op.scratch("radix_low", kern.RADIX_BINS, np.int64)
         h2[:] = 0
-        kern.radix_count_low(bits, np.array([hi], np.uint32), h2.reshape(1, -1))
+        kern.radix_count_low_par(bits, np.array([hi], np.uint32), h2.reshape(1, -1))
     low, _ = kern.locate_from_top(h2, k - above)
     return (int(hi) << 16) | int(low)
 
@@ -91,7 +91,7 @@ def count_prefixes(a: np.ndarray, ks: list[int], cache: dict[str, np.ndarray]) -
     for i in range(0, len(todo), 2):
         pair = todo[i : i + 2]
         h = np.zeros((len(pair), kern.RADIX_BINS), np.int64)
-        kern.radix_count_low(bits, np.array(pair, np.uint32), h)
+        kern.radix_count_low_par(bits, np.array(pair, np.uint32), h)
         for p, row in zip(pair, h):
             cache[f"low:{p}"] = row
 

@@ -192,7 +192,7 @@ class TiesFold(DeltaFold):
         if self._bflat is None:
             return False
         S, P, N, wp, wn = self._sums()
-        kernels().ties_dare_span(S[s0:e0], P[s0:e0], N[s0:e0], wp[s0:e0], wn[s0:e0], self._bflat[s0:e0],
+        kernels().ties_dare_span_par(S[s0:e0], P[s0:e0], N[s0:e0], wp[s0:e0], wn[s0:e0], self._bflat[s0:e0],
                                  src[s0:e0], u, np.float32(d), np.float32(w), self.normalize, not self._touched[b])
         self._touched[b] = True
         return True
@@ -200,7 +200,7 @@ class TiesFold(DeltaFold):
     def _masked_block(self, b: int, s0: int, e0: int, bb: np.ndarray, xb: np.ndarray, keep: np.ndarray,
                       p: np.ndarray, step: int, mode: int, scale: float, w: float) -> None:
         S, P, N, wp, wn = self._sums()
-        kernels().ties_masked_span(S[s0:e0], P[s0:e0], N[s0:e0], wp[s0:e0], wn[s0:e0], bb, xb, keep, p, step, mode,
+        kernels().ties_masked_span_par(S[s0:e0], P[s0:e0], N[s0:e0], wp[s0:e0], wn[s0:e0], bb, xb, keep, p, step, mode,
                                    np.float32(scale), np.float32(w), self.normalize, not self._touched[b])
         self._touched[b] = True
 
