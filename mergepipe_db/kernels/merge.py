@@ -597,7 +597,7 @@ def _ties_tile(acc: np.ndarray, b: np.ndarray, x: np.ndarray, trim: bool, tau: n
             acc[2 * T + i] = (zero if init else n) + (dw if dw < zero else zero)
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, parallel=True)
 def ties_fused(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], selected: np.ndarray,
                bounds: np.ndarray, trim: np.ndarray, tau: np.ndarray, w: np.ndarray, weights: bool,
                lam: np.float32, count: np.ndarray, counts: np.ndarray, skip: np.ndarray) -> None:
@@ -607,10 +607,28 @@ def ties_fused(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], 
     writes `out`. Same operations, same order as the streaming kernels: the same bits, without reading and
     writing five tensor-sized sums once per expert. For each k with ``count[k]``, `counts[k]` gets what
     `absdelta_count` would give on its selected blocks (from the tile just read, still in cache). Blocks with
-    ``skip[b]`` (no expert selected them; the caller writes them) are left as they are."""
+    ``skip[b]`` (no expert selected them; the caller writes them) are left as they are. Runs on numba's
+    threads, the blocks in contiguous chunks (each element's operations are the same; the counts are integer
+    sums)."""
+    nb = bounds.shape[0] - 1
+    c = max(1, min(_PAR_CHUNKS, nb))
+    parts = np.zeros((c, counts.shape[0], 2), np.int64)
+    for t in numba.prange(c):
+        _ties_fused_blocks(out, base, raws, selected, bounds, trim, tau, w, weights, lam, count, parts[t], skip,
+                           nb * t // c, nb * (t + 1) // c)
+    for t in range(c):
+        counts += parts[t]
+
+
+@numba.njit(cache=True, nogil=True)
+def _ties_fused_blocks(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], selected: np.ndarray,
+                       bounds: np.ndarray, trim: np.ndarray, tau: np.ndarray, w: np.ndarray, weights: bool,
+                       lam: np.float32, count: np.ndarray, counts: np.ndarray, skip: np.ndarray, b0: int,
+                       b1: int) -> None:
+    """`ties_fused` on blocks [b0, b1)."""
     T = _TILE
     acc = np.empty(5 * T, np.float32)  # the tile's S, P, N, WP, WN (`_ties_tile`)
-    for b in range(bounds.shape[0] - 1):
+    for b in range(b0, b1):
         if skip[b]:
             continue
         for t0 in range(bounds[b], bounds[b + 1], _TILE):
@@ -634,7 +652,7 @@ def ties_fused(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], 
                                   acc[4 * T:4 * T + m], bb, weights, lam)
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, parallel=True)
 def dare_ties_fused(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], selected: np.ndarray,
                     bounds: np.ndarray, dens: np.ndarray, seeds: np.ndarray, w: np.ndarray, weights: bool,
                     lam: np.float32, skip: np.ndarray, modes: np.ndarray, scales: np.ndarray) -> None:
@@ -644,7 +662,22 @@ def dare_ties_fused(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, .
     then `ties_dare_span`'s sums, kept in L1, and `ties_finish`'s formula into `out`. Same operations, same
     order: the same bits as folding the experts one by one with `ties_dare_span`, without a block of uniforms
     and five tensor-sized sums per expert. ``modes[k]`` says how a kept Δ is rescaled (`_masked`): 2 (DARE's
-    classic Δ / d_k, above), 1 (Δ * scales[k]: the L1 rescale, known beforehand) or 0 (Δ)."""
+    classic Δ / d_k, above), 1 (Δ * scales[k]: the L1 rescale, known beforehand) or 0 (Δ). Runs on numba's
+    threads, the blocks in contiguous chunks (each block's streams start at its own seed, so no block depends
+    on another)."""
+    nb = bounds.shape[0] - 1
+    c = max(1, min(_PAR_CHUNKS, nb))
+    for t in numba.prange(c):
+        _dare_ties_fused_blocks(out, base, raws, selected, bounds, dens, seeds, w, weights, lam, skip, modes, scales,
+                                nb * t // c, nb * (t + 1) // c)
+
+
+@numba.njit(cache=True, nogil=True)
+def _dare_ties_fused_blocks(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], selected: np.ndarray,
+                            bounds: np.ndarray, dens: np.ndarray, seeds: np.ndarray, w: np.ndarray, weights: bool,
+                            lam: np.float32, skip: np.ndarray, modes: np.ndarray, scales: np.ndarray, b0: int,
+                            b1: int) -> None:
+    """`dare_ties_fused` on blocks [b0, b1)."""
     T = _TILE
     K = selected.shape[0]
     zero = np.float32(0.0)
@@ -656,7 +689,7 @@ def dare_ties_fused(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, .
     states = np.empty((K, mt19937.STATE_WORDS), np.uint32)
     bufs = np.empty((K, mt19937.STATE_WORDS), np.float32)
     pos = np.zeros(K, np.int64)
-    for b in range(bounds.shape[0] - 1):
+    for b in range(b0, b1):
         if skip[b]:
             continue
         for k in range(K):

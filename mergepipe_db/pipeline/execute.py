@@ -20,8 +20,11 @@ tensor (on these VMs a page touched for the first time costs more than the read 
 (BF16 as uint16 bits); torch is imported only for what needs it (DARE's masks, slerp, LoRA factors, F16
 output), and then runs with one intra-op thread (`MERGEPIPE_COMPUTE_THREADS`
 overrides): on a 2-core machine the other core serves the reader and the output thread.
-The numba kernels whose work splits into independent parts (DARE's per-block generators, DELLA's per-row ranks)
-run on numba's threads (`NUMBA_NUM_THREADS`, default every core); their bits do not depend on how many.
+The numba kernels whose work splits into independent parts (DARE's per-block generators, DELLA's per-row ranks,
+and the large-array passes: DARE/DELLA's masks with their exact L1 sums, the masked folds and TIES sums,
+breadcrumbs' radix histograms, nearswap; `kernels.merge` ``*_par``) run on numba's threads (`NUMBA_NUM_THREADS`,
+default every core) in a fixed number of chunks whose integer sums and counts are combined in chunk order, so
+their bits do not depend on how many threads there are.
 """
 from __future__ import annotations
 
