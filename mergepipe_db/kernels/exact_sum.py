@@ -6,8 +6,8 @@ A superaccumulator: a float32 is an integer mantissa M (< 2^24, the implicit bit
 is within `SPAN64` of the tile's largest are multiples of 2^(base - 150) below 2^(base - 150 + 42), so their
 float64 sum is exact in any order (24 + 18 + 11 bits: every partial sum is an integer multiple below 2^53), in
 a loop that vectorizes; that total, as an integer, is then deposited into the int64 bins (one per exponent
-step, `BINS`) as three 24-bit pieces; the rare smaller values, and tiles holding an inf or NaN, are added one
-by one (±M into the bin of their exponent). Each addition to a bin is below 2^24, so 2^39 of them fit:
+step, `BINS`) as three 24-bit pieces; the rare smaller nonzero values, and tiles holding an inf or NaN, are
+added one by one (±M into the bin of their exponent). Each addition to a bin is below 2^24, so 2^39 of them fit:
 `ExactSum` moves the bins into a Python int before `SPILL_EVERY` values have been added. The final value is
 that integer over 2^150, one correctly rounded division (CPython's int true division).
 
@@ -77,7 +77,8 @@ def _tile_sums(a: np.ndarray, flag: np.ndarray, low: np.uint32) -> tuple[float, 
     s_out = 0.0
     missed = 0
     for i in range(a.shape[0]):
-        ok = (f32_to_bits(a[i]) & np.uint32(0x7FFFFFFF)) >= low
+        mag = f32_to_bits(a[i]) & np.uint32(0x7FFFFFFF)
+        ok = (mag >= low) | (mag == np.uint32(0))  # a zero adds nothing, whatever its exponent
         v = np.float64(a[i]) if ok else 0.0
         f = flag[i]
         s_in += v if f else 0.0
@@ -93,7 +94,8 @@ def add_split(acc_in: np.ndarray, acc_out: np.ndarray, a: np.ndarray, flag: np.n
     The tile's values within `SPAN64` exponents of its largest are multiples of 2^(base - 150) below
     2^(base - 150 + 42), so any partial sum of at most 2^11 of them is an integer multiple of it below 2^53:
     their float64 sum is exact in any order (`_tile_sums`), and is deposited as that integer. The smaller ones
-    (rare) are added one by one."""
+    (rare) are added one by one; zeros (common: BF16 elements a fine-tune left unchanged) add nothing and are
+    skipped."""
     n = a.shape[0]
     top = np.uint32(0)
     for i in range(n):
@@ -108,7 +110,8 @@ def add_split(acc_in: np.ndarray, acc_out: np.ndarray, a: np.ndarray, flag: np.n
     s_in, s_out, missed = _tile_sums(a, flag, low)
     if missed:
         for i in range(n):
-            if (f32_to_bits(a[i]) & np.uint32(0x7FFFFFFF)) < low:
+            mag = f32_to_bits(a[i]) & np.uint32(0x7FFFFFFF)
+            if np.uint32(0) < mag < low:
                 add(acc_in if flag[i] else acc_out, 0, a[i])
     unit = np.float64(2.0) ** np.float64(150 - base)  # an exact power of two: the sums become integers
     _deposit(acc_in, base, np.int64(s_in * unit))
