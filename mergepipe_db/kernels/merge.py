@@ -1311,3 +1311,40 @@ def kth_largest_abs_deltas(base: np.ndarray, raw: np.ndarray, ks: list[int]) -> 
         lo16, _ = locate_from_top(low_hist[row[p]], k - above)
         out.append(float(np.array([(p << 16) | lo16], np.uint32).view(np.float32)[0]))
     return out
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def dare_keep_blocks(keep: np.ndarray, b: np.ndarray, x: np.ndarray, spans: np.ndarray, seeds: np.ndarray,
+                     d: np.float32, l1: bool, acc_kept: np.ndarray, acc_dropped: np.ndarray) -> None:
+    """DARE's mask of several blocks, drawn and used in one pass: block j (elements spans[j] = [start, end) of
+    the flat tensor) gets keep = u < d with u its own stream (seed ``seeds[j]``, `mt19937`), a tile at a time,
+    and with ``l1`` the exact sums (`exact_sum`) of the kept and of the dropped |Δ| of that tile while it is in
+    cache. The same mask and sums as `random_keep` on each block's ``torch.rand`` uniforms, without the
+    uniforms in memory; blocks in contiguous chunks on numba's threads, each chunk's sums in its own
+    accumulators, added after (exact: the same for any thread count)."""
+    nbk = spans.shape[0]
+    c = max(1, min(_PAR_CHUNKS, nbk))
+    parts = np.zeros((c, 2, acc_kept.shape[0]), np.int64)
+    T = exact_sum.TILE
+    for t in numba.prange(c):
+        state = np.empty(mt19937.STATE_WORDS, np.uint32)
+        buf = np.empty(mt19937.STATE_WORDS, np.float32)
+        u = np.empty(T, np.float32)
+        a = np.empty(T, np.float32)
+        for j in range(nbk * t // c, nbk * (t + 1) // c):
+            pos = mt19937.stream_start(state, seeds[j])
+            for t0 in range(spans[j, 0], spans[j, 1], T):
+                m = min(T, spans[j, 1] - t0)
+                pos = mt19937.stream_fill(u[:m], state, buf, pos)
+                kp = keep[t0:t0 + m]
+                for i in range(m):
+                    kp[i] = u[i] < d
+                if l1:
+                    xs, bs = x[t0:t0 + m], b[t0:t0 + m]
+                    for i in range(m):
+                        a[i] = abs(widen(xs[i]) - bs[i])
+                    exact_sum.add_split(parts[t, 0], parts[t, 1], a[:m], kp)
+    if l1:
+        for t in range(c):
+            acc_kept += parts[t, 0]
+            acc_dropped += parts[t, 1]

@@ -14,7 +14,7 @@ import numpy as np
 
 from mergepipe_db.errors import SpecError
 from mergepipe_db.operators.base import MergeOperator, all_finite, chunks, kernels
-from mergepipe_db.operators.dare import check_mask_keys, dare_uniforms_packed
+from mergepipe_db.operators.dare import block_seed, check_mask_keys, dare_uniforms_packed
 from mergepipe_db.operators.inputs import ExpertInput
 from mergepipe_db.operators.order_stats import Magnitudes
 
@@ -272,14 +272,39 @@ class DeltaFold(MergeOperator):
         assert self._ctx is not None
         return della_probabilities(delta, self._ctx.shape, rows, d, self.epsilon(k))
 
+    def _block_spans(self, x: ExpertInput) -> list[tuple[int, int, int]]:
+        """(block, first element, end element) of each selected block with elements, in order."""
+        ctx = self._ctx
+        assert ctx is not None
+        rn = ctx.row_numel
+        return [(b, rs * rn, re * rn) for b in x.selected_blocks for rs, re in [ctx.block_rows(b)]
+                if re * rn > rs * rn]
+
+    def _dare_keep_l1(self, x: ExpertInput, src: np.ndarray, keep: np.ndarray, spans: list[tuple[int, int, int]]
+                      ) -> float:
+        """DARE's mask of expert k on its selected blocks into `keep` (indexed by element) and its L1 scale
+        s = ‖Δ_k‖₁ / ‖kept Δ_k‖₁ over them, in one pass from the stored values `src`: each block's uniforms
+        drawn a tile at a time and used at once (`kernels.merge.dare_keep_blocks`), blocks on numba's threads."""
+        from mergepipe_db.kernels.exact_sum import ExactSum
+
+        ctx = self._ctx
+        assert ctx is not None and self._bflat is not None
+        key = self.experts[x.index].key
+        seeds = np.array([block_seed(ctx.seed, key, ctx.name, b) for b, _s0, _e0 in spans], np.int64)
+        bounds = np.array([(s0, e0) for _b, s0, e0 in spans], np.int64).reshape(-1, 2)
+        n = sum(e0 - s0 for _b, s0, e0 in spans)
+        sums = (ExactSum(), ExactSum())  # the kept |Δ|, the dropped |Δ|
+        d32 = np.float32(self.densities[x.index])  # u < d, the Python float cast to float32 (NEP 50)
+        kernels().dare_keep_blocks(keep, self._bflat, src, bounds, seeds, d32, True, sums[0].reserve(n),
+                                   sums[1].reserve(n))
+        return _l1_ratio(sums[0].value_with(sums[1]), sums[0].value())
+
     def _block_uniforms(self, x: ExpertInput) -> Iterator[tuple[int, int, int, np.ndarray]]:
         """(block, first element, end element, its DARE uniforms) of each selected block with elements, in order;
         every block's uniforms are drawn first, the blocks' generators on numba's threads."""
         ctx = self._ctx
         assert ctx is not None
-        rn = ctx.row_numel
-        spans = [(b, rs * rn, re * rn) for b in x.selected_blocks for rs, re in [ctx.block_rows(b)]
-                 if re * rn > rs * rn]
+        spans = self._block_spans(x)
         u_all = self.scratch("u", sum(e0 - s0 for _, s0, e0 in spans))
         offsets = dare_uniforms_packed(ctx.seed, self.experts[x.index].key, ctx.name,
                                        [(b, e0 - s0) for b, s0, e0 in spans], u_all)
@@ -306,6 +331,14 @@ class DeltaFold(MergeOperator):
         keep_all = self.scratch("keep", ctx.numel, np.bool_) if l1 else None
         d32 = np.array([self.densities[k]], np.float32)  # u < d, the Python float cast to float32 (NEP 50)
         self._set_expert(w)
+        if l1 and not della and src is not None:  # DARE from the stored values: mask and sums in one pass
+            assert keep_all is not None
+            spans = self._block_spans(x)
+            scale = self._dare_keep_l1(x, src, keep_all, spans)
+            for b, s0, e0 in spans:
+                bb, xb = self._block_operands(x, src, s0, e0)
+                self._masked_block(b, s0, e0, bb, xb, keep_all[s0:e0], d32, 0, 1 if scale != 1.0 else 0, scale, w)
+            return
         later: list[tuple[int, int, int]] = []
         for b, s0, e0, u in self._block_uniforms(x):
             n = e0 - s0
@@ -335,18 +368,9 @@ class DeltaFold(MergeOperator):
         """DARE's L1 scale s of expert k over its selected blocks, as `_fold_random` finds it, from the stored
         values `src` (one pass: the uniforms, the mask and the two sums), for a fused pass that draws the mask
         again (`sign_consensus.TiesFold`)."""
-        from mergepipe_db.kernels.exact_sum import ExactSum
-
         ctx = self._ctx
         assert ctx is not None and self._bflat is not None and self.sparsification == "random"
-        k = x.index
-        d32 = np.array([self.densities[k]], np.float32)
-        sums = (ExactSum(), ExactSum())
-        for _b, s0, e0, u in self._block_uniforms(x):
-            n = e0 - s0
-            kernels().random_keep_par(self.scratch("keep_block", n, np.bool_), self._bflat[s0:e0], src[s0:e0], u, d32,
-                                  0, True, sums[0].reserve(n), sums[1].reserve(n))
-        return _l1_ratio(sums[0].value_with(sums[1]), sums[0].value())
+        return self._dare_keep_l1(x, src, self.scratch("keep", ctx.numel, np.bool_), self._block_spans(x))
 
     def _block_operands(self, x: ExpertInput, src: np.ndarray | None, s0: int, e0: int
                         ) -> tuple[np.ndarray, np.ndarray]:
