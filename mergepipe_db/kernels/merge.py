@@ -1284,28 +1284,37 @@ def _absdelta_low_chunks(base: np.ndarray, raw: np.ndarray, prefixes: np.ndarray
                     h[j, k] += rows[r, j * RADIX_BINS + k]
 
 
-def kth_largest_abs_deltas(base: np.ndarray, raw: np.ndarray, ks: list[int]) -> list[float] | None:
-    """The k-th largest |Δ| of a whole tensor (every element read: `raw` its stored values, flat) for each k of
-    `ks` (1 <= k <= numel; at most two distinct top-16-bit prefixes among them), on numba's threads: a radix
-    select straight from the stored values, one pass counting the top 16 bits of every |Δ| and one counting the
+def kth_largest_abs_deltas(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray, n_total: int, ks: list[int]
+                           ) -> list[float] | None:
+    """The k-th largest |Δ| of a tensor of `n_total` elements read on `ranges` (sorted, disjoint [start, stop)
+    rows; `raw` its stored values, flat) and 0 elsewhere (its unread elements equal the base), for each k of `ks`
+    (1 <= k <= n_total; at most two distinct top-16-bit prefixes among them), on numba's threads: a radix select
+    straight from the stored values, one pass counting the top 16 bits of every |Δ| read and one counting the
     low 16 bits of those with the ks' prefixes, each chunk into its own histogram (integer sums: the same for
     any number of threads). Equal to `kth_largest_abs_delta` (``torch.sort(|Δ|)``'s values); None when some
     |Δ| is inf or NaN (the caller's literal path then orders them)."""
-    n = base.shape[0]
-    c = _n_chunks(n, _PAR_RADIX_CHUNK)
-    parts = np.zeros((c, HIST_BINS), np.int64)
-    _absdelta_hist_chunks(base, raw, parts)
-    hist = parts.sum(axis=0)
+    spans = [(int(s0), int(e0)) for s0, e0 in ranges if e0 > s0]
+    hist = np.zeros(HIST_BINS, np.int64)
+    for s0, e0 in spans:
+        parts = np.zeros((_n_chunks(e0 - s0, _PAR_RADIX_CHUNK), HIST_BINS), np.int64)
+        _absdelta_hist_chunks(base[s0:e0], raw[s0:e0], parts)
+        hist += parts.sum(axis=0)
     if hist[_INF_PREFIX:].any():
         return None
+    unread = n_total - sum(e0 - s0 for s0, e0 in spans)
+    hist[0] += unread  # |Δ| = +0.0: pattern 0
     located = [locate_from_top(hist, k) for k in ks]
     prefixes = np.array(sorted({p for p, _ in located}), np.uint32)
     if prefixes.shape[0] > 2:
         raise ValueError("kth_largest_abs_deltas: at most two prefixes")
-    low = np.zeros((c, prefixes.shape[0], RADIX_BINS), np.int64)
-    _absdelta_low_chunks(base, raw, prefixes, low)
-    low_hist = low.sum(axis=0)
+    low_hist = np.zeros((prefixes.shape[0], RADIX_BINS), np.int64)
+    for s0, e0 in spans:
+        parts = np.zeros((_n_chunks(e0 - s0, _PAR_RADIX_CHUNK), prefixes.shape[0], RADIX_BINS), np.int64)
+        _absdelta_low_chunks(base[s0:e0], raw[s0:e0], prefixes, parts)
+        low_hist += parts.sum(axis=0)
     row = {int(p): j for j, p in enumerate(prefixes)}
+    if unread and 0 in row:
+        low_hist[row[0], 0] += unread
     out = []
     for k, (p, above) in zip(ks, located):
         lo16, _ = locate_from_top(low_hist[row[p]], k - above)
@@ -1348,3 +1357,33 @@ def dare_keep_blocks(keep: np.ndarray, b: np.ndarray, x: np.ndarray, spans: np.n
         for t in range(c):
             acc_kept += parts[t, 0]
             acc_dropped += parts[t, 1]
+
+
+@numba.njit(cache=True, nogil=True)
+def _ties_add_terms_span(S: np.ndarray, P: np.ndarray, N: np.ndarray, WP: np.ndarray, WN: np.ndarray, D: np.ndarray,
+                         w: np.float32, weights: bool) -> None:
+    """One span of `ties_add_terms`."""
+    zero = np.float32(0.0)
+    for i in range(S.shape[0]):
+        d = D[i]
+        S[i] = S[i] + d
+        P[i] = P[i] + (d if d > zero else zero)
+        N[i] = N[i] + (d if d < zero else zero)
+        if weights:
+            WP[i] = WP[i] + (w if d > zero else zero)
+            WN[i] = WN[i] + (w if d < zero else zero)
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def ties_add_terms(S: np.ndarray, P: np.ndarray, N: np.ndarray, WP: np.ndarray, WN: np.ndarray, D: np.ndarray,
+                   w: np.float32, weights: bool) -> None:
+    """The TIES sums of finite weighted terms D (= T·w) on one span: S += D, P += max(D, 0), N += min(D, 0) and,
+    with ``weights``, WP += w·(D > 0), WN += w·(D < 0) — numpy's `TiesFold._combine` in one pass (a ±0 term adds
+    nothing to sums started at +0.0 and holding no −0.0), in chunks on numba's threads (WP, WN may be empty
+    without ``weights``)."""
+    n = S.shape[0]
+    c = _n_chunks(n, _PAR_CHUNK)
+    for t in numba.prange(c):
+        s, e = _chunk(n, c, t)
+        ws, we = (s, e) if weights else (0, 0)
+        _ties_add_terms_span(S[s:e], P[s:e], N[s:e], WP[ws:we], WN[ws:we], D[s:e], w, weights)

@@ -248,8 +248,10 @@ class DeltaFold(MergeOperator):
         ks = [k for k, used in ((n_top, n_top > 0), (n - n_bot + 1, n_bot > 0)) if used]
         src = x.fast_source() if x.full else None
         cuts = None
-        if src is not None and self._bflat is not None and ks:  # the whole tensor read: from the stored values
-            cuts = kernels().kth_largest_abs_deltas(self._bflat, src, ks)  # None when some |Δ| is inf or NaN
+        if src is not None and self._bflat is not None and ks and len(ranges) <= 64:
+            # every block that may differ was read: the cut points from the stored values on the rows read
+            # (zeros elsewhere); None when some |Δ| is inf or NaN
+            cuts = kernels().kth_largest_abs_deltas(self._bflat, src, x.element_ranges_array(self._ctx), n, ks)
         if cuts is not None:
             hi = cuts[0] if n_top > 0 else math.inf
             lo = cuts[-1] if n_bot > 0 else -math.inf

@@ -237,22 +237,13 @@ class TiesFold(DeltaFold):
     def _combine(self, s: int, e: int, D: np.ndarray, finite: bool | None) -> None:
         assert self._P is not None
         self._init_sums()
-        n = e - s
         w = self._w
-        self._S[s:e] += D
-        t = self.scratch("t2", n)
         if finite or all_finite(D):
-            # D > 0: max(D, 0) = D, 1·w = w; otherwise ±0 — equal to the where() forms for finite D
-            self._P[s:e] += np.maximum(D, 0.0, out=t)
-            self._N[s:e] += np.minimum(D, 0.0, out=t)
-            if self.normalize:
-                np.greater(D, 0.0, out=t)
-                t *= w
-                self._WP[s:e] += t
-                np.less(D, 0.0, out=t)
-                t *= w
-                self._WN[s:e] += t
+            # D > 0: max(D, 0) = D, 1·w = w; otherwise ±0 — equal to the where() forms for finite D; one pass
+            S, P, N, wp, wn = self._sums()
+            kernels().ties_add_terms(S[s:e], P[s:e], N[s:e], wp[s:e], wn[s:e], D, np.float32(w), self.normalize)
         else:  # the literal formula (NaN D is neither positive nor negative)
+            self._S[s:e] += D
             pos, neg = D > 0, D < 0
             zero, w32 = np.float32(0.0), np.float32(w)
             self._P[s:e] += np.where(pos, D, zero)

@@ -141,19 +141,54 @@ def test_absdelta_and_radix_histograms(n: int) -> None:
 
 
 @pytest.mark.parametrize("n", [5, 4097, (1 << 20) * 3 + 5])
-def test_kth_largest_abs_deltas_is_the_sorted_value(n: int) -> None:
+@pytest.mark.parametrize("part", [False, True])
+def test_kth_largest_abs_deltas_is_the_sorted_value(n: int, part: bool) -> None:
     """Breadcrumbs' two cut points straight from the stored values: the k-th largest of the sorted |Δ| (BF16
-    experts: many ties, and zeros), for k at the ends and inside; None when some |Δ| is inf or NaN."""
+    experts: many ties, and zeros), for k at the ends and inside, with (``part``) some rows not read, whose Δ is
+    0 (their stored bytes are garbage here); None when some |Δ| read is inf or NaN."""
     b, x, _u = operands(n, n + 8, specials=False)
-    d = np.abs((x.astype(np.uint32) << 16).view(np.float32) - b)
+    ranges = np.array([[0, n]], np.int64)
+    if part and n > 10:
+        ranges = np.array([[1, n // 3], [n // 2, n - 2]], np.int64)
+    d = np.zeros(n, np.float32)
+    read = np.zeros(n, np.bool_)
+    for s0, e0 in ranges:
+        d[s0:e0] = np.abs((x[s0:e0].astype(np.uint32) << 16).view(np.float32) - b[s0:e0])
+        read[s0:e0] = True
+    x[~read] = 0x7FC0  # NaN off the ranges: never looked at
     desc = np.sort(d)[::-1]
     ks = sorted({1, 2, max(1, n // 100), n // 2 + 1, n - n // 10, n})
     for t in (1, 2):
         with threads(t):
             for i in range(len(ks) - 1):
-                got = K.kth_largest_abs_deltas(b, x, [ks[i], ks[-1 - i]])
+                got = K.kth_largest_abs_deltas(b, x, ranges, n, [ks[i], ks[-1 - i]])
                 assert got == [float(desc[ks[i] - 1]), float(desc[ks[-1 - i] - 1])]
-    x[n // 3] = 0x7FC0  # a NaN Δ
-    assert K.kth_largest_abs_deltas(b, x, [1, n]) is None
-    x[n // 3] = 0x7F80  # an infinite one
-    assert K.kth_largest_abs_deltas(b, x, [1]) is None
+    x[int(ranges[0, 0]) + 1] = 0x7FC0  # a NaN Δ read
+    assert K.kth_largest_abs_deltas(b, x, ranges, n, [1, n]) is None
+    x[int(ranges[0, 0]) + 1] = 0x7F80  # an infinite one
+    assert K.kth_largest_abs_deltas(b, x, ranges, n, [1]) is None
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("weights", [False, True])
+def test_ties_add_terms_is_numpys_combine(n: int, weights: bool) -> None:
+    """`TiesFold._combine`'s numpy form on finite terms (signed zeros among them), against the fused kernel."""
+    rng = np.random.default_rng(n + 9)
+    D = (rng.standard_normal(n) * 0.01).astype(np.float32)
+    D[rng.random(n) < 0.2] = 0.0
+    D[rng.random(n) < 0.1] = -0.0
+    start = [np.abs(rng.standard_normal(n)).astype(np.float32) * s for s in (1, 1, -1, 1, 1)]
+    start[0] = rng.standard_normal(n).astype(np.float32)
+    w = np.float32(-0.7)
+    want = [a.copy() for a in start]
+    want[0] += D
+    want[1] += np.maximum(D, 0.0)
+    want[2] += np.minimum(D, 0.0)
+    if weights:
+        want[3] += (D > 0).astype(np.float32) * w
+        want[4] += (D < 0).astype(np.float32) * w
+    for t in (1, 2):
+        got = [a.copy() for a in start]
+        with threads(t):
+            K.ties_add_terms(*got, D, w, weights)
+        assert [a.tobytes() for a in got] == [a.tobytes() for a in want]
