@@ -314,8 +314,8 @@ def test_a_delta_expert_at_other_layers_than_the_base_is_refused(fam, tmp_path: 
 
 
 def test_a_lora_adapter_at_other_layers_than_the_base_is_refused(fam, tmp_path: Path) -> None:
-    """A LoRA adapter names only its target modules: a config reading it at other layers is refused at
-    resolution already (the layer has tensors the adapter lacks), naming the source, with nothing written."""
+    """A LoRA adapter holds Δ against the base's tensors of the same names: a config reading it at other layers
+    is refused, naming the source, with nothing written."""
     from tests.golden.cases import write_lora
 
     root, family, cat = fam
@@ -358,3 +358,54 @@ def test_a_packed_expert_at_other_layers_is_read_whole_from_its_file(fam, tmp_pa
     assert r.planned_bytes < ref.planned_bytes  # the packed blocks cost less than the raw ones
     part, _plan, _manifest = merge_counted(cat, byte_reads, catalogued_files(cat), str(spec), tmp_path / "part", 0.3)
     assert part.realized_bytes == part.planned_bytes <= part.budget_bytes
+
+
+LINEAR_BASE_LISTED = """
+merge_method: linear
+base_model: base
+models:
+  - {model: base, parameters: {weight: 1.0}}
+  - {model: EXPERT, parameters: {weight: 0.5}}
+  - {model: e1, parameters: {weight: 0.25}}
+dtype: float32
+"""
+
+
+def test_a_delta_expert_or_adapter_lacking_layers_is_delta_zero_there(fam, tmp_path: Path) -> None:
+    """A delta checkpoint holds Δ only where it has a tensor, a LoRA adapter only on its target modules: through
+    a config (here MergeKit's style, the base listed among linear's models) each has the base's layers and
+    Δ = 0 on the tensors it lacks, as in a plain spec: the same bytes as the full checkpoint base + Δ."""
+    from safetensors.numpy import save_file
+
+    from tests.golden.cases import write_lora
+
+    root, family, cat = fam
+    base, e0 = _load(family.base), _load(family.experts[0])
+    kept = [n for n in base if ".layers.0." in n or ".layers.1." in n]  # layers 2 and 3 absent: Δ = 0
+    (tmp_path / "d").mkdir()
+    save_file({n: e0[n] - base[n] for n in kept}, str(tmp_path / "d" / "model.safetensors"))
+    cat.ingest(tmp_path / "d", name="dpart", base="base", kind="delta", block_bytes=2048)
+    (tmp_path / "f").mkdir()
+    full = {n: (base[n] + (e0[n] - base[n])) if n in kept else base[n] for n in base}
+    save_file(full, str(tmp_path / "f" / "model.safetensors"))
+    for extra in family.base.glob("*.json"):
+        (tmp_path / "f" / extra.name).write_bytes(extra.read_bytes())
+    cat.ingest(tmp_path / "f", name="fpart", base="base", block_bytes=2048)
+    outs = {}
+    for name in ("dpart", "fpart"):
+        spec = _spec(tmp_path, f"lin-{name}", LINEAR_BASE_LISTED.replace("EXPERT", name))
+        r = cat.merge(str(spec), out=tmp_path / f"out-{name}", budget=1.0)
+        assert r.realized_bytes == r.planned_bytes
+        outs[name] = _load(tmp_path / f"out-{name}")
+    assert outs["dpart"].keys() == outs["fpart"].keys() == base.keys()
+    for n in base:
+        assert outs["dpart"][n].tobytes() == outs["fpart"][n].tobytes(), n
+    # a LoRA adapter (its target modules only) in the same config is merged, not refused
+    write_lora(tmp_path / "lora", family.base, dtype="float32")
+    cfg_path = tmp_path / "lora" / "adapter_config.json"  # another alpha: not the adapter another test ingested
+    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "lora_alpha": 3}))
+    cat.ingest(tmp_path / "lora", name="lpart", base="base", kind="lora")
+    spec = _spec(tmp_path, "lin-lora", LINEAR_BASE_LISTED.replace("EXPERT", "lpart"))
+    r = cat.merge(str(spec), out=tmp_path / "out-lora", budget=1.0)
+    assert r.realized_bytes == r.planned_bytes > 0
+    assert _load(tmp_path / "out-lora").keys() == base.keys()

@@ -493,8 +493,9 @@ def check_case(catalog, tmp_path: Path, seed: int, byte_reads: ReadLog, *, mixed
 
 
 # 0-23 cover every method and dtype, 0-d and empty tensors; 29 is a second F16 merge of 2+ experts (dare_ties),
-# 349 a slerp of an expert whose tensor differs from the base's only in the sign of zeros
-SEEDS = [*range(24), 29, 349]
+# 349 a slerp of an expert whose tensor differs from the base's only in the sign of zeros, 1193 a breadcrumbs
+# whose expert leaves some blocks equal to the base's (not read: Δ = 0 in the cut points)
+SEEDS = [*range(24), 29, 349, 1193]
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -503,8 +504,10 @@ def test_random_families_match_the_reference(catalog, tmp_path, seed, byte_reads
 
 
 # 0-15 cover every source; 1084 is a dare_ties (normalize) whose LoRA expert follows a DARE'd full one, 2254 a
-# linear bound next to float32 rounding, 2340 a slerp of a delta checkpoint over zeros of both signs
-MIXED_SEEDS = [*range(16), 1084, 2254, 2340]
+# linear bound next to float32 rounding, 2340 a slerp of a delta checkpoint over zeros of both signs, 1007 a
+# linear listing the base among its models (MergeKit's style: a config) with a delta expert lacking layers, 1174
+# a breadcrumbs of packed, delta and snapshot experts with blocks left unread
+MIXED_SEEDS = [*range(16), 1084, 2254, 2340, 1007, 1174]
 
 
 @pytest.mark.parametrize("seed", MIXED_SEEDS)

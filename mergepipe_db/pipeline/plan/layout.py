@@ -67,9 +67,14 @@ def build_layout(conn: sa.Connection, spec: MergeSpec, base_id: str, ids: dict[s
     if base_ref is None:
         base_ref = next((r for r, i in ids.items() if i == base_id), names[base_id])
         refs.setdefault(base_ref, base_id)
-    tensors = load_tensors_many(conn, sorted(set(refs.values())))
+    tensors = load_tensors_many(conn, sorted(set(refs.values()) | {base_id}))
     by_name = {cid: {t.name: t for t in ts} for cid, ts in tensors.items()}
-    recipe = resolve(spec.config, base_ref, lambda ref: [t.name for t in tensors[refs[ref]]])
+    # a delta checkpoint or LoRA adapter holds Δ against the base's tensors of the same names, and only where
+    # Δ ≠ 0: it has the base's layers, and a tensor it lacks is Δ = 0 there (as in a plain spec)
+    kinds = dict(conn.execute(sa.select(c.c.id, c.c.kind).where(c.c.id.in_(sorted(set(refs.values()))))).all())
+    sparse = {cid for cid, kind in kinds.items() if cid != base_id and not source_class(kind).plain_blocks}
+    recipe = resolve(spec.config, base_ref,
+                     lambda ref: [t.name for t in tensors[base_id if refs[ref] in sparse else refs[ref]]])
     expert_ids = [refs[r] for r in recipe.experts]
     _check_models(conn, recipe, refs, base_id)
     _check_renumbered(conn, spec, recipe, refs)
@@ -84,6 +89,9 @@ def build_layout(conn: sa.Connection, spec: MergeSpec, base_id: str, ids: dict[s
         per = [{"weight": 0.0} for _ in expert_ids]
         for pos, src_name, mp in r.inputs:
             et = by_name[expert_ids[pos]].get(src_name)
+            if et is None and expert_ids[pos] in sparse:  # Δ = 0 on this tensor: an input with nothing to read
+                per[pos] = dict(mp)
+                continue
             if et is None:
                 raise SpecError(f"model {recipe.experts[pos]!r} has no tensor {src_name!r}")
             if et.shape != t0.shape:
