@@ -196,6 +196,10 @@ def to_markdown(raw: dict[str, Any]) -> str:
             f"{shape.get('num_layers')} layers, hidden {shape.get('hidden_size')}), {K} experts, experts ingested "
             f"together (exact cross products for the geometric methods). Disk (dd, cold, median of 3): "
             f"O_DIRECT read {rates['read_Bps'] / 1e9:.2f} GB/s, write+fsync {rates['write_Bps'] / 1e9:.2f} GB/s.\n\n")
+    earlier = sorted({run for run in raw.get("mergekit_from", {}).values()})
+    if earlier:  # MergeKit's times carried over from an earlier run on the same machine (its code did not change)
+        head += (f"MergeKit's times of {', '.join(sorted(raw['mergekit_from']))} are those of run "
+                 f"{', '.join(earlier)} (same machine, same YAML); the others were measured in this run.\n\n")
     return head + md_table(["method", "experts", "ours @1.0", "I/O floor", "ours / floor", "ours peak RSS",
                      "ours @0.1", "expert bytes read @0.1 / all", "read GB 0.1 / 1.0 (/proc)", "MergeKit",
                      "MergeKit RSS", "ours@1.0 / MergeKit", "load avg (1 min) after 1.0 / 0.1 / MergeKit"], rows)
