@@ -366,21 +366,20 @@ def _ties_span(S: np.ndarray, P: np.ndarray, N: np.ndarray, WP: np.ndarray, WN: 
         d = widen(x[i]) - b[i]
         if trim:
             d = d if abs(d) >= tau else zero
-        dw = d * w
-        if init:  # fresh accumulators: +0.0 + term
-            S[i] = zero + dw
-            P[i] = zero + (dw if dw > zero else zero)
-            N[i] = zero + (dw if dw < zero else zero)
-            if weights:
-                WP[i] = zero + (w if dw > zero else zero)
-                WN[i] = zero + (w if dw < zero else zero)
-        else:
-            S[i] = S[i] + dw
-            P[i] = P[i] + (dw if dw > zero else zero)
-            N[i] = N[i] + (dw if dw < zero else zero)
-            if weights:
-                WP[i] = WP[i] + (w if dw > zero else zero)
-                WN[i] = WN[i] + (w if dw < zero else zero)
+        _ties_accumulate(S, P, N, WP, WN, i, d * w, w, weights, init)
+
+
+@numba.njit(nogil=True)
+def _ties_accumulate(S: np.ndarray, P: np.ndarray, N: np.ndarray, WP: np.ndarray, WN: np.ndarray, i: int,
+                     dw: np.float32, w: np.float32, weights: bool, init: bool) -> None:
+    """Element i of the TIES sums gets the weighted term dw (``init``: fresh accumulators, +0.0 + term)."""
+    zero = np.float32(0.0)
+    S[i] = (zero if init else S[i]) + dw
+    P[i] = (zero if init else P[i]) + (dw if dw > zero else zero)
+    N[i] = (zero if init else N[i]) + (dw if dw < zero else zero)
+    if weights:
+        WP[i] = (zero if init else WP[i]) + (w if dw > zero else zero)
+        WN[i] = (zero if init else WN[i]) + (w if dw < zero else zero)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -1363,15 +1362,8 @@ def dare_keep_blocks(keep: np.ndarray, b: np.ndarray, x: np.ndarray, spans: np.n
 def _ties_add_terms_span(S: np.ndarray, P: np.ndarray, N: np.ndarray, WP: np.ndarray, WN: np.ndarray, D: np.ndarray,
                          w: np.float32, weights: bool) -> None:
     """One span of `ties_add_terms`."""
-    zero = np.float32(0.0)
     for i in range(S.shape[0]):
-        d = D[i]
-        S[i] = S[i] + d
-        P[i] = P[i] + (d if d > zero else zero)
-        N[i] = N[i] + (d if d < zero else zero)
-        if weights:
-            WP[i] = WP[i] + (w if d > zero else zero)
-            WN[i] = WN[i] + (w if d < zero else zero)
+        _ties_accumulate(S, P, N, WP, WN, i, D[i], w, weights, False)
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
