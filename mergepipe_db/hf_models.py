@@ -4,6 +4,7 @@ is downloaded (its safetensors, config and tokenizer files only) only when asked
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -20,6 +21,17 @@ def is_hf_ref(ref: str) -> bool:
     return bool(_HF_ID.match(ref)) and not Path(ref.split("@")[0]).exists()
 
 
+def hub_cache_dir() -> str | None:
+    """The hub cache the environment names now: HF_HUB_CACHE, else HUGGINGFACE_HUB_CACHE, else HF_HOME/hub (None:
+    huggingface_hub's default). huggingface_hub reads them once, when it is first imported; a process that set
+    them later (a library caller, a test) would otherwise look in the cache of its start."""
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(var):
+            return os.environ[var]
+    home = os.environ.get("HF_HOME")
+    return str(Path(home) / "hub") if home else None
+
+
 def resolve_hf(ref: str, *, download: bool = False) -> Path:
     """The local snapshot directory of `ref`; SpecError when it is not cached (and `download` is off) or cannot
     be fetched."""
@@ -32,7 +44,7 @@ def resolve_hf(ref: str, *, download: bool = False) -> Path:
     repo, _, revision = ref.partition("@")
     try:
         path = snapshot_download(repo, revision=revision or None, local_files_only=not download,
-                                 allow_patterns=ALLOW_PATTERNS)
+                                 allow_patterns=ALLOW_PATTERNS, cache_dir=hub_cache_dir())
     except LocalEntryNotFoundError as e:
         raise SpecError(f"model {ref!r} is not in the local Hugging Face cache (HF_HUB_CACHE / HF_HOME); pass "
                         f"--download to fetch its safetensors, config and tokenizer files") from e
