@@ -1050,20 +1050,20 @@ def sce_combine(out: np.ndarray, base: np.ndarray, ds: tuple[np.ndarray, ...], n
 # and combines what the chunks give by integer sums or per element: the bits are those of the serial kernel,
 # whatever the number of threads (`NUMBA_NUM_THREADS`) or chunks. Arrays shorter than two chunks run serially.
 
-_PAR_CHUNK = 1 << 17  # elements per chunk at least: a chunk's work (~0.1 ms) outweighs handing it to a thread
+PAR_CHUNK = 1 << 17  # elements per chunk at least: a chunk's work (~0.1 ms) outweighs handing it to a thread
 _PAR_ALIGN = 1 << 12  # chunk boundaries on multiples of this (whole tiles of the kernels above)
 _PAR_RADIX_CHUNK = 1 << 20  # a radix chunk clears and sums its own (2, RADIX_BINS) histogram: larger chunks
 _PAR_CHUNKS = 16  # chunks at most (a fixed number, not one per thread: numba cannot cache a kernel that asks)
 
 
 @numba.njit(nogil=True)
-def _n_chunks(n: int, least: int) -> int:
+def n_chunks(n: int, least: int) -> int:
     """How many chunks of at least `least` elements."""
     return max(1, min(_PAR_CHUNKS, n // least))
 
 
 @numba.njit(nogil=True)
-def _chunk(n: int, c: int, t: int) -> tuple[int, int]:
+def chunk_span(n: int, c: int, t: int) -> tuple[int, int]:
     """Chunk t of c over [0, n): its [start, end), both multiples of `_PAR_ALIGN` except the last end."""
     s = (n * t // c) // _PAR_ALIGN * _PAR_ALIGN
     e = n if t == c - 1 else (n * (t + 1) // c) // _PAR_ALIGN * _PAR_ALIGN
@@ -1076,13 +1076,13 @@ def random_keep_par(keep: np.ndarray, b: np.ndarray, x: np.ndarray, u: np.ndarra
     """`random_keep` in chunks; each chunk's exact sums in its own accumulators, added into the callers' (exact
     sums do not depend on how the values are split)."""
     n = keep.shape[0]
-    c = _n_chunks(n, _PAR_CHUNK)
+    c = n_chunks(n, PAR_CHUNK)
     if c == 1:
         random_keep(keep, b, x, u, p, p_step, l1, acc_kept, acc_dropped)
         return
     parts = np.zeros((c, 2, acc_kept.shape[0]), np.int64)
     for t in numba.prange(c):
-        s, e = _chunk(n, c, t)
+        s, e = chunk_span(n, c, t)
         pt = p[s:e] if p_step != 0 else p
         random_keep(keep[s:e], b[s:e], x[s:e], u[s:e], pt, p_step, l1, parts[t, 0], parts[t, 1])
     if l1:
@@ -1096,9 +1096,9 @@ def masked_delta_span_par(mixed: np.ndarray, b: np.ndarray, x: np.ndarray, keep:
                           p_step: int, mode: int, scale: np.float32, w: np.float32) -> None:
     """`masked_delta_span` in chunks."""
     n = mixed.shape[0]
-    c = _n_chunks(n, _PAR_CHUNK)
+    c = n_chunks(n, PAR_CHUNK)
     for t in numba.prange(c):
-        s, e = _chunk(n, c, t)
+        s, e = chunk_span(n, c, t)
         pt = p[s:e] if p_step != 0 else p
         masked_delta_span(mixed[s:e], b[s:e], x[s:e], keep[s:e], pt, p_step, mode, scale, w)
 
@@ -1109,9 +1109,9 @@ def ties_masked_span_par(S: np.ndarray, P: np.ndarray, N: np.ndarray, WP: np.nda
                          scale: np.float32, w: np.float32, weights: bool, init: bool) -> None:
     """`ties_masked_span` in chunks (WP, WN may be empty when not ``weights``)."""
     n = S.shape[0]
-    c = _n_chunks(n, _PAR_CHUNK)
+    c = n_chunks(n, PAR_CHUNK)
     for t in numba.prange(c):
-        s, e = _chunk(n, c, t)
+        s, e = chunk_span(n, c, t)
         pt = p[s:e] if p_step != 0 else p
         ws, we = (s, e) if weights else (0, 0)
         ties_masked_span(S[s:e], P[s:e], N[s:e], WP[ws:we], WN[ws:we], b[s:e], x[s:e], keep[s:e], pt, p_step,
@@ -1123,9 +1123,9 @@ def dare_delta_span_par(mixed: np.ndarray, b: np.ndarray, x: np.ndarray, u: np.n
                         w: np.float32) -> None:
     """`dare_delta_span` in chunks."""
     n = mixed.shape[0]
-    c = _n_chunks(n, _PAR_CHUNK)
+    c = n_chunks(n, PAR_CHUNK)
     for t in numba.prange(c):
-        s, e = _chunk(n, c, t)
+        s, e = chunk_span(n, c, t)
         dare_delta_span(mixed[s:e], b[s:e], x[s:e], u[s:e], dens, w)
 
 
@@ -1135,9 +1135,9 @@ def ties_dare_span_par(S: np.ndarray, P: np.ndarray, N: np.ndarray, WP: np.ndarr
                        init: bool) -> None:
     """`ties_dare_span` in chunks (WP, WN may be empty when not ``weights``)."""
     n = S.shape[0]
-    c = _n_chunks(n, _PAR_CHUNK)
+    c = n_chunks(n, PAR_CHUNK)
     for t in numba.prange(c):
-        s, e = _chunk(n, c, t)
+        s, e = chunk_span(n, c, t)
         ws, we = (s, e) if weights else (0, 0)
         ties_dare_span(S[s:e], P[s:e], N[s:e], WP[ws:we], WN[ws:we], b[s:e], x[s:e], u[s:e], dens, w, weights,
                        init)
@@ -1147,9 +1147,9 @@ def ties_dare_span_par(S: np.ndarray, P: np.ndarray, N: np.ndarray, WP: np.ndarr
 def delta_into_par(out: np.ndarray, b: np.ndarray, x: np.ndarray) -> None:
     """`delta_into` in chunks."""
     n = out.shape[0]
-    c = _n_chunks(n, _PAR_CHUNK)
+    c = n_chunks(n, PAR_CHUNK)
     for t in numba.prange(c):
-        s, e = _chunk(n, c, t)
+        s, e = chunk_span(n, c, t)
         delta_into(out[s:e], b[s:e], x[s:e])
 
 
@@ -1158,10 +1158,10 @@ def masked_delta_par(out: np.ndarray, base: np.ndarray, raw: np.ndarray, lo: np.
                      test_lo: bool, band: bool, w: np.float32) -> bool:
     """`masked_delta` in chunks; every element finite when every chunk's are."""
     n = out.shape[0]
-    c = _n_chunks(n, _PAR_CHUNK)
+    c = n_chunks(n, PAR_CHUNK)
     finite = np.zeros(c, np.bool_)
     for t in numba.prange(c):
-        s, e = _chunk(n, c, t)
+        s, e = chunk_span(n, c, t)
         finite[t] = masked_delta(out[s:e], base[s:e], raw[s:e], lo, hi, test_lo, band, w)
     return bool(finite.all())
 
@@ -1173,9 +1173,9 @@ def absdelta_par(out: np.ndarray, base: np.ndarray, raw: np.ndarray, ranges: np.
     for r in range(ranges.shape[0]):
         s0, e0 = ranges[r, 0], ranges[r, 1]
         n = e0 - s0
-        c = _n_chunks(n, _PAR_CHUNK)
+        c = n_chunks(n, PAR_CHUNK)
         for t in numba.prange(c):
-            s, e = _chunk(n, c, t)
+            s, e = chunk_span(n, c, t)
             y, b, x = out[o + s:o + e], base[s0 + s:s0 + e], raw[s0 + s:s0 + e]
             for i in range(e - s):
                 y[i] = abs(widen(x[i]) - b[i])
@@ -1186,13 +1186,13 @@ def absdelta_par(out: np.ndarray, base: np.ndarray, raw: np.ndarray, ranges: np.
 def _radix_count_par(bits: np.ndarray, prefixes: np.ndarray, low: bool, hist: np.ndarray) -> None:
     """`_radix_count` in chunks, each into its own histogram, summed in chunk order (integer counts)."""
     n = bits.shape[0]
-    c = _n_chunks(n, _PAR_RADIX_CHUNK)
+    c = n_chunks(n, _PAR_RADIX_CHUNK)
     if c == 1:
         _radix_count(bits, prefixes, low, hist)
         return
     parts = np.zeros((c, hist.shape[0], hist.shape[1]), np.int64)
     for t in numba.prange(c):
-        s, e = _chunk(n, c, t)
+        s, e = chunk_span(n, c, t)
         _radix_count(bits[s:e], prefixes, low, parts[t])
     for t in range(c):
         hist += parts[t]
@@ -1222,13 +1222,13 @@ def _absdelta_bits_tile(out: np.ndarray, b: np.ndarray, x: np.ndarray) -> None:
 
 @numba.njit(cache=True, nogil=True, parallel=True)
 def _absdelta_hist_chunks(base: np.ndarray, raw: np.ndarray, parts: np.ndarray) -> None:
-    """parts[t, bits(|Δ|) >> 16] += 1 over chunk t of the flat tensor (`_chunk`, len(parts) chunks); counted
+    """parts[t, bits(|Δ|) >> 16] += 1 over chunk t of the flat tensor (`chunk_span`, len(parts) chunks); counted
     in `_RADIX_ROWS` interleaved rows, so runs of equal patterns (zeros, BF16 ties) do not wait on one counter."""
     n = base.shape[0]
     c = parts.shape[0]
     R = _RADIX_ROWS
     for t in numba.prange(c):
-        s, e = _chunk(n, c, t)
+        s, e = chunk_span(n, c, t)
         rows = np.zeros((R, HIST_BINS), np.int64)
         tile = np.empty(_HIST_TILE, np.uint32)
         for t0 in range(s, e, _HIST_TILE):
@@ -1260,7 +1260,7 @@ def _absdelta_low_chunks(base: np.ndarray, raw: np.ndarray, prefixes: np.ndarray
     spare = np.uint32(m * RADIX_BINS)
     lowmask = np.uint32(0xFFFF)
     for t in numba.prange(c):
-        s, e = _chunk(n, c, t)
+        s, e = chunk_span(n, c, t)
         rows = np.zeros((R, m * RADIX_BINS + 1), np.int64)
         tile = np.empty(_HIST_TILE, np.uint32)
         for t0 in range(s, e, _HIST_TILE):
@@ -1295,7 +1295,7 @@ def kth_largest_abs_deltas(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray
     spans = [(int(s0), int(e0)) for s0, e0 in ranges if e0 > s0]
     hist = np.zeros(HIST_BINS, np.int64)
     for s0, e0 in spans:
-        parts = np.zeros((_n_chunks(e0 - s0, _PAR_RADIX_CHUNK), HIST_BINS), np.int64)
+        parts = np.zeros((n_chunks(e0 - s0, _PAR_RADIX_CHUNK), HIST_BINS), np.int64)
         _absdelta_hist_chunks(base[s0:e0], raw[s0:e0], parts)
         hist += parts.sum(axis=0)
     if hist[_INF_PREFIX:].any():
@@ -1308,7 +1308,7 @@ def kth_largest_abs_deltas(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray
         raise ValueError("kth_largest_abs_deltas: at most two prefixes")
     low_hist = np.zeros((prefixes.shape[0], RADIX_BINS), np.int64)
     for s0, e0 in spans:
-        parts = np.zeros((_n_chunks(e0 - s0, _PAR_RADIX_CHUNK), prefixes.shape[0], RADIX_BINS), np.int64)
+        parts = np.zeros((n_chunks(e0 - s0, _PAR_RADIX_CHUNK), prefixes.shape[0], RADIX_BINS), np.int64)
         _absdelta_low_chunks(base[s0:e0], raw[s0:e0], prefixes, parts)
         low_hist += parts.sum(axis=0)
     row = {int(p): j for j, p in enumerate(prefixes)}
@@ -1323,13 +1323,13 @@ def kth_largest_abs_deltas(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray
 
 @numba.njit(cache=True, nogil=True, parallel=True)
 def dare_keep_blocks(keep: np.ndarray, b: np.ndarray, x: np.ndarray, spans: np.ndarray, seeds: np.ndarray,
-                     d: np.float32, l1: bool, acc_kept: np.ndarray, acc_dropped: np.ndarray) -> None:
+                     d: np.float32, acc_kept: np.ndarray, acc_dropped: np.ndarray) -> None:
     """DARE's mask of several blocks, drawn and used in one pass: block j (elements spans[j] = [start, end) of
     the flat tensor) gets keep = u < d with u its own stream (seed ``seeds[j]``, `mt19937`), a tile at a time,
-    and with ``l1`` the exact sums (`exact_sum`) of the kept and of the dropped |Δ| of that tile while it is in
-    cache. The same mask and sums as `random_keep` on each block's ``torch.rand`` uniforms, without the
-    uniforms in memory; blocks in contiguous chunks on numba's threads, each chunk's sums in its own
-    accumulators, added after (exact: the same for any thread count)."""
+    and the exact sums (`exact_sum`) of the kept and of the dropped |Δ| of that tile while it is in cache. The
+    same mask and sums as `random_keep` on each block's ``torch.rand`` uniforms, without the uniforms in memory;
+    blocks in contiguous chunks on numba's threads, each chunk's sums in its own accumulators, added after
+    (exact: the same for any thread count)."""
     nbk = spans.shape[0]
     c = max(1, min(_PAR_CHUNKS, nbk))
     parts = np.zeros((c, 2, acc_kept.shape[0]), np.int64)
@@ -1345,17 +1345,14 @@ def dare_keep_blocks(keep: np.ndarray, b: np.ndarray, x: np.ndarray, spans: np.n
                 m = min(T, spans[j, 1] - t0)
                 pos = mt19937.stream_fill(u[:m], state, buf, pos)
                 kp = keep[t0:t0 + m]
+                xs, bs = x[t0:t0 + m], b[t0:t0 + m]
                 for i in range(m):
                     kp[i] = u[i] < d
-                if l1:
-                    xs, bs = x[t0:t0 + m], b[t0:t0 + m]
-                    for i in range(m):
-                        a[i] = abs(widen(xs[i]) - bs[i])
-                    exact_sum.add_split(parts[t, 0], parts[t, 1], a[:m], kp)
-    if l1:
-        for t in range(c):
-            acc_kept += parts[t, 0]
-            acc_dropped += parts[t, 1]
+                    a[i] = abs(widen(xs[i]) - bs[i])
+                exact_sum.add_split(parts[t, 0], parts[t, 1], a[:m], kp)
+    for t in range(c):
+        acc_kept += parts[t, 0]
+        acc_dropped += parts[t, 1]
 
 
 @numba.njit(cache=True, nogil=True)
@@ -1374,8 +1371,8 @@ def ties_add_terms(S: np.ndarray, P: np.ndarray, N: np.ndarray, WP: np.ndarray, 
     nothing to sums started at +0.0 and holding no −0.0), in chunks on numba's threads (WP, WN may be empty
     without ``weights``)."""
     n = S.shape[0]
-    c = _n_chunks(n, _PAR_CHUNK)
+    c = n_chunks(n, PAR_CHUNK)
     for t in numba.prange(c):
-        s, e = _chunk(n, c, t)
+        s, e = chunk_span(n, c, t)
         ws, we = (s, e) if weights else (0, 0)
         _ties_add_terms_span(S[s:e], P[s:e], N[s:e], WP[ws:we], WN[ws:we], D[s:e], w, weights)

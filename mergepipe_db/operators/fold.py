@@ -297,8 +297,7 @@ class DeltaFold(MergeOperator):
         n = sum(e0 - s0 for _b, s0, e0 in spans)
         sums = (ExactSum(), ExactSum())  # the kept |Δ|, the dropped |Δ|
         d32 = np.float32(self.densities[x.index])  # u < d, the Python float cast to float32 (NEP 50)
-        kernels().dare_keep_blocks(keep, self._bflat, src, bounds, seeds, d32, True, sums[0].reserve(n),
-                                   sums[1].reserve(n))
+        kernels().dare_keep_blocks(keep, self._bflat, src, bounds, seeds, d32, sums[0].reserve(n), sums[1].reserve(n))
         return _l1_ratio(sums[0].value_with(sums[1]), sums[0].value())
 
     def _block_uniforms(self, x: ExpertInput) -> Iterator[tuple[int, int, int, np.ndarray]]:
