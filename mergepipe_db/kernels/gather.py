@@ -12,6 +12,7 @@ import numba
 import numpy as np
 
 from mergepipe_db.kernels.float_bits import bits_to_f32, f32_to_bits, widen
+from mergepipe_db.kernels.merge import PAR_CHUNK, chunk_span, n_chunks
 
 _TILE = 1024  # elements per tile: a tile's count and accumulator stay in L1 across the experts
 _SIGN = np.uint32(0x80000000)
@@ -200,8 +201,6 @@ def fusion_apply(out: np.ndarray, theta0: np.ndarray, theta1: np.ndarray, import
 
 # -- nearswap (`operators/nearswap.py`) ---------------------------------------------------------------------------
 
-_NEARSWAP_CHUNKS = 16  # contiguous chunks on numba's threads (elementwise: the bits do not depend on how many)
-
 
 @numba.njit(cache=True, nogil=True)
 def _nearswap_span(out: np.ndarray, a: np.ndarray, b: np.ndarray, t: np.float32) -> None:
@@ -223,9 +222,10 @@ def _nearswap_span(out: np.ndarray, a: np.ndarray, b: np.ndarray, t: np.float32)
 @numba.njit(cache=True, nogil=True, parallel=True)
 def nearswap(out: np.ndarray, a: np.ndarray, b: np.ndarray, t: np.float32) -> None:
     """out = w·b + (1 − w)·a with w = clip(t / maximum(|a − b|, 1e-6), 0, 1), all in float32 in numpy's order
-    (a = θ₀, b = θ_1, flat); in chunks on numba's threads."""
+    (a = θ₀, b = θ_1, flat); in chunks on numba's threads (`merge.chunk_span`: elementwise, the bits do not
+    depend on how many)."""
     n = out.shape[0]
-    c = max(1, min(_NEARSWAP_CHUNKS, n >> 16))
+    c = n_chunks(n, PAR_CHUNK)
     for k in numba.prange(c):
-        s, e = n * k // c, n * (k + 1) // c
+        s, e = chunk_span(n, c, k)
         _nearswap_span(out[s:e], a[s:e], b[s:e], t)
