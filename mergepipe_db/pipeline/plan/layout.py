@@ -67,7 +67,7 @@ def build_layout(conn: sa.Connection, spec: MergeSpec, base_id: str, ids: dict[s
     if base_ref is None:
         base_ref = next((r for r, i in ids.items() if i == base_id), names[base_id])
         refs.setdefault(base_ref, base_id)
-    tensors = load_tensors_many(conn, sorted(set(refs.values()) | {base_id}))
+    tensors = load_tensors_many(conn, sorted(set(refs.values())))
     by_name = {cid: {t.name: t for t in ts} for cid, ts in tensors.items()}
     # a delta checkpoint or LoRA adapter holds Δ against the base's tensors of the same names, and only where
     # Δ ≠ 0: it has the base's layers, and a tensor it lacks is Δ = 0 there (as in a plain spec)
@@ -77,7 +77,7 @@ def build_layout(conn: sa.Connection, spec: MergeSpec, base_id: str, ids: dict[s
                      lambda ref: [t.name for t in tensors[base_id if refs[ref] in sparse else refs[ref]]])
     expert_ids = [refs[r] for r in recipe.experts]
     _check_models(conn, recipe, refs, base_id)
-    _check_renumbered(conn, spec, recipe, refs)
+    _check_renumbered(spec, recipe, refs, kinds)
 
     base_tensors: list[TensorInfo] = []
     expert_tensors: list[dict[str, TensorInfo]] = [{} for _ in expert_ids]
@@ -118,18 +118,17 @@ def _check_models(conn: sa.Connection, recipe: Recipe, refs: dict[str, str], bas
                             f"{recipe.base}")
 
 
-def _check_renumbered(conn: sa.Connection, spec: MergeSpec, recipe: Recipe, refs: dict[str, str]) -> None:
+def _check_renumbered(spec: MergeSpec, recipe: Recipe, refs: dict[str, str], kinds: dict[str, str]) -> None:
     """An input whose source tensor is not θ₀'s (`Recipe.renumbered`: a slice whose sources have different layer
     ranges) is read whole as θ_k and its Δ formed against θ₀ by the executor: its source must deliver θ
     (`ExpertSource.plain_blocks`: a full checkpoint, a snapshot, packed blocks). A delta checkpoint or a LoRA
-    adapter holds Δ against its base's same-named tensor only: refused, naming the source's layer_range."""
+    adapter holds Δ against its base's same-named tensor only: refused, naming the source's layer_range
+    (`kinds`: checkpoint id -> kind, of every model of the config)."""
     renumbered = recipe.renumbered()
     if not renumbered:
         return
-    c = schema.checkpoint
     positions = sorted({pos for pos, _i in renumbered})
     ids = [refs[recipe.experts[p]] for p in positions]
-    kinds = dict(conn.execute(sa.select(c.c.id, c.c.kind).where(c.c.id.in_(sorted(set(ids))))).all())
     for pos, cid in zip(positions, ids):
         if source_class(kinds[cid]).plain_blocks:
             continue
