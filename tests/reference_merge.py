@@ -320,14 +320,35 @@ def linear_combine(
     return acc
 
 
+GRAM_LANES = 64
+
+
+def ordered_dot(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Σ a·b in float64 in the order SEMANTICS.md fixes for inner products ("Inner products"): c chunks,
+    in each a sum per lane (element index mod 64) in element order, the lanes then the chunks added in order."""
+    x, y = a.flatten().double(), b.flatten().double()
+    n = x.numel()
+    c = max(1, min(16, n // (1 << 17)))
+    total = 0.0
+    for t in range(c):
+        s = (n * t // c) // 4096 * 4096
+        e = n if t == c - 1 else (n * (t + 1) // c) // 4096 * 4096
+        prod = x[s:e] * y[s:e]
+        prod = torch.cat([prod, prod.new_zeros(-prod.numel() % GRAM_LANES)]).reshape(-1, GRAM_LANES)
+        lanes = torch.zeros(GRAM_LANES, dtype=torch.float64)
+        for row in prod:
+            lanes += row
+        chunk = 0.0
+        for v in lanes.tolist():
+            chunk += v
+        total += chunk
+    return total
+
+
 def slerp_combine(theta0: torch.Tensor, theta1: torch.Tensor, t: float) -> torch.Tensor:
-    v0 = theta0.flatten()
-    v1 = theta1.flatten()
-    n0 = float(torch.linalg.vector_norm(v0.double()))
-    n1 = float(torch.linalg.vector_norm(v1.double()))
-    dot = float(torch.dot(v0.double(), v1.double())) / (
-        (n0 if n0 > 1e-8 else 1.0) * (n1 if n1 > 1e-8 else 1.0)
-    )
+    n0 = math.sqrt(ordered_dot(theta0, theta0))
+    n1 = math.sqrt(ordered_dot(theta1, theta1))
+    dot = ordered_dot(theta0, theta1) / ((n0 if n0 > 1e-8 else 1.0) * (n1 if n1 > 1e-8 else 1.0))
     if abs(dot) > 0.9995:
         return theta0 * (1 - t) + theta1 * t
     th0 = math.acos(dot)

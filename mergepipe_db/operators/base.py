@@ -176,7 +176,7 @@ class MergeOperator(abc.ABC):
     #: plan whole tensors (slerp)
     tensor_granular: ClassVar[bool] = False
     #: a tensor-granular operator that copies whatever it keeps of an input during add(): the executor may hand it
-    #: inputs read in place or in reused buffers, as it does the others (slerp keeps θ_k itself: False)
+    #: inputs read in place or in reused buffers, as it does the others (those it keeps it names: `held_inputs`)
     copies_inputs: ClassVar[bool] = False
     #: reads θ_k (linear, slerp); the others use Δ_k
     uses_theta: ClassVar[bool] = False

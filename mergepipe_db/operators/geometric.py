@@ -7,13 +7,14 @@ coefficient functions (`slerp_coefficients`, `model_stock_coefficients`, `nusler
 `multislerp_coefficients`, `karcher_coefficients`) take that matrix, so the same code serves the executor (G
 from the tensors read) and a planner that knows G from catalog statistics before reading anything.
 docs/SEMANTICS.md states the formulas; at full selection they equal MergeKit's outputs within float32 rounding
-(≤ 1e-6 relative). slerp and karcher compute a tensor read whole from the tensors, as MergeKit does (slerp bit
-for bit), and use the Gram form only for a tensor read in part.
+(≤ 1e-6 relative). slerp and karcher compute a tensor read whole from the tensors, as MergeKit does, and use
+the Gram form only for a tensor read in part.
 
 Without a budget they read whole tensors (`tensor_granular`): an omitted (expert, tensor) means Δ_k = 0 there;
 under a budget a plan may read blocks (row-local modes, or coefficients from statistics: `use_coefficients`).
-They hold the tensor's inputs in memory (as MergeKit does), float32, plus float64 copies of one chunk of each
-(`gram`).
+They hold the tensor's inputs in memory (as MergeKit does): per tensor up to `KEEP_BYTES` of stored values as
+read, which the per-tensor passes (`kernels.gram`: G in its fixed summation order, then the weighted sum) read
+in place, the others as float32 Δ_k; the row and column modes use `gram` (numpy, float64 chunks).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from mergepipe_db.errors import SpecError
-from mergepipe_db.operators.base import MergeOperator
+from mergepipe_db.operators.base import MergeOperator, block_bounds
 from mergepipe_db.operators.inputs import ExpertInput
 from mergepipe_db.operators.registry import register
 
@@ -215,6 +216,19 @@ def karcher_coefficients(g: np.ndarray, max_iter: int, tol: float) -> tuple[floa
 # --- the operators ---------------------------------------------------------------------------------------
 
 
+#: stored bytes of a tensor's inputs a GramFold keeps for its fused passes (`kernels.gram`) instead of copying
+#: each Δ_k into float32 (twice their size for BF16); inputs beyond it are copied
+KEEP_BYTES = 1 << 30
+
+_KEPT = np.empty(0, np.float32)  # `GramFold._deltas` entry of an input kept in `_stash`
+
+
+def _gram_kernels():  # noqa: ANN202 - `mergepipe_db.kernels.gram`, imported on first use (numba)
+    from mergepipe_db.kernels import gram as gram_kernels
+
+    return gram_kernels
+
+
 def _flag(value: Any, what: str, method: str) -> bool:
     if not isinstance(value, bool):
         raise SpecError(f"{method}: parameter {what} must be true or false, got {value!r}")
@@ -254,12 +268,24 @@ class GramFold(MergeOperator):
         self._planned_coefficients = dict(table or {})
 
     def _begin(self) -> None:
-        self._deltas = []
+        self._deltas = []  # per input: its Δ_k (float32), None (Δ_k = 0) or _KEPT (its stored values in _stash)
         self._full: list[bool] = []
+        self._stash: list[tuple[np.ndarray, ExpertInput]] = []  # kept inputs' stored values (flat), in input order
+        self._stash_bytes = 0
 
     def _add(self, x: ExpertInput) -> None:
-        self._deltas.append(self._delta_copy(x, len(self._deltas)) if x.selected_blocks else None)
         self._full.append(bool(x.full))
+        if not x.selected_blocks:
+            self._deltas.append(None)
+            return
+        src = x.stored_flat()
+        if (src is not None and self.group_mode() == "flat" and self._stash_bytes + src.nbytes <= KEEP_BYTES
+                and (not self._stash or self._stash[0][0].dtype == src.dtype)):
+            self._stash.append((src, x))
+            self._stash_bytes += src.nbytes
+            self._deltas.append(_KEPT)
+        else:
+            self._deltas.append(self._delta_copy(x, len(self._deltas)))
 
     def _delta_copy(self, x: ExpertInput, k: int) -> np.ndarray:
         """Δ_k of the tensor (θ_k − θ₀ in float32 on the selected rows, 0 elsewhere) in this operator's reused
@@ -290,22 +316,20 @@ class GramFold(MergeOperator):
     def _coefficients(self, g: np.ndarray) -> tuple[Any, np.ndarray]:
         raise NotImplementedError
 
+    #: whether the coefficients use θ₀'s row of the Gram matrix (nuslerp, multislerp and model_stock use the
+    #: Δ_k alone: the fused pass leaves that row 0 and skips its products)
+    gram_uses_base = True
+
     def _finish(self) -> np.ndarray:
         base = self._base
         assert base is not None
         mode = self.group_mode()
-        planned = self._planned() if mode == "flat" else None
-        if planned is None and all(d is None for d in self._deltas):  # no expert read on this tensor: θ₀
+        if mode == "flat":
+            return self._finish_flat()
+        if all(d is None for d in self._deltas):  # no expert read on this tensor: θ₀
             return base.copy()
         vecs = [_groups(base, mode)] + [None if d is None else _groups(d, mode) for d in self._deltas]
-        if planned is not None:
-            a0s, cs = np.array([planned[0]], np.float64), np.asarray(planned[1], np.float64)[None, :]
-        elif mode == "flat":
-            a0, c = self._coefficients(gram(vecs)[0])
-            a0s, cs = np.array([a0], np.float64), np.asarray(c, np.float64)[None, :]
-        else:
-            g = gram(vecs)
-            a0s, cs = self._coefficients(g)
+        a0s, cs = self._coefficients(gram(vecs))
         b = vecs[0]
         a0f = a0s.astype(np.float32)[:, None]
         out = self.scratch("gram_out", b.size).reshape(b.shape)  # finish() may return a reused buffer
@@ -319,19 +343,70 @@ class GramFold(MergeOperator):
                 out += np.multiply(v, cs[:, k].astype(np.float32)[:, None], out=term)
         return _ungroup(out, base.shape, mode)
 
+    def _finish_flat(self) -> np.ndarray:
+        """One tensor's coefficients (the plan's, or from its Gram matrix, `kernels.gram.gram_pass`) and its
+        weighted sum (`combine_pass`): two passes over the inputs, kept ones read from their stored values."""
+        base, bflat, ctx = self._base, self._bflat, self._ctx
+        assert base is not None and bflat is not None and ctx is not None
+        planned = self._planned()
+        present = [k for k, d in enumerate(self._deltas) if d is not None]
+        if planned is None and not present:  # no expert read on this tensor: θ₀
+            return base.copy()
+        kernels = _gram_kernels()
+        bounds = block_bounds(ctx)
+        inputs = self._pass_inputs(present, ctx.n_blocks)
+        if planned is not None:
+            a0, c = planned
+        else:
+            rows = [0] + [1 + k for k in present]
+            g = np.zeros((1 + len(self._deltas),) * 2, np.float64)
+            g[np.ix_(rows, rows)] = kernels.gram_pass(bflat, *inputs, bounds, self.gram_uses_base)
+            a0, c = self._coefficients(g)
+        a0 = float(np.asarray(a0).reshape(-1)[0])
+        cs = np.asarray(c, np.float64).reshape(-1)[present].astype(np.float32)
+        out = self.scratch("gram_out", base.size)  # finish() may return a reused buffer
+        kernels.combine_pass(out, bflat, *inputs, bounds, np.float32(a0), a0 == 1.0, cs)
+        return out.reshape(base.shape)
+
+    def _pass_inputs(self, present: list[int], n_blocks: int) -> tuple[Any, ...]:
+        """(raws, vecs, kinds, sources, selected) of `kernels.gram`'s passes for the inputs `present`: a kept
+        input from its stored values, the others from their Δ_k."""
+        from mergepipe_db.kernels.merge import pack
+
+        kernels = _gram_kernels()
+        kept = iter(self._stash)
+        raws: list[np.ndarray] = []
+        vecs: list[np.ndarray] = []
+        kinds = np.empty(len(present), np.int64)
+        sources = np.empty(len(present), np.int64)
+        selected = np.zeros((max(len(self._stash), 1), n_blocks), np.bool_)
+        for i, k in enumerate(present):
+            d = self._deltas[k]
+            if d is _KEPT:
+                src, x = next(kept)
+                selected[len(raws), list(x.selected_blocks)] = True
+                kinds[i], sources[i] = kernels.FROM_DELTA, len(raws)
+                raws.append(src)
+            else:
+                assert d is not None
+                kinds[i], sources[i] = kernels.FROM_VEC, len(vecs)
+                vecs.append(d.reshape(-1))
+        raw_dtype = raws[0].dtype if raws else np.uint16
+        return (pack(raws or [np.empty(0, raw_dtype)]), pack(vecs or [np.empty(0, np.float32)]), kinds, sources,
+                selected)
+
     def _end(self) -> None:
         self._deltas = []
+        self._stash = []
 
 
 @register("slerp")
 class Slerp(GramFold):
     """slerp between θ₀ and θ_1 with parameter t. A tensor read whole (or not at all: θ_1 = θ₀) is computed from
-    the tensors as MergeKit does (`_finish_read`, torch's float64 norm and dot); one read in part under a budget
+    the tensors as MergeKit does (`_finish_read`, float64 norms and dot); one read in part under a budget
     with the plan's coefficients from catalog statistics (`slerp_coefficients`, `GramFold.use_coefficients`)."""
 
-    uses_torch = True
-    copies_inputs = False  # keeps θ_1 itself until finish
-    _theta1: np.ndarray | None = None
+    copies_inputs = True  # keeps the θ_1 input until finish, and says so (`held_inputs`)
 
     def _validate(self) -> None:
         if self.n_experts != 1:
@@ -352,14 +427,18 @@ class Slerp(GramFold):
 
     def _begin(self) -> None:
         super()._begin()
-        self._theta1 = None
+        self._theta1_input: ExpertInput | None = None
 
     def _add(self, x: ExpertInput) -> None:
         if self._planned_coefficients and self._ctx is not None and self._ctx.name in self._planned_coefficients:
             super()._add(x)  # Δ, for the planned coefficients if it is read in part
         else:
             self._full.append(bool(x.full))
-        self._theta1 = x.theta if x.selected_blocks else self._base
+        self._theta1_input = x if x.selected_blocks else None  # kept until finish (`held_inputs`)
+
+    def held_inputs(self) -> frozenset[int]:
+        held = super().held_inputs()
+        return held if self._theta1_input is None else held | {self._theta1_input.index}
 
     def _finish(self) -> np.ndarray:
         if self._planned() is not None:
@@ -367,31 +446,32 @@ class Slerp(GramFold):
         return self._finish_read()
 
     def _finish_read(self) -> np.ndarray:
-        """slerp of the tensors themselves: torch's float64 norm and dot are the definition (their summation
-        order sets the bits); the sum in float32, ``θ₀·s0 + θ_1·s1``."""
-        import torch
+        """slerp of the tensors themselves: the norms and the dot of θ₀ and θ_1 in float64, summed as
+        `kernels.gram` orders them (the definition: the order sets the bits); the sum in float32,
+        ``θ₀·s0 + θ_1·s1``. θ_1 comes from its stored values when it was read whole."""
+        from mergepipe_db.kernels.merge import pack
 
-        theta0, theta1, t = self._base, self._theta1, self.t
-        assert theta0 is not None and theta1 is not None and t is not None
-        n = theta0.size
-        v0 = torch.from_numpy(self.scratch("v0d", n, np.float64))
-        v0.copy_(torch.from_numpy(theta0.reshape(-1)))
-        n0 = float(torch.linalg.vector_norm(v0))
-        if theta1 is theta0:
-            v1, n1 = v0, n0
-        else:
-            v1 = torch.from_numpy(self.scratch("v1d", n, np.float64))
-            v1.copy_(torch.from_numpy(np.asarray(theta1, order="C").reshape(-1)))
-            n1 = float(torch.linalg.vector_norm(v1))
-        c0, c1 = slerp_weights(float(torch.dot(v0, v1)) / ((n0 if n0 > 1e-8 else 1.0) * (n1 if n1 > 1e-8 else 1.0)),
-                               t)
-        out = np.multiply(theta0, c0, out=np.empty_like(theta0))  # out=: a 0-d result stays an array
-        out += np.multiply(theta1, c1, out=self.scratch("D", n).reshape(theta0.shape))
-        return out
+        bflat, ctx, t, x = self._bflat, self._ctx, self.t, self._theta1_input
+        assert bflat is not None and ctx is not None and t is not None
+        kernels = _gram_kernels()
+        src = x.stored_flat() if x is not None and len(x.selected_blocks) == ctx.n_blocks else None
+        if src is not None:
+            raws, vecs, kind = pack([src]), pack([np.empty(0, np.float32)]), kernels.FROM_THETA
+        else:  # θ_1 = θ₀ where the expert was not read
+            theta1 = bflat if x is None else np.ascontiguousarray(x.theta, np.float32).reshape(-1)
+            raws, vecs, kind = pack([np.empty(0, np.uint16)]), pack([theta1]), kernels.FROM_VEC
+        inputs = (raws, vecs, np.array([kind], np.int64), np.zeros(1, np.int64), np.ones((1, ctx.n_blocks), np.bool_))
+        bounds = block_bounds(ctx)
+        g = kernels.gram_pass(bflat, *inputs, bounds, True)
+        n0, n1 = math.sqrt(g[0, 0]), math.sqrt(g[1, 1])
+        c0, c1 = slerp_weights(float(g[0, 1]) / ((n0 if n0 > 1e-8 else 1.0) * (n1 if n1 > 1e-8 else 1.0)), t)
+        out = self.scratch("slerp_out", bflat.size)  # finish() may return a reused buffer
+        kernels.combine_pass(out, bflat, *inputs, bounds, np.float32(c0), False, np.array([c1], np.float32))
+        return out.reshape(ctx.shape)
 
     def _end(self) -> None:
         super()._end()
-        self._theta1 = None
+        self._theta1_input = None
 
 
 @register("model_stock")
@@ -400,6 +480,7 @@ class ModelStock(GramFold):
     with ``filter_wise``."""
 
     option_defaults = {"filter_wise": False}
+    gram_uses_base = False
 
     def _validate(self) -> None:
         if self.n_experts < 2:
@@ -428,6 +509,7 @@ class NuSlerp(GramFold):
     to ~0); per tensor (``nuslerp_flatten``, default), per row, or per column (``nuslerp_row_wise``)."""
 
     option_defaults = {"nuslerp_flatten": True, "nuslerp_row_wise": False}
+    gram_uses_base = False
 
     def _validate(self) -> None:
         if self.n_experts != 2:
@@ -459,6 +541,7 @@ class MultiSlerp(GramFold):
     """multislerp: barycentric interpolation of the task vectors on the hypersphere (weights required)."""
 
     option_defaults = {"normalize_weights": True, "eps": 1e-8}
+    gram_uses_base = False
     _theta1: np.ndarray | None = None
 
     def _validate(self) -> None:

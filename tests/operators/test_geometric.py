@@ -452,3 +452,50 @@ def test_multislerp_weights_summing_to_zero() -> None:
         make_operator("multislerp", [ExpertParams("a", weight=1.0), ExpertParams("b", weight=-1.0)])
     make_operator("multislerp", [ExpertParams("a", weight=1.0), ExpertParams("b", weight=-1.0)],
                   options={"normalize_weights": False})
+
+
+@pytest.mark.parametrize("keep_bytes", [0, 3000, 1 << 30])
+@pytest.mark.parametrize(("method", "k", "weights", "options"), [
+    ("model_stock", 3, None, {}), ("nuslerp", 2, [0.3, 0.7], {}), ("multislerp", 3, [0.2, 0.5, 0.3], {}),
+    ("karcher", 2, None, {}), ("slerp", 1, None, {"t": 0.4})])
+def test_stored_values_kept_or_copied_give_the_same_bits(monkeypatch, keep_bytes, method, k, weights,
+                                                        options) -> None:
+    """A geometric operator keeps its inputs' stored values (BF16 bits) for its passes while they fit
+    `geometric.KEEP_BYTES`, else copies each Δ_k to float32: every mix gives the bits of θ_k handed over as
+    float32, including an expert read on some rows only (Δ = 0 on the others, their bytes junk)."""
+    from mergepipe_db.operators import geometric
+
+    monkeypatch.setattr(geometric, "KEEP_BYTES", keep_bytes)
+    shape = (48, 40)
+    base, thetas = data(shape, k, 11)
+    base = base.to(torch.bfloat16).float()
+    bits = [th.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16) for th in thetas]
+    params = [ExpertParams(str(i), weight=1.0 if weights is None else weights[i]) for i in range(k)]
+    options = dict(options)
+    t = options.pop("t", None)
+    ctx = TensorContext("t", shape, 4, 12, seed=0)
+    for rows in (None, (0, 3, 4, 9)):
+        outs = []
+        for supply in ("raw", "theta"):
+            op = make_operator(method, params, t=t, options=options)
+            op.begin(base.numpy(), ctx)
+            for i, raw in enumerate(bits):
+                sel = range(ctx.n_blocks) if rows is None or i else rows
+                theta = (torch.from_numpy(raw.astype(np.int32) << 16).view(torch.float32)).clone()
+                if rows is not None and not i:
+                    for b in range(ctx.n_blocks):
+                        if b not in rows:
+                            theta[4 * b:4 * b + 4] = base[4 * b:4 * b + 4]
+                if supply == "raw":
+                    junk = raw.copy()
+                    if rows is not None and not i:
+                        junk[[r for r in range(48) if r // 4 not in rows]] = 0x7FC0  # never read
+                    x = ExpertInput.from_raw(i, params[i], sel, rows is None or bool(i), base=base.numpy(),
+                                             raw=junk, ctx=ctx)
+                else:
+                    x = ExpertInput(i, params[i], sel, rows is None or bool(i), base=base.numpy(),
+                                    theta=theta.numpy())
+                op.add(x)
+            outs.append(op.finish().copy())
+        assert outs[0].tobytes() == outs[1].tobytes(), (method, rows)
+        assert np.isfinite(outs[0]).all()

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 import torch
+from reference_merge import ordered_dot
 
 from mergepipe_db.core import sketch
 from mergepipe_db.errors import SpecError, UnsupportedDtypeError
@@ -132,10 +133,8 @@ def lit_ties_combine(base, trimmed, weights, normalize, lam):
 
 
 def lit_slerp(theta0, theta1, t):
-    v0, v1 = theta0.flatten(), theta1.flatten()
-    n0 = float(torch.linalg.vector_norm(v0.double()))
-    n1 = float(torch.linalg.vector_norm(v1.double()))
-    dot = float(torch.dot(v0.double(), v1.double())) / ((n0 if n0 > 1e-8 else 1.0) * (n1 if n1 > 1e-8 else 1.0))
+    n0, n1 = math.sqrt(ordered_dot(theta0, theta0)), math.sqrt(ordered_dot(theta1, theta1))
+    dot = ordered_dot(theta0, theta1) / ((n0 if n0 > 1e-8 else 1.0) * (n1 if n1 > 1e-8 else 1.0))
     if abs(dot) > 0.9995:
         return theta0 * (1 - t) + theta1 * t
     th0 = math.acos(dot)
