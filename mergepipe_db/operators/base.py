@@ -185,7 +185,7 @@ class MergeOperator(abc.ABC):
     #: plan block rows of all experts together (ties, dare_ties; sql/plan_rank_grouped.sql)
     joint_election: ClassVar[bool] = False
     normalize_default: ClassVar[bool] = False
-    #: imports torch for its results (slerp's norms): the executor sets its thread count first
+    #: imports torch for its results (karcher's loop): the executor sets its thread count first
     uses_torch: ClassVar[bool] = False
     #: inputs kept for a fused pass over the tensor (a `fold.Stash`, or TIES's list); empty or None: none held
     _stash: Any = None
