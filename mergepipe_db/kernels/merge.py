@@ -566,18 +566,20 @@ def ties_finish(P: np.ndarray, S: np.ndarray, N: np.ndarray, WP: np.ndarray, WN:
 
 
 @numba.njit(cache=True, nogil=True)
-def _ties_tile(acc: np.ndarray, b: np.ndarray, x: np.ndarray, trim: bool, tau: np.float32, w: np.float32,
-               weights: bool, init: bool) -> None:
+def _ties_tile(acc: np.ndarray, b: np.ndarray, x: np.ndarray, trim: bool, tau: np.float32, hi: np.float32,
+               w: np.float32, weights: bool, init: bool) -> None:
     """`_ties_span` on one tile whose sums S, P, N, WP, WN are the planar `_TILE`-element rows of the one
     array `acc`: the compiler sees constant distances between them instead of five arrays that might
-    overlap, so it vectorizes the loop without runtime overlap checks."""
+    overlap, so it vectorizes the loop without runtime overlap checks. With `trim` an element is kept where
+    tau <= |Δ| <= hi (TIES: hi = +inf; breadcrumbs' band lo < |Δ| < hi as the float32 neighbours inward)."""
     zero = np.float32(0.0)
     keep_all = not trim
     T = _TILE
     if weights:
         for i in range(b.shape[0]):
             d = widen(x[i]) - b[i]
-            d = d if keep_all | (abs(d) >= tau) else zero
+            a = abs(d)
+            d = d if keep_all | ((a >= tau) & (a <= hi)) else zero
             dw = d * w
             s, p, n, wp, wn = acc[i], acc[T + i], acc[2 * T + i], acc[3 * T + i], acc[4 * T + i]
             acc[i] = (zero if init else s) + dw
@@ -588,7 +590,8 @@ def _ties_tile(acc: np.ndarray, b: np.ndarray, x: np.ndarray, trim: bool, tau: n
     else:
         for i in range(b.shape[0]):
             d = widen(x[i]) - b[i]
-            d = d if keep_all | (abs(d) >= tau) else zero
+            a = abs(d)
+            d = d if keep_all | ((a >= tau) & (a <= hi)) else zero
             dw = d * w
             s, p, n = acc[i], acc[T + i], acc[2 * T + i]
             acc[i] = (zero if init else s) + dw
@@ -598,12 +601,14 @@ def _ties_tile(acc: np.ndarray, b: np.ndarray, x: np.ndarray, trim: bool, tau: n
 
 @numba.njit(cache=True, nogil=True, parallel=True)
 def ties_fused(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], selected: np.ndarray,
-               bounds: np.ndarray, trim: np.ndarray, tau: np.ndarray, w: np.ndarray, weights: bool,
+               bounds: np.ndarray, trim: np.ndarray, tau: np.ndarray, hi: np.ndarray, w: np.ndarray, weights: bool,
                lam: np.float32, count: np.ndarray, counts: np.ndarray, skip: np.ndarray) -> None:
     """The whole TIES fold of one tensor in one pass, when every expert's stored values are at hand:
     tile by tile (`_TILE` elements), the sums of `ties_add` for experts k = 0..K-1 in order (those with
     ``selected[k, b]`` on block b; elsewhere D_k = 0 adds nothing) stay in L1, then `ties_finish`'s formula
-    writes `out`. Same operations, same order as the streaming kernels: the same bits, without reading and
+    writes `out`; an expert with ``trim[k]`` keeps the elements with tau[k] <= |Δ| <= hi[k] (`_ties_tile`:
+    TIES's τ with hi = +inf, or breadcrumbs_ties' band). Same operations, same order as the streaming kernels
+    (for a band: as `masked_delta` and `ties_add_terms`): the same bits, without reading and
     writing five tensor-sized sums once per expert. For each k with ``count[k]``, `counts[k]` gets what
     `absdelta_count` would give on its selected blocks (from the tile just read, still in cache). Blocks with
     ``skip[b]`` (no expert selected them; the caller writes them) are left as they are. Runs on numba's
@@ -613,7 +618,7 @@ def ties_fused(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], 
     c = max(1, min(_PAR_CHUNKS, nb))
     parts = np.zeros((c, counts.shape[0], 2), np.int64)
     for t in numba.prange(c):
-        _ties_fused_blocks(out, base, raws, selected, bounds, trim, tau, w, weights, lam, count, parts[t], skip,
+        _ties_fused_blocks(out, base, raws, selected, bounds, trim, tau, hi, w, weights, lam, count, parts[t], skip,
                            nb * t // c, nb * (t + 1) // c)
     for t in range(c):
         counts += parts[t]
@@ -621,9 +626,9 @@ def ties_fused(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], 
 
 @numba.njit(cache=True, nogil=True)
 def _ties_fused_blocks(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], selected: np.ndarray,
-                       bounds: np.ndarray, trim: np.ndarray, tau: np.ndarray, w: np.ndarray, weights: bool,
-                       lam: np.float32, count: np.ndarray, counts: np.ndarray, skip: np.ndarray, b0: int,
-                       b1: int) -> None:
+                       bounds: np.ndarray, trim: np.ndarray, tau: np.ndarray, hi: np.ndarray, w: np.ndarray,
+                       weights: bool, lam: np.float32, count: np.ndarray, counts: np.ndarray, skip: np.ndarray,
+                       b0: int, b1: int) -> None:
     """`ties_fused` on blocks [b0, b1)."""
     T = _TILE
     acc = np.empty(5 * T, np.float32)  # the tile's S, P, N, WP, WN (`_ties_tile`)
@@ -638,7 +643,7 @@ def _ties_fused_blocks(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray
                 if not selected[k, b]:
                     continue
                 xk = raws[k][t0:t0 + m]
-                _ties_tile(acc, bb, xk, trim[k], tau[k], w[k], weights, fresh)
+                _ties_tile(acc, bb, xk, trim[k], tau[k], hi[k], w[k], weights, fresh)
                 fresh = False
                 if count[k]:
                     nonzero, special = _absdelta_count_span(bb, xk)
@@ -718,9 +723,9 @@ def _dare_ties_fused_blocks(out: np.ndarray, base: np.ndarray, raws: tuple[np.nd
                         for i in range(m):
                             q = widen(xk[i]) - bb[i]
                             t[i] = q if u[i] < d else zero
-                    _ties_tile(acc, z[:m], t[:m], False, inf, w[k], weights, fresh)
+                    _ties_tile(acc, z[:m], t[:m], False, inf, inf, w[k], weights, fresh)
                 else:  # no mask drawn: T = Δ (`ties_add`)
-                    _ties_tile(acc, bb, xk, False, inf, w[k], weights, fresh)
+                    _ties_tile(acc, bb, xk, False, inf, inf, w[k], weights, fresh)
                 fresh = False
             if fresh:
                 _untouched_span(out[t0:t0 + m], bb, lam)

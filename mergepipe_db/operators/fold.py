@@ -187,6 +187,11 @@ class DeltaFold(MergeOperator):
         hist = None if (x.full or x.sketch is None) else x.sketch
         return Magnitudes(a, self._ctx.numel, hist, self)
 
+    def _fold_band(self, x: ExpertInput, lo: float | None, hi: float) -> bool:
+        """Breadcrumbs' band lo < |Δ| < hi folded by a fused pass at finish (breadcrumbs_ties: `TiesFold`); False
+        here: the caller folds it now (`_fold_masked`)."""
+        return False
+
     def _fold_masked(self, x: ExpertInput, ranges: list[tuple[int, int]], mags: Magnitudes | None,
                      lo: float | None, hi: float | None) -> None:
         """T_k = where(keep, Δ_k, 0.0): keep = |Δ| >= lo when ``hi`` is None (TIES), else
@@ -254,8 +259,9 @@ class DeltaFold(MergeOperator):
             cuts = kernels().kth_largest_abs_deltas(self._bflat, src, x.element_ranges_array(self._ctx), n, ks)
         if cuts is not None:
             hi = cuts[0] if n_top > 0 else math.inf
-            lo = cuts[-1] if n_bot > 0 else -math.inf
-            self._fold_masked(x, ranges, None, None if lo == -math.inf else lo, hi)
+            lo = cuts[-1] if n_bot > 0 else None
+            if not self._fold_band(x, lo, hi):
+                self._fold_masked(x, ranges, None, lo, hi)
             return
         mags = self._magnitudes(x, ranges)
         mags.prepare(ks)

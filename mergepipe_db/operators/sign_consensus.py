@@ -56,6 +56,7 @@ class TiesFold(DeltaFold):
         self._stash: list[tuple[np.ndarray, ExpertInput, bool, float, float, int]] | None = []
         self._stash_bytes = 0
         self._dare_modes: dict[int, tuple[int, float]] = {}  # a kept DARE input's (mode, scale): `dare_ties_fused`
+        self._bands: dict[int, tuple[float | None, float]] = {}  # a kept breadcrumbs input's (lo, hi): `_fold_band`
 
     def _fits_stash(self, src: np.ndarray) -> bool:
         return (self._stash is not None and self._stash_bytes + src.nbytes <= FUSE_BYTES
@@ -156,6 +157,9 @@ class TiesFold(DeltaFold):
         first; if the bytes disagree, τ is found from them (`_fold_trimmed`, checking at once). A DARE input
         (dare_ties, d < 1) is folded block by block (`DeltaFold._fold_dare`)."""
         assert self._bflat is not None and self._ctx is not None
+        if x.index in self._bands:  # breadcrumbs_ties: its band's streaming form
+            self._fold_masked(x, x.element_ranges(self._ctx), None, *self._bands[x.index])
+            return
         if self._draws_mask(x):
             super()._fold_dare(x)
             return
@@ -234,6 +238,18 @@ class TiesFold(DeltaFold):
             self._fold_kept(*item)
         return True
 
+    def _fold_band(self, x: ExpertInput, lo: float | None, hi: float) -> bool:
+        """breadcrumbs_ties: keep the input for the fused pass with its band lo < |Δ| < hi (`ties_fused` takes it
+        as the float32 neighbours inward, tau <= |Δ| <= hi') while it fits; False: the caller folds it now."""
+        src = x.fast_source()
+        if src is None or self._P is None or self._stash is None or not self._fits_stash(src):
+            return False
+        tau = np.nextafter(np.float32(-math.inf if lo is None else lo), np.float32(math.inf))
+        self._stash.append((src, x, True, float(tau), self.weights[x.index], 0))
+        self._stash_bytes += src.nbytes
+        self._bands[x.index] = (lo, hi)
+        return True
+
     def _combine(self, s: int, e: int, D: np.ndarray, finite: bool | None) -> None:
         assert self._P is not None
         self._init_sums()
@@ -280,9 +296,12 @@ class TiesFold(DeltaFold):
             return True
         checks = np.array([c for *_a, c in stash], np.int64)
         counts = np.zeros((len(stash), 2), np.int64)  # [nonzero finite |Δ|, inf or NaN] where checked
+        inf = np.float32(math.inf)
+        his = [np.nextafter(np.float32(self._bands[x.index][1]), -inf) if x.index in self._bands else inf
+               for _src, x, *_rest in stash]
         kernels().ties_fused(P, self._bflat, raws, selected, self._bounds,
                              np.array([item[2] for item in stash], np.bool_),
-                             np.array([item[3] for item in stash], np.float32),
+                             np.array([item[3] for item in stash], np.float32), np.array(his, np.float32),
                              np.array([item[4] for item in stash], np.float32), self.normalize, np.float32(self.lam),
                              checks > 0, counts, self._skip)
         bad = (checks > 0) & ((counts[:, 1] > 0) | (counts[:, 0] >= checks))

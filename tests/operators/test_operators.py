@@ -144,7 +144,7 @@ def lit_slerp(theta0, theta1, t):
 
 
 DEFAULT_NORMALIZE = {"linear": True, "task_arithmetic": False, "ties": True, "dare_linear": False,
-                     "dare_ties": False, "breadcrumbs": False, "passthrough": False}
+                     "dare_ties": False, "breadcrumbs": False, "breadcrumbs_ties": False, "passthrough": False}
 
 
 def literal_merge(method, base, thetas, params, *, normalize=None, lam=1.0, t=None, seed=0, name="t",
@@ -167,6 +167,9 @@ def literal_merge(method, base, thetas, params, *, normalize=None, lam=1.0, t=No
     if method == "breadcrumbs":
         return lit_task_arithmetic(base, [lit_breadcrumbs_trim(x, p.density, p.gamma)
                                           for x, p in zip(deltas, params)], weights, normalize, lam)
+    if method == "breadcrumbs_ties":
+        return lit_ties_combine(base, [lit_breadcrumbs_trim(x, p.density, p.gamma) for x, p in zip(deltas, params)],
+                                weights, normalize, lam)
     trimmed = [lit_dare_trim(x, p.density, lit_dare_mask(seed, p.key, name, tuple(base.shape), rows_per_block,
                                                          p.density))
                for x, p in zip(deltas, params)]
@@ -952,6 +955,32 @@ def test_ties_streaming_and_partly_fused_paths_match(monkeypatch, fuse_bytes: in
         got = stream("ties", base, thetas, params, ctx, selected=selected, full=True if selected else None)
         thetas_read = [omit_rows(base, th, ctx, sel) for th, sel in zip(thetas, selected or [None] * 3)]
         assert_bits_equal(got, literal_merge("ties", base, thetas_read, params))
+
+
+@pytest.mark.parametrize("fuse_bytes", [0, 40_000, 1 << 30])
+@pytest.mark.parametrize("special", [False, True])
+def test_breadcrumbs_ties_band_fused_or_streamed_is_the_literal_formula(monkeypatch, fuse_bytes: int,
+                                                                        special: bool) -> None:
+    """breadcrumbs_ties keeps each input with its band lo < |Δ| < hi for the fused TIES pass
+    (`kernels.merge.ties_fused`, the band as its float32 neighbours inward) while the bytes fit
+    `sign_consensus.FUSE_BYTES`, else folds it at once (`masked_delta`): both give the literal formula, bit for
+    bit, with ties among the |Δ| at the cut points, and with inf/NaN (no fused band: the order-statistics path)."""
+    from mergepipe_db.operators import sign_consensus
+
+    monkeypatch.setattr(sign_consensus, "FUSE_BYTES", fuse_bytes)
+    shape, rpb = (120, 64), 16
+    base, thetas = make_data(shape, 4, 57, special=special)
+    g = torch.Generator().manual_seed(5)
+    base = torch.round(base * 4) / 4  # Δ in multiples of 1/64, exact: runs of equal |Δ| of both signs at the cuts
+    thetas = [base + torch.randint(-9, 10, shape, generator=g).float() / 64 if not special else th for th in thetas]
+    params = [ExpertParams("a", 0.5, 0.4, gamma=0.05), ExpertParams("b", -0.3, 0.9, gamma=0.01),
+              ExpertParams("c", 1.2, 0.995, gamma=0.01), ExpertParams("d", 0.7, 1.0)]
+    ctx = context(shape, rpb)
+    for selected in (None, [[0, 1, 5], [], [1, 2, 7], [0, 7]]):
+        got = stream("breadcrumbs_ties", base, thetas, params, ctx, selected=selected,
+                     full=True if selected else None)
+        thetas_read = [omit_rows(base, th, ctx, sel) for th, sel in zip(thetas, selected or [None] * 4)]
+        assert_bits_equal(got, literal_merge("breadcrumbs_ties", base, thetas_read, params))
 
 
 @pytest.mark.parametrize("fuse_bytes", [0, 40_000, 1 << 30])
