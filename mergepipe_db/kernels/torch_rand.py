@@ -107,6 +107,30 @@ def stream_fill(out: np.ndarray, state: np.ndarray, buf: np.ndarray, pos: int) -
 STATE_WORDS = _N
 
 
+@numba.njit(cache=True, nogil=True)
+def _temper(y: np.uint32) -> np.uint32:
+    y ^= y >> np.uint32(11)
+    y ^= (y << np.uint32(7)) & np.uint32(0x9D2C5680)
+    y ^= (y << np.uint32(15)) & np.uint32(0xEFC60000)
+    y ^= y >> np.uint32(18)
+    return y
+
+
+@numba.njit(cache=True, nogil=True)
+def randint_gather(values: np.ndarray, seed: np.int64, out: np.ndarray) -> None:
+    """out = values[torch.randint(len(values), (len(out),), generator=g)] for g given ``manual_seed(seed)``
+    (0 <= seed < 2^63; 0 < len(values) < 2^32): torch draws each index as one 32-bit MT19937 output modulo the
+    range, in order (ATen's ``uniform_int_from_to_distribution``), which this does without the index array."""
+    state = np.empty(_N, np.uint32)
+    _seed_state(state, np.uint32(seed & np.int64(0xFFFFFFFF)))
+    n = np.uint32(values.shape[0])
+    m = out.shape[0]
+    for pos in range(0, m, _N):
+        _twist(state)
+        for i in range(min(_N, m - pos)):
+            out[pos + i] = values[_temper(state[i]) % n]
+
+
 def torch_rand_into(seed: int, out: np.ndarray) -> None:
     """Fill the flat float32 array `out` with ``torch.rand(out.size)`` of a generator given
     ``manual_seed(seed)`` (0 <= seed < 2^64)."""

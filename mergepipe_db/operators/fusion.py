@@ -45,16 +45,16 @@ class ArceeFusion(GatherFold):
 
     def _combine_all(self, base: np.ndarray, values: list[np.ndarray]) -> np.ndarray:
         import torch
-        import torch.nn.functional as F  # noqa: N812
 
         assert self._ctx is not None
         t0, t1 = torch.from_numpy(base), torch.from_numpy(values[0])
         if base.ndim == 0 or base.size == 0:
             return self._literal(t0, t1)
-        # torch's operations of the formula, in place: the same kernels on fewer fresh tensors
+        # torch's operations of the formula, in place and into reused buffers: the same kernels (F.softmax is
+        # aten's _softmax), no fresh pages per tensor
         eps = 1e-8
-        p = F.softmax(t1, dim=-1).add_(eps)
-        q = F.softmax(t0, dim=-1).add_(eps)
+        p = torch.ops.aten._softmax.out(t1, -1, False, out=self._scratch_tensor("fusion_p", base.shape)).add_(eps)
+        q = torch.ops.aten._softmax.out(t0, -1, False, out=self._scratch_tensor("fusion_q", base.shape)).add_(eps)
         kl = torch.sum(torch.div(p, q, out=q).log_().mul_(p), dim=-1, keepdim=True)  # log(p/q)·p = p·log(p/q)
         # importance = |θ_1 - θ₀| · kl, the mask and the result: one numba pass each, torch's float32 operations
         kern = gather_kernels()
@@ -63,9 +63,17 @@ class ArceeFusion(GatherFold):
         no_nan = kern.fusion_importance(importance, b, x, kl.reshape(-1).numpy())
         flat = torch.from_numpy(importance)
         if flat.numel() > QUANTILE_SAMPLE_SIZE:
-            g = torch.Generator(device="cpu")
-            g.manual_seed(sample_seed(self._ctx.seed, self._ctx.name))
-            flat = flat[torch.randint(flat.numel(), (QUANTILE_SAMPLE_SIZE,), generator=g)]
+            seed = sample_seed(self._ctx.seed, self._ctx.name)
+            if flat.numel() < 1 << 32:  # torch.randint's indices (one 32-bit draw each), drawn and gathered in one pass
+                from mergepipe_db.kernels import torch_rand
+
+                sample = self.scratch("sample", QUANTILE_SAMPLE_SIZE)
+                torch_rand.randint_gather(importance, np.int64(seed), sample)
+                flat = torch.from_numpy(sample)
+            else:
+                g = torch.Generator(device="cpu")
+                g.manual_seed(seed)
+                flat = flat[torch.randint(flat.numel(), (QUANTILE_SAMPLE_SIZE,), generator=g)]
         qs = (torch.tensor([0.25, 0.5, 0.75]) * (flat.numel() - 1)).long()
         if no_nan:  # the values at qs of the ascending sort, by radix select (NaN sorts last: torch's sort then)
             picked = np.empty(3, np.float32)
@@ -74,9 +82,14 @@ class ArceeFusion(GatherFold):
         else:
             q1, median, q3 = torch.sort(flat)[0][qs]
         threshold = median + 1.5 * (q3 - q1)
-        out = np.empty_like(b)
+        out = self.scratch("fusion_out", b.size)  # finish() may return a reused buffer
         kern.fusion_apply(out, b, x, importance, np.float32(threshold.item()))
-        return out
+        return out.reshape(base.shape)
+
+    def _scratch_tensor(self, name: str, shape: tuple[int, ...]):  # noqa: ANN202 - a torch tensor
+        import torch
+
+        return torch.from_numpy(self.scratch(name, int(np.prod(shape, dtype=np.int64)))).view(shape)
 
     def _literal(self, t0, t1):  # noqa: ANN001, ANN202 - torch tensors
         """The formula in torch, for a 0-d or empty tensor."""

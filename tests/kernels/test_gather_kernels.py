@@ -196,3 +196,20 @@ def test_nearswap_is_numpys_formula_bit_for_bit(n: int, t: float) -> None:
     kern.nearswap(out, a, b, np.float32(t))
     with np.errstate(all="ignore"):
         assert np.array_equal(f32_bits(out), f32_bits(_nearswap_numpy(a, b, t)))
+
+
+@pytest.mark.parametrize("n", [1, 7, 1000, 1_000_001, 123_456_789])
+def test_randint_gather_is_torch_randint_then_index(n: int) -> None:
+    """arcee_fusion's quantile sample (`torch_rand.randint_gather`): the values at ``torch.randint(n, (m,),
+    generator=g)`` for ``g.manual_seed(seed)``, seeds beyond 32 bits included, compared with torch itself."""
+    from mergepipe_db.kernels import torch_rand
+
+    values = (np.arange(n, dtype=np.float32) if n > 5_000_000
+              else np.random.default_rng(n).standard_normal(n).astype(np.float32))
+    for seed in (0, 5, 2**40 + 17, 2**63 - 1):
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(seed)
+        want = torch.from_numpy(values)[torch.randint(n, (200_003,), generator=gen)].numpy()
+        got = np.empty(200_003, np.float32)
+        torch_rand.randint_gather(values, np.int64(seed), got)
+        assert got.tobytes() == want.tobytes(), seed
