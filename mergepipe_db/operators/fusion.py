@@ -6,6 +6,7 @@ passes doing torch's float32 operations); torch is imported when a tensor is fin
 from __future__ import annotations
 
 import hashlib
+import os
 
 import numpy as np
 
@@ -53,8 +54,17 @@ class ArceeFusion(GatherFold):
         # torch's operations of the formula, in place and into reused buffers: the same kernels (F.softmax is
         # aten's _softmax), no fresh pages per tensor
         eps = 1e-8
-        p = torch.ops.aten._softmax.out(t1, -1, False, out=self._scratch_tensor("fusion_p", base.shape)).add_(eps)
-        q = torch.ops.aten._softmax.out(t0, -1, False, out=self._scratch_tensor("fusion_q", base.shape)).add_(eps)
+        threads = torch.get_num_threads()
+        # on every core: torch computes each row's softmax on one thread, so the bits do not depend on how many
+        # (tests/kernels/test_gather_kernels.py checks it); the executor's one thread for the rest
+        torch.set_num_threads(max(threads, len(os.sched_getaffinity(0))))
+        try:
+            p = torch.ops.aten._softmax.out(t1, -1, False, out=self._scratch_tensor("fusion_p", base.shape))
+            q = torch.ops.aten._softmax.out(t0, -1, False, out=self._scratch_tensor("fusion_q", base.shape))
+        finally:
+            torch.set_num_threads(threads)
+        p.add_(eps)
+        q.add_(eps)
         kl = torch.sum(torch.div(p, q, out=q).log_().mul_(p), dim=-1, keepdim=True)  # log(p/q)·p = p·log(p/q)
         # importance = |θ_1 - θ₀| · kl, the mask and the result: one numba pass each, torch's float32 operations
         kern = gather_kernels()

@@ -213,3 +213,19 @@ def test_randint_gather_is_torch_randint_then_index(n: int) -> None:
         got = np.empty(200_003, np.float32)
         torch_rand.randint_gather(values, np.int64(seed), got)
         assert got.tobytes() == want.tobytes(), seed
+
+
+@pytest.mark.parametrize("shape", [(40,), (3, 17), (2100, 512), (7, 100_003), (2, 1 << 20), (4, 3, 50)])
+def test_torch_softmax_rows_have_the_same_bits_on_any_thread_count(shape) -> None:
+    """arcee_fusion runs torch's softmax on every core (`fusion.py`): torch computes each row on one thread,
+    so the bits equal a one-thread run's. Checked here against this torch's kernels, wide rows included."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(len(shape))) * 3
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = F.softmax(x, dim=-1)
+        torch.set_num_threads(max(2, before))
+        many = F.softmax(x, dim=-1)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one.view(torch.int32), many.view(torch.int32))
