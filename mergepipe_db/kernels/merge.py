@@ -226,10 +226,13 @@ def linear_fused(acc: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...]
 
 @numba.njit(cache=True, nogil=True)
 def delta_fused(mixed: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], selected: np.ndarray,
-                bounds: np.ndarray, w: np.ndarray, skip: np.ndarray, start: bool, finish: bool,
-                normalize: bool, divisor: np.float32, lam: np.float32) -> None:
+                bounds: np.ndarray, w: np.ndarray, trim: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+                skip: np.ndarray, start: bool, finish: bool, normalize: bool, divisor: np.float32,
+                lam: np.float32) -> None:
     """`delta_add` for every expert k of ``raws`` in order (on the blocks with ``selected[k, b]``), tile by
-    tile, so the sum and the base stay in L1: the same bits as one `delta_add` per expert. Blocks with
+    tile, so the sum and the base stay in L1: the same bits as one `delta_add` per expert; an expert with
+    ``trim[k]`` adds where(lo[k] <= |Δ| <= hi[k], Δ, 0.0)·w (breadcrumbs' band lo < |Δ| < hi as its float32
+    neighbours inward: the bits of `masked_delta` added into the sum). Blocks with
     ``skip[b]`` are left as they are. With ``start`` the sum starts at +0.0 (``mixed`` holds nothing yet);
     with ``finish`` (the last pass) each element then ends as the additive operators' `_finish` makes it:
     θ₀ + (mixed / divisor, where ``normalize``) · λ, in that order. One pass instead of a zeroing pass before
@@ -248,8 +251,15 @@ def delta_fused(mixed: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...
                 if not selected[k, b]:
                     continue
                 x, wk = raws[k][t0:t0 + m], w[k]
-                for i in range(m):
-                    mm[i] = mm[i] + (widen(x[i]) - bb[i]) * wk
+                if trim[k]:
+                    lk, hk = lo[k], hi[k]
+                    for i in range(m):
+                        d = widen(x[i]) - bb[i]
+                        a = abs(d)
+                        mm[i] = mm[i] + (d if (a >= lk) & (a <= hk) else zero) * wk
+                else:
+                    for i in range(m):
+                        mm[i] = mm[i] + (widen(x[i]) - bb[i]) * wk
             if finish:
                 for i in range(m):
                     v = mm[i] / divisor if normalize else mm[i]

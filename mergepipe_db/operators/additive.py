@@ -29,6 +29,7 @@ class AdditiveFold(DeltaFold):
         self._mixed = self.scratch("out", self._base.size)
         self._started = False
         self._stash = Stash()
+        self._bands: dict[int, tuple[float | None, float]] = {}  # a kept breadcrumbs input's (lo, hi): `_fold_band`
 
     def _fold_stash(self, finish: bool = False) -> None:
         """Fold the kept inputs (in order) in one fused pass, which starts the sum if nothing has yet; with
@@ -38,9 +39,14 @@ class AdditiveFold(DeltaFold):
         assert self._mixed is not None and self._ctx is not None and self._bflat is not None
         items, raws, selected = self._stash.take(self._ctx.n_blocks)
         w = np.array([self.weights[x.index] for _src, x in items], np.float32)
-        kernels().delta_fused(self._mixed, self._bflat, raws, selected, block_bounds(self._ctx), w, self._skip,
-                              not self._started, finish, self.normalize, np.float32(self.weight_sum),
-                              np.float32(self.lam))
+        inf = np.float32(np.inf)
+        bands = [self._bands.get(x.index) for _src, x in items]
+        lo = [-inf if b is None else np.nextafter(np.float32(-inf if b[0] is None else b[0]), inf) for b in bands]
+        hi = [inf if b is None else np.nextafter(np.float32(b[1]), -inf) for b in bands]
+        kernels().delta_fused(self._mixed, self._bflat, raws, selected, block_bounds(self._ctx), w,
+                              np.array([b is not None for b in bands], np.bool_), np.array(lo, np.float32),
+                              np.array(hi, np.float32), self._skip, not self._started, finish, self.normalize,
+                              np.float32(self.weight_sum), np.float32(self.lam))
         self._started = True
 
     def _settle(self) -> None:
@@ -74,6 +80,14 @@ class AdditiveFold(DeltaFold):
         self._settle()
         kernels().masked_delta_span_par(self._mixed[s0:e0], bb, xb, keep, p, step, mode, np.float32(scale),
                                     np.float32(w))
+
+    def _fold_band(self, x: ExpertInput, lo: float | None, hi: float) -> bool:
+        """breadcrumbs: keep the input for the fused pass with its band lo < |Δ| < hi (`delta_fused`)."""
+        src = x.fast_source()
+        if src is None or self._mixed is None or not self._stash.offer(src, x, self._fold_stash):
+            return False
+        self._bands[x.index] = (lo, hi)
+        return True
 
     def _fold_fast(self, x: ExpertInput, tau: float | None, zero_check: int = 0) -> bool:
         src = x.fast_source() if tau is None else None

@@ -957,17 +957,20 @@ def test_ties_streaming_and_partly_fused_paths_match(monkeypatch, fuse_bytes: in
         assert_bits_equal(got, literal_merge("ties", base, thetas_read, params))
 
 
+@pytest.mark.parametrize("method", ["breadcrumbs", "breadcrumbs_ties"])
 @pytest.mark.parametrize("fuse_bytes", [0, 40_000, 1 << 30])
 @pytest.mark.parametrize("special", [False, True])
-def test_breadcrumbs_ties_band_fused_or_streamed_is_the_literal_formula(monkeypatch, fuse_bytes: int,
-                                                                        special: bool) -> None:
-    """breadcrumbs_ties keeps each input with its band lo < |Δ| < hi for the fused TIES pass
-    (`kernels.merge.ties_fused`, the band as its float32 neighbours inward) while the bytes fit
-    `sign_consensus.FUSE_BYTES`, else folds it at once (`masked_delta`): both give the literal formula, bit for
-    bit, with ties among the |Δ| at the cut points, and with inf/NaN (no fused band: the order-statistics path)."""
-    from mergepipe_db.operators import sign_consensus
+def test_breadcrumbs_band_fused_or_streamed_is_the_literal_formula(monkeypatch, method: str, fuse_bytes: int,
+                                                                   special: bool) -> None:
+    """breadcrumbs and breadcrumbs_ties keep each input with its band lo < |Δ| < hi for their fused pass
+    (`kernels.merge.delta_fused`, `ties_fused`: the band as its float32 neighbours inward) while the bytes fit
+    (`fold.GROUP_BYTES`, `sign_consensus.FUSE_BYTES`), else fold it at once (`masked_delta`): every mix gives
+    the literal formula, bit for bit, with ties among the |Δ| at the cut points, and with inf/NaN (no fused
+    band: the order-statistics path)."""
+    from mergepipe_db.operators import fold, sign_consensus
 
     monkeypatch.setattr(sign_consensus, "FUSE_BYTES", fuse_bytes)
+    monkeypatch.setattr(fold, "GROUP_BYTES", fuse_bytes)
     shape, rpb = (120, 64), 16
     base, thetas = make_data(shape, 4, 57, special=special)
     g = torch.Generator().manual_seed(5)
@@ -977,10 +980,9 @@ def test_breadcrumbs_ties_band_fused_or_streamed_is_the_literal_formula(monkeypa
               ExpertParams("c", 1.2, 0.995, gamma=0.01), ExpertParams("d", 0.7, 1.0)]
     ctx = context(shape, rpb)
     for selected in (None, [[0, 1, 5], [], [1, 2, 7], [0, 7]]):
-        got = stream("breadcrumbs_ties", base, thetas, params, ctx, selected=selected,
-                     full=True if selected else None)
+        got = stream(method, base, thetas, params, ctx, selected=selected, full=True if selected else None)
         thetas_read = [omit_rows(base, th, ctx, sel) for th, sel in zip(thetas, selected or [None] * 4)]
-        assert_bits_equal(got, literal_merge("breadcrumbs_ties", base, thetas_read, params))
+        assert_bits_equal(got, literal_merge(method, base, thetas_read, params))
 
 
 @pytest.mark.parametrize("fuse_bytes", [0, 40_000, 1 << 30])
