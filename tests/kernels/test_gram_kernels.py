@@ -4,28 +4,16 @@ vectors and at 1 or 2 threads; and the weighted sum equal, byte for byte, to the
 
 from __future__ import annotations
 
-import contextlib
-
-import numba
 import numpy as np
 import pytest
 import torch
 from reference_merge import ordered_dot
+from test_threaded_kernels import threads
 
 from mergepipe_db.kernels import gram as G
 from mergepipe_db.kernels.merge import pack
 
 SIZES = [1, 63, 2049, (1 << 17) + 5, 3 * (1 << 17) + 4321]
-
-
-@contextlib.contextmanager
-def threads(n: int):
-    before = numba.get_num_threads()
-    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
-    try:
-        yield
-    finally:
-        numba.set_num_threads(before)
 
 
 def family(n: int, k: int, seed: int, specials: bool = False) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -48,7 +36,7 @@ def widen(raw: np.ndarray) -> np.ndarray:
     return (raw.astype(np.uint32) << 16).view(np.float32)
 
 
-def blocks(n: int, rows: int = 3) -> np.ndarray:
+def blocks(n: int) -> np.ndarray:
     """Element offsets of uneven blocks over [0, n)."""
     cuts = sorted({0, n, *(int(n * f) for f in (0.17, 0.5, 0.81))})
     return np.array(cuts, np.int64)
