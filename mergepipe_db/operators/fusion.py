@@ -21,6 +21,12 @@ __all__ = ["QUANTILE_SAMPLE_SIZE", "ArceeFusion"]
 QUANTILE_SAMPLE_SIZE = 1_000_000
 
 
+def _cores() -> int:
+    """The cores this process may run on (all of them where the OS cannot say)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+
+
 def sample_seed(seed: int, tensor_name: str) -> int:
     """The generator seed of a large tensor's quantile sample."""
     key = hashlib.sha256(f"{seed}\x1farcee_fusion\x1f{tensor_name}".encode()).digest()
@@ -57,7 +63,7 @@ class ArceeFusion(GatherFold):
         threads = torch.get_num_threads()
         # on every core: torch computes each row's softmax on one thread, so the bits do not depend on how many
         # (tests/kernels/test_gather_kernels.py checks it); the executor's one thread for the rest
-        torch.set_num_threads(max(threads, len(os.sched_getaffinity(0))))
+        torch.set_num_threads(max(threads, _cores()))
         try:
             p = torch.ops.aten._softmax.out(t1, -1, False, out=self._scratch_tensor("fusion_p", base.shape))
             q = torch.ops.aten._softmax.out(t0, -1, False, out=self._scratch_tensor("fusion_q", base.shape))
