@@ -45,16 +45,21 @@ def _twist(state: np.ndarray) -> None:
 
 
 @numba.njit(cache=True, nogil=True)
+def _temper(y: np.uint32) -> np.uint32:
+    """MT19937's tempering of one state word."""
+    y ^= y >> np.uint32(11)
+    y ^= (y << np.uint32(7)) & np.uint32(0x9D2C5680)
+    y ^= (y << np.uint32(15)) & np.uint32(0xEFC60000)
+    y ^= y >> np.uint32(18)
+    return y
+
+
+@numba.njit(cache=True, nogil=True)
 def _temper_into(state: np.ndarray, out: np.ndarray) -> None:
     """The uniforms of the first out.shape[0] words of a freshly twisted state: MT19937's tempering, then the
     low 24 bits times 2^-24."""
     for i in range(out.shape[0]):
-        y = state[i]
-        y ^= y >> np.uint32(11)
-        y ^= (y << np.uint32(7)) & np.uint32(0x9D2C5680)
-        y ^= (y << np.uint32(15)) & np.uint32(0xEFC60000)
-        y ^= y >> np.uint32(18)
-        out[i] = np.float32(y & _LOW24) * _SCALE
+        out[i] = np.float32(_temper(state[i]) & _LOW24) * _SCALE
 
 
 @numba.njit(cache=True, nogil=True)
@@ -105,15 +110,6 @@ def stream_fill(out: np.ndarray, state: np.ndarray, buf: np.ndarray, pos: int) -
 
 
 STATE_WORDS = _N
-
-
-@numba.njit(cache=True, nogil=True)
-def _temper(y: np.uint32) -> np.uint32:
-    y ^= y >> np.uint32(11)
-    y ^= (y << np.uint32(7)) & np.uint32(0x9D2C5680)
-    y ^= (y << np.uint32(15)) & np.uint32(0xEFC60000)
-    y ^= y >> np.uint32(18)
-    return y
 
 
 @numba.njit(cache=True, nogil=True)
