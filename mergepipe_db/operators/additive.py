@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from mergepipe_db.operators.base import block_bounds, kernels
-from mergepipe_db.operators.fold import DeltaFold, Stash
+from mergepipe_db.operators.fold import DeltaFold, Stash, band_bounds
 from mergepipe_db.operators.inputs import ExpertInput
 from mergepipe_db.operators.registry import register
 
@@ -41,11 +41,10 @@ class AdditiveFold(DeltaFold):
         w = np.array([self.weights[x.index] for _src, x in items], np.float32)
         inf = np.float32(np.inf)
         bands = [self._bands.get(x.index) for _src, x in items]
-        lo = [-inf if b is None else np.nextafter(np.float32(-inf if b[0] is None else b[0]), inf) for b in bands]
-        hi = [inf if b is None else np.nextafter(np.float32(b[1]), -inf) for b in bands]
+        bounds = np.array([(-inf, inf) if b is None else band_bounds(*b) for b in bands], np.float32).reshape(-1, 2)
         kernels().delta_fused(self._mixed, self._bflat, raws, selected, block_bounds(self._ctx), w,
-                              np.array([b is not None for b in bands], np.bool_), np.array(lo, np.float32),
-                              np.array(hi, np.float32), self._skip, not self._started, finish, self.normalize,
+                              np.array([b is not None for b in bands], np.bool_), bounds[:, 0].copy(),
+                              bounds[:, 1].copy(), self._skip, not self._started, finish, self.normalize,
                               np.float32(self.weight_sum), np.float32(self.lam))
         self._started = True
 

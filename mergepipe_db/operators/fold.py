@@ -18,13 +18,21 @@ from mergepipe_db.operators.dare import block_seed, check_mask_keys, dare_unifor
 from mergepipe_db.operators.inputs import ExpertInput
 from mergepipe_db.operators.order_stats import Magnitudes
 
-__all__ = ["GROUP_BYTES", "DeltaFold", "Stash", "della_probabilities"]
+__all__ = ["GROUP_BYTES", "DeltaFold", "Stash", "band_bounds", "della_probabilities"]
 
 #: linear and task arithmetic keep up to this many bytes of experts' stored values, then fold them in one
 #: fused pass (`Stash`) and start again: the accumulator is read and written once per group, not per expert.
 #: 256 MiB (two experts' embeddings of a 1B-parameter model) keeps peak RSS flat in K: 2 GB models, full read,
 #: 1.61-1.77 GiB for K = 2…16 (512 MiB: 1.61-2.09 GiB), at the same speed
 GROUP_BYTES = 256 << 20
+
+
+def band_bounds(lo: float | None, hi: float) -> tuple[np.float32, np.float32]:
+    """Breadcrumbs' band lo < |Δ| < hi (``lo`` None: no lower test) as the fused kernels take it, bounds
+    included: (lo', hi') their float32 neighbours inward, so that lo' <= a <= hi' exactly when lo < a < hi for
+    float32 a (NaN in neither)."""
+    inf = np.float32(math.inf)
+    return np.nextafter(np.float32(-inf if lo is None else lo), inf), np.nextafter(np.float32(hi), -inf)
 
 
 def della_probabilities(delta: np.ndarray, shape: tuple[int, ...], rows: int, d: float, eps: float) -> np.ndarray:

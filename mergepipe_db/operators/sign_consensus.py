@@ -13,7 +13,7 @@ import numpy as np
 from mergepipe_db.core import sketch
 from mergepipe_db.operators.base import all_finite, block_bounds, kernels
 from mergepipe_db.operators.dare import block_seed
-from mergepipe_db.operators.fold import DeltaFold
+from mergepipe_db.operators.fold import DeltaFold, band_bounds
 from mergepipe_db.operators.inputs import ExpertInput
 from mergepipe_db.operators.order_stats import EDGES, LAST_BIN
 from mergepipe_db.operators.registry import register
@@ -244,8 +244,7 @@ class TiesFold(DeltaFold):
         src = x.fast_source()
         if src is None or self._P is None or self._stash is None or not self._fits_stash(src):
             return False
-        tau = np.nextafter(np.float32(-math.inf if lo is None else lo), np.float32(math.inf))
-        self._stash.append((src, x, True, float(tau), self.weights[x.index], 0))
+        self._stash.append((src, x, True, float(band_bounds(lo, hi)[0]), self.weights[x.index], 0))
         self._stash_bytes += src.nbytes
         self._bands[x.index] = (lo, hi)
         return True
@@ -296,8 +295,7 @@ class TiesFold(DeltaFold):
             return True
         checks = np.array([c for *_a, c in stash], np.int64)
         counts = np.zeros((len(stash), 2), np.int64)  # [nonzero finite |Δ|, inf or NaN] where checked
-        inf = np.float32(math.inf)
-        his = [np.nextafter(np.float32(self._bands[x.index][1]), -inf) if x.index in self._bands else inf
+        his = [band_bounds(*self._bands[x.index])[1] if x.index in self._bands else np.float32(math.inf)
                for _src, x, *_rest in stash]
         kernels().ties_fused(P, self._bflat, raws, selected, self._bounds,
                              np.array([item[2] for item in stash], np.bool_),
