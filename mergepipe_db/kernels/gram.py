@@ -20,7 +20,7 @@ import numba
 import numpy as np
 
 from mergepipe_db.kernels.float_bits import widen
-from mergepipe_db.kernels.merge import PAR_CHUNK, chunk_span, n_chunks
+from mergepipe_db.kernels.merge import PAR_CHUNK, chunk_span, n_chunks, pack
 
 TILE = 2048  #: elements per tile (divides `merge._PAR_ALIGN`; nine float64 rows of it stay in L2)
 LANES = 64  #: the float64 sums of a pair, one per element index mod LANES, over a chunk
@@ -29,6 +29,16 @@ LANES = 64  #: the float64 sums of a pair, one per element index mod LANES, over
 FROM_VEC = 0  # a float32 vector, taken as it is
 FROM_DELTA = 1  # stored values: widen(θ_k) − θ₀ on the blocks read (``selected``), 0.0 elsewhere
 FROM_THETA = 2  # stored values: widen(θ_k), read whole
+
+
+def pass_inputs(raws: list[np.ndarray], vecs: list[np.ndarray], kinds: list[int], sources: list[int],
+                selected: np.ndarray) -> tuple:
+    """(raws, vecs, kinds, sources, selected) as `gram_pass` and `combine_pass` take them: the stored values and
+    float32 vectors packed (`merge.pack`; an empty one where there is none, so every call compiles to one of a
+    few signatures), kinds and sources as int64."""
+    raw_dtype = raws[0].dtype if raws else np.uint16
+    return (pack(raws or [np.empty(0, raw_dtype)]), pack(vecs or [np.empty(0, np.float32)]),
+            np.asarray(kinds, np.int64), np.asarray(sources, np.int64), selected)
 
 
 @numba.njit(cache=True, nogil=True)

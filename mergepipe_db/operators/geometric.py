@@ -369,31 +369,29 @@ class GramFold(MergeOperator):
         return out.reshape(base.shape)
 
     def _pass_inputs(self, present: list[int], n_blocks: int) -> tuple[Any, ...]:
-        """(raws, vecs, kinds, sources, selected) of `kernels.gram`'s passes for the inputs `present`: a kept
-        input from its stored values, the others from their Δ_k."""
-        from mergepipe_db.kernels.merge import pack
-
+        """`kernels.gram.pass_inputs` for the inputs `present`: a kept input from its stored values, the others
+        from their Δ_k."""
         kernels = _gram_kernels()
         kept = iter(self._stash)
         raws: list[np.ndarray] = []
         vecs: list[np.ndarray] = []
-        kinds = np.empty(len(present), np.int64)
-        sources = np.empty(len(present), np.int64)
+        kinds: list[int] = []
+        sources: list[int] = []
         selected = np.zeros((max(len(self._stash), 1), n_blocks), np.bool_)
-        for i, k in enumerate(present):
+        for k in present:
             d = self._deltas[k]
             if d is _KEPT:
                 src, x = next(kept)
                 selected[len(raws), list(x.selected_blocks)] = True
-                kinds[i], sources[i] = kernels.FROM_DELTA, len(raws)
+                kinds.append(kernels.FROM_DELTA)
+                sources.append(len(raws))
                 raws.append(src)
             else:
                 assert d is not None
-                kinds[i], sources[i] = kernels.FROM_VEC, len(vecs)
+                kinds.append(kernels.FROM_VEC)
+                sources.append(len(vecs))
                 vecs.append(d.reshape(-1))
-        raw_dtype = raws[0].dtype if raws else np.uint16
-        return (pack(raws or [np.empty(0, raw_dtype)]), pack(vecs or [np.empty(0, np.float32)]), kinds, sources,
-                selected)
+        return kernels.pass_inputs(raws, vecs, kinds, sources, selected)
 
     def _end(self) -> None:
         self._deltas = []
@@ -449,18 +447,16 @@ class Slerp(GramFold):
         """slerp of the tensors themselves: the norms and the dot of θ₀ and θ_1 in float64, summed as
         `kernels.gram` orders them (the definition: the order sets the bits); the sum in float32,
         ``θ₀·s0 + θ_1·s1``. θ_1 comes from its stored values when it was read whole."""
-        from mergepipe_db.kernels.merge import pack
-
         bflat, ctx, t, x = self._bflat, self._ctx, self.t, self._theta1_input
         assert bflat is not None and ctx is not None and t is not None
         kernels = _gram_kernels()
         src = x.stored_flat() if x is not None and len(x.selected_blocks) == ctx.n_blocks else None
+        every_block = np.ones((1, ctx.n_blocks), np.bool_)
         if src is not None:
-            raws, vecs, kind = pack([src]), pack([np.empty(0, np.float32)]), kernels.FROM_THETA
+            inputs = kernels.pass_inputs([src], [], [kernels.FROM_THETA], [0], every_block)
         else:  # θ_1 = θ₀ where the expert was not read
             theta1 = bflat if x is None else np.ascontiguousarray(x.theta, np.float32).reshape(-1)
-            raws, vecs, kind = pack([np.empty(0, np.uint16)]), pack([theta1]), kernels.FROM_VEC
-        inputs = (raws, vecs, np.array([kind], np.int64), np.zeros(1, np.int64), np.ones((1, ctx.n_blocks), np.bool_))
+            inputs = kernels.pass_inputs([], [theta1], [kernels.FROM_VEC], [0], every_block)
         bounds = block_bounds(ctx)
         g = kernels.gram_pass(bflat, *inputs, bounds, True)
         n0, n1 = math.sqrt(g[0, 0]), math.sqrt(g[1, 1])

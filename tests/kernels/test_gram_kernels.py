@@ -11,7 +11,7 @@ from reference_merge import ordered_dot
 from test_threaded_kernels import threads
 
 from mergepipe_db.kernels import gram as G
-from mergepipe_db.kernels.merge import pack
+from mergepipe_db.kernels.gram import pass_inputs
 
 SIZES = [1, 63, 2049, (1 << 17) + 5, 3 * (1 << 17) + 4321]
 
@@ -67,12 +67,6 @@ def stated_order_gram(vectors: list[np.ndarray]) -> np.ndarray:
     return g
 
 
-def pass_inputs(raws: list[np.ndarray], vecs: list[np.ndarray], kinds: list[int], sources: list[int],
-                selected: np.ndarray) -> tuple:
-    return (pack(raws or [np.empty(0, np.uint16)]), pack(vecs or [np.empty(0, np.float32)]),
-            np.array(kinds, np.int64), np.array(sources, np.int64), selected)
-
-
 @pytest.mark.parametrize("n", SIZES)
 def test_gram_is_the_stated_order_from_bytes_or_vectors_at_any_thread_count(n: int) -> None:
     base, raws = family(n, 3, n)
@@ -106,8 +100,7 @@ def test_gram_of_thetas_and_float32_experts() -> None:
     want = stated_order_gram([base, theta])
     got = G.gram_pass(base, *pass_inputs([raws[0]], [], [G.FROM_THETA], [0], sel), bounds, True)
     assert got.tobytes() == want.tobytes()
-    got32 = G.gram_pass(base, pack([theta]), pack([np.empty(0, np.float32)]), np.array([G.FROM_DELTA]),
-                        np.zeros(1, np.int64), sel, bounds, True)
+    got32 = G.gram_pass(base, *pass_inputs([theta], [], [G.FROM_DELTA], [0], sel), bounds, True)
     assert got32.tobytes() == stated_order_gram([base, theta - base]).tobytes()
 
 
