@@ -4,7 +4,8 @@ order, NaN after everything, as ``np.argsort(kind="stable")`` orders them), then
 A stable LSD radix sort of each column's |Δ| bit patterns (non-negative float32 order is their bit order; every
 NaN is given one pattern above +inf, so NaNs tie and keep index order), 8 bits a pass, skipping a pass where all
 keys share the byte (the sign and most exponent bits of a fine-tune's Δ): O(n) a column instead of a comparison
-sort, and no index arrays of the whole block.
+sort, and no index arrays of the whole block. Zero Δ (often most of a column of a BF16 fine-tune) rank first
+in index order, so only the others are sorted.
 """
 
 from __future__ import annotations
@@ -26,28 +27,41 @@ def _column_ranks(keys: np.ndarray, idx: np.ndarray, keys2: np.ndarray, idx2: np
                   rank: np.ndarray) -> None:
     """rank[j] = position of keys[j] in the stable ascending order of `keys` (n = keys.shape[0]; the others are
     n-element work arrays, `count` 4 × 256: the four bytes' histograms, counted in one pass; a permutation
-    leaves them as they are)."""
+    leaves them as they are). Zero keys (Δ = ±0, often most of a fine-tune's) come first in index order, so
+    their ranks are counted as they are met; only the others are sorted, packed in index order (`keys` is
+    overwritten)."""
     n = keys.shape[0]
-    count[:] = 0
-    for j in range(n):
+    zeros = 0
+    m = 0
+    for j in range(n):  # branch-free: every key is written, the packed count moves on past the nonzero ones
         k = keys[j]
-        idx[j] = j
+        nonzero = np.int64(k != np.uint32(0))
+        rank[j] = zeros
+        keys[m] = k
+        idx[m] = j
+        m += nonzero
+        zeros += 1 - nonzero
+    count[:] = 0
+    for j in range(m):
+        k = keys[j]
         count[0, k & np.uint32(0xFF)] += 1
         count[1, (k >> np.uint32(8)) & np.uint32(0xFF)] += 1
         count[2, (k >> np.uint32(16)) & np.uint32(0xFF)] += 1
         count[3, k >> np.uint32(24)] += 1
     src_k, src_i, dst_k, dst_i = keys, idx, keys2, idx2
     for byte in range(4):
+        if m == 0:
+            break
         sh = np.uint32(8 * byte)
         c = count[byte]
-        if c[(src_k[0] >> sh) & np.uint32(0xFF)] == n:
+        if c[(src_k[0] >> sh) & np.uint32(0xFF)] == m:
             continue  # every key has this byte: the order stays
         total = 0
         for v in range(256):
-            m = c[v]
+            t = c[v]
             c[v] = total
-            total += m
-        for j in range(n):
+            total += t
+        for j in range(m):
             k = src_k[j]
             v = (k >> sh) & np.uint32(0xFF)
             o = c[v]
@@ -55,8 +69,8 @@ def _column_ranks(keys: np.ndarray, idx: np.ndarray, keys2: np.ndarray, idx2: np
             dst_i[o] = src_i[j]
             c[v] = o + 1
         src_k, src_i, dst_k, dst_i = dst_k, dst_i, src_k, src_i
-    for pos in range(n):
-        rank[src_i[pos]] = pos
+    for pos in range(m):
+        rank[src_i[pos]] = zeros + pos
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)

@@ -73,3 +73,20 @@ def test_parallel_rows_give_the_same_bits_for_any_thread_count(threads) -> None:
         finally:
             numba.set_num_threads(before)
         assert np.array_equal(got.view(np.int32), want.view(np.int32))
+
+
+def test_rows_of_mostly_zeros() -> None:
+    """Zero Δ (±0) rank first in index order without being sorted: rows all zero, none zero, mostly zero, and
+    zeros only at either end, each against the plain stable argsort."""
+    rng = np.random.default_rng(3)
+    n = 600
+    delta = (rng.standard_normal((6, n)) * 0.01).astype(np.float32)
+    delta[0] = 0.0
+    delta[1, ::2] = -0.0
+    delta[2, rng.random(n) < 0.9] = 0.0
+    delta[3, : n // 2] = 0.0
+    delta[4, n // 2:] = -0.0
+    delta[5, rng.random(n) < 0.9] = np.float32(0.004)  # ties, none zero
+    flat = delta.reshape(-1)
+    got = della_probabilities(flat, (6, n), 6, 0.5, 0.1)
+    assert np.array_equal(got.view(np.int32), numpy_probabilities(flat, (6, n), 6, 0.5, 0.1).view(np.int32))
