@@ -422,13 +422,6 @@ def dare_delta_span(mixed: np.ndarray, b: np.ndarray, x: np.ndarray, u: np.ndarr
 
 
 @numba.njit(cache=True, nogil=True)
-def delta_into(out: np.ndarray, b: np.ndarray, x: np.ndarray) -> None:
-    """out = Δ = θ_k − θ₀ (float32) of one span."""
-    for i in range(out.shape[0]):
-        out[i] = widen(x[i]) - b[i]
-
-
-@numba.njit(cache=True, nogil=True)
 def random_keep(keep: np.ndarray, b: np.ndarray, x: np.ndarray, u: np.ndarray, p: np.ndarray, p_step: int,
                 l1: bool, acc_kept: np.ndarray, acc_dropped: np.ndarray) -> None:
     """A random drop's mask on one block: keep = u < p[i * p_step] (``p_step`` 0: one probability, DARE's
@@ -1156,16 +1149,6 @@ def ties_dare_span_par(S: np.ndarray, P: np.ndarray, N: np.ndarray, WP: np.ndarr
         ws, we = (s, e) if weights else (0, 0)
         ties_dare_span(S[s:e], P[s:e], N[s:e], WP[ws:we], WN[ws:we], b[s:e], x[s:e], u[s:e], dens, w, weights,
                        init)
-
-
-@numba.njit(cache=True, nogil=True, parallel=True)
-def delta_into_par(out: np.ndarray, b: np.ndarray, x: np.ndarray) -> None:
-    """`delta_into` in chunks."""
-    n = out.shape[0]
-    c = n_chunks(n, PAR_CHUNK)
-    for t in numba.prange(c):
-        s, e = chunk_span(n, c, t)
-        delta_into(out[s:e], b[s:e], x[s:e])
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)

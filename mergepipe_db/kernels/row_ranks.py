@@ -5,7 +5,8 @@ A stable LSD radix sort of each column's |Δ| bit patterns (non-negative float32
 NaN is given one pattern above +inf, so NaNs tie and keep index order), 8 bits a pass, skipping a pass where all
 keys share the byte (the sign and most exponent bits of a fine-tune's Δ): O(n) a column instead of a comparison
 sort, and no index arrays of the whole block. Zero Δ (often most of a column of a BF16 fine-tune) rank first
-in index order, so only the others are sorted.
+in index order, so only the others are sorted. Δ comes from θ₀ and the expert's stored values as each column
+is read, and each p from a table by rank (the formula's n values, computed once).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from mergepipe_db.kernels.float_bits import f32_to_bits
+from mergepipe_db.kernels.float_bits import f32_to_bits, widen
 
 __all__ = ["della_probabilities"]
 
@@ -23,24 +24,27 @@ _INF = np.uint32(0x7F800000)
 
 
 @numba.njit(cache=True, nogil=True)
-def _column_ranks(keys: np.ndarray, idx: np.ndarray, keys2: np.ndarray, idx2: np.ndarray, count: np.ndarray,
-                  rank: np.ndarray) -> None:
-    """rank[j] = position of keys[j] in the stable ascending order of `keys` (n = keys.shape[0]; the others are
-    n-element work arrays, `count` 4 × 256: the four bytes' histograms, counted in one pass; a permutation
-    leaves them as they are). Zero keys (Δ = ±0, often most of a fine-tune's) come first in index order, so
-    their ranks are counted as they are met; only the others are sorted, packed in index order (`keys` is
-    overwritten)."""
-    n = keys.shape[0]
+def _column(out: np.ndarray, b: np.ndarray, x: np.ndarray, first: int, n: int, C: int, table: np.ndarray,
+            keys: np.ndarray, idx: np.ndarray, keys2: np.ndarray, idx2: np.ndarray, count: np.ndarray) -> None:
+    """out[e] = table[rank of |Δ_e|] for the n elements e = first + j·C of one column, Δ = widen(x) − b, rank
+    the position in the stable ascending order of the keys. Zero keys (Δ = ±0, often most of a column of a
+    BF16 fine-tune) come first in index order, so their ranks are counted as they are met; only the others
+    are sorted, packed in index order (the work arrays hold n each; `count` 4 × 256: the four bytes'
+    histograms, counted in one pass, which a permutation leaves as they are)."""
     zeros = 0
     m = 0
     for j in range(n):  # branch-free: every key is written, the packed count moves on past the nonzero ones
-        k = keys[j]
+        e = first + j * C
+        bits = f32_to_bits(widen(x[e]) - b[e]) & _ABS
+        k = _NAN_KEY if bits > _INF else bits
         nonzero = np.int64(k != np.uint32(0))
-        rank[j] = zeros
+        out[e] = table[zeros]  # a nonzero key's is written again below
         keys[m] = k
         idx[m] = j
         m += nonzero
         zeros += 1 - nonzero
+    if m == 0:
+        return
     count[:] = 0
     for j in range(m):
         k = keys[j]
@@ -50,8 +54,6 @@ def _column_ranks(keys: np.ndarray, idx: np.ndarray, keys2: np.ndarray, idx2: np
         count[3, k >> np.uint32(24)] += 1
     src_k, src_i, dst_k, dst_i = keys, idx, keys2, idx2
     for byte in range(4):
-        if m == 0:
-            break
         sh = np.uint32(8 * byte)
         c = count[byte]
         if c[(src_k[0] >> sh) & np.uint32(0xFF)] == m:
@@ -70,16 +72,28 @@ def _column_ranks(keys: np.ndarray, idx: np.ndarray, keys2: np.ndarray, idx2: np
             c[v] = o + 1
         src_k, src_i, dst_k, dst_i = dst_k, dst_i, src_k, src_i
     for pos in range(m):
-        rank[src_i[pos]] = zeros + pos
+        out[first + src_i[pos] * C] = table[zeros + pos]
+
+
+@numba.njit(cache=True, nogil=True)
+def _rank_table(n: int, eps: np.float32, low: np.float32) -> np.ndarray:
+    """table[r] = p of rank r: (r / float32(n − 1) clipped to [0, 1], 0 when n = 1) · 2 · ε + low, in float32."""
+    two = np.float32(2.0)
+    denom = np.float32(n - 1)
+    table = np.empty(n, np.float32)
+    for r in range(n):
+        rn = np.float32(r) / denom if n > 1 else np.float32(0.0)
+        rn = min(max(rn, np.float32(0.0)), np.float32(1.0))
+        table[r] = (rn * two) * eps + low
+    return table
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
-def _probabilities(out: np.ndarray, delta: np.ndarray, R: int, n: int, C: int, eps: np.float32,
+def _probabilities(out: np.ndarray, b: np.ndarray, x: np.ndarray, R: int, n: int, C: int, eps: np.float32,
                    low: np.float32) -> None:
     """The R·C columns (independent rankings) in contiguous chunks on numba's threads, each chunk with its
     own work arrays: the bits do not depend on the number of threads."""
-    two = np.float32(2.0)
-    denom = np.float32(n - 1)
+    table = _rank_table(n, eps, low)
     columns = R * C
     chunks = min(columns, 64)
     for t in numba.prange(chunks):
@@ -87,32 +101,25 @@ def _probabilities(out: np.ndarray, delta: np.ndarray, R: int, n: int, C: int, e
         keys2 = np.empty(n, np.uint32)
         idx = np.empty(n, np.int32)
         idx2 = np.empty(n, np.int32)
-        rank = np.empty(n, np.int32)
         count = np.empty((4, 256), np.int32)
         for col in range(columns * t // chunks, columns * (t + 1) // chunks):
-            base = (col // C) * n * C + col % C
-            for j in range(n):
-                bits = f32_to_bits(delta[base + j * C]) & _ABS
-                keys[j] = _NAN_KEY if bits > _INF else bits
-            _column_ranks(keys, idx, keys2, idx2, count, rank)
-            for j in range(n):
-                rn = np.float32(rank[j]) / denom if n > 1 else np.float32(0.0)
-                rn = min(max(rn, np.float32(0.0)), np.float32(1.0))
-                out[base + j * C] = (rn * two) * eps + low
+            _column(out, b, x, (col // C) * n * C + col % C, n, C, table, keys, idx, keys2, idx2, count)
 
 
-def della_probabilities(delta: np.ndarray, shape: tuple[int, ...], rows: int, d: float, eps: float) -> np.ndarray:
-    """The keep probabilities (float32, flat) of one block's flat float32 Δ: the block viewed as
-    ``(rows, *shape[1:])`` (a 0-d or 1-d tensor: one row of all its elements), rank along dim 1, then
-    p = (rank / float32(n - 1) clipped to [0, 1], 0 when n = 1) · 2 · float32(ε) + float32(d − ε), in float32."""
-    flat = np.ascontiguousarray(delta, np.float32).reshape(-1)
+def della_probabilities(base: np.ndarray, raw: np.ndarray, shape: tuple[int, ...], rows: int, d: float, eps: float
+                        ) -> np.ndarray:
+    """The keep probabilities (float32, flat) of one block, Δ = widen(raw) − base (flat: θ₀ as float32 and the
+    expert's stored values, or +0.0 and Δ itself): the block viewed as ``(rows, *shape[1:])`` (a 0-d or 1-d
+    tensor: one row of all its elements), rank along dim 1, then p = (rank / float32(n − 1) clipped to [0, 1],
+    0 when n = 1) · 2 · float32(ε) + float32(d − ε), in float32."""
+    b, x = base.reshape(-1), raw.reshape(-1)
     if len(shape) <= 1:
-        R, n, C = 1, flat.shape[0], 1
+        R, n, C = 1, b.shape[0], 1
     else:
         R, n = rows, int(shape[1])
         C = int(np.prod(shape[2:], dtype=np.int64)) if len(shape) > 2 else 1
-    out = np.empty(flat.shape[0], np.float32)
-    if flat.shape[0] == 0 or n == 0:
+    out = np.empty(b.shape[0], np.float32)
+    if b.shape[0] == 0 or n == 0:
         return out
-    _probabilities(out, flat, R, n, C, np.float32(eps), np.float32(d - eps))
+    _probabilities(out, b, x, R, n, C, np.float32(eps), np.float32(d - eps))
     return out

@@ -35,13 +35,15 @@ def band_bounds(lo: float | None, hi: float) -> tuple[np.float32, np.float32]:
     return np.nextafter(np.float32(-inf if lo is None else lo), inf), np.nextafter(np.float32(hi), -inf)
 
 
-def della_probabilities(delta: np.ndarray, shape: tuple[int, ...], rows: int, d: float, eps: float) -> np.ndarray:
-    """DELLA's keep probabilities of one block's flat Δ (float32): ranks of |Δ| along dim 1 (a 0-d or 1-d tensor is
+def della_probabilities(base: np.ndarray, raw: np.ndarray, shape: tuple[int, ...], rows: int, d: float, eps: float
+                        ) -> np.ndarray:
+    """DELLA's keep probabilities of one block, Δ = widen(raw) − base (θ₀ and the stored values, or +0.0 and Δ,
+    flat): ranks of |Δ| along dim 1 (a 0-d or 1-d tensor is
     one row), ascending, ties in index order (a stable sort), rank_norm = (rank - 1)/(n - 1) (0 when n = 1),
     p = (d - ε) + rank_norm·2·ε, in float32 as MergeKit computes it (`kernels.row_ranks`)."""
     from mergepipe_db.kernels.row_ranks import della_probabilities as probabilities
 
-    return probabilities(delta, shape, rows, d, eps)
+    return probabilities(base, raw, shape, rows, d, eps)
 
 
 def _l1_ratio(before: float, after: float) -> float:
@@ -279,14 +281,15 @@ class DeltaFold(MergeOperator):
             return  # a comparison with NaN is false everywhere: T_k = 0
         self._fold_masked(x, ranges, mags, None if lo == -math.inf else lo, hi)
 
-    def _keep_probability(self, k: int, delta: np.ndarray, rows: int) -> Any:
-        """Keep probability of each element of a block (float32, the block's flat shape) or one for all (a
-        Python float): DARE's d_k; DELLA's (d - ε) + 2ε·rank_norm, ranks of |Δ| along dim 1 (row-local)."""
+    def _keep_probability(self, k: int, base: np.ndarray, raw: np.ndarray, rows: int) -> Any:
+        """Keep probability of each element of a block (float32, the block's flat shape; Δ = widen(raw) − base)
+        or one for all (a Python float): DARE's d_k; DELLA's (d - ε) + 2ε·rank_norm, ranks of |Δ| along dim 1
+        (row-local)."""
         d = self.densities[k]
         if self.sparsification != "della":
             return d
         assert self._ctx is not None
-        return della_probabilities(delta, self._ctx.shape, rows, d, self.epsilon(k))
+        return della_probabilities(base, raw, self._ctx.shape, rows, d, self.epsilon(k))
 
     def _block_spans(self, x: ExpertInput) -> list[tuple[int, int, int]]:
         """(block, first element, end element) of each selected block with elements, in order."""
@@ -359,10 +362,7 @@ class DeltaFold(MergeOperator):
             n = e0 - s0
             bb, xb = self._block_operands(x, src, s0, e0)
             if della:
-                delta = xb if src is None else self.scratch("della_delta", n)
-                if src is not None:
-                    kernels().delta_into_par(delta, bb, xb)
-                p, step = self._keep_probability(k, delta, n // ctx.row_numel), 1
+                p, step = self._keep_probability(k, bb, xb, n // ctx.row_numel), 1
             else:
                 p, step = d32, 0
             keep = keep_all[s0:e0] if keep_all is not None else self.scratch("keep_block", n, np.bool_)

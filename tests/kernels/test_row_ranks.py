@@ -42,7 +42,7 @@ def test_equals_numpy_stable_argsort(shape, rows, seed) -> None:
         flat[6] = np.float32(1e-45)
     flat[rng.random(m) < 0.05] = np.float32(-3e38)
     for d, eps in ((0.5, 0.15), (0.3, 0.1), (0.8, 0.05)):
-        got = della_probabilities(flat, shape, rows, d, eps)
+        got = della_probabilities(np.zeros_like(flat), flat, shape, rows, d, eps)
         want = numpy_probabilities(flat, shape, rows, d, eps)
         assert np.array_equal(got.view(np.int32), want.view(np.int32))
 
@@ -51,7 +51,7 @@ def test_many_values_in_a_row() -> None:
     rng = np.random.default_rng(9)
     delta = (rng.standard_normal((3, 70_001)) * 0.01).astype(np.float32)
     delta[:, ::7] = np.float32(0.004)
-    got = della_probabilities(delta.reshape(-1), (3, 70_001), 3, 0.4, 0.2)
+    got = della_probabilities(np.zeros(delta.size, np.float32), delta.reshape(-1), (3, 70_001), 3, 0.4, 0.2)
     assert np.array_equal(got.view(np.int32), numpy_probabilities(delta.reshape(-1), (3, 70_001), 3, 0.4, 0.2)
                           .view(np.int32))
 
@@ -69,7 +69,7 @@ def test_parallel_rows_give_the_same_bits_for_any_thread_count(threads) -> None:
         before = numba.get_num_threads()
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
         try:
-            got = della_probabilities(delta, (rows, n), rows, 0.5, 0.1)
+            got = della_probabilities(np.zeros_like(delta), delta, (rows, n), rows, 0.5, 0.1)
         finally:
             numba.set_num_threads(before)
         assert np.array_equal(got.view(np.int32), want.view(np.int32))
@@ -88,5 +88,23 @@ def test_rows_of_mostly_zeros() -> None:
     delta[4, n // 2:] = -0.0
     delta[5, rng.random(n) < 0.9] = np.float32(0.004)  # ties, none zero
     flat = delta.reshape(-1)
-    got = della_probabilities(flat, (6, n), 6, 0.5, 0.1)
+    got = della_probabilities(np.zeros_like(flat), flat, (6, n), 6, 0.5, 0.1)
     assert np.array_equal(got.view(np.int32), numpy_probabilities(flat, (6, n), 6, 0.5, 0.1).view(np.int32))
+
+
+@pytest.mark.parametrize("shape,rows", [((40, 300), 40), ((5, 64, 3), 5), ((1000,), 1)])
+def test_from_stored_values(shape, rows) -> None:
+    """Δ formed in the pass from θ₀ (float32) and the expert's stored BF16 bits, as widen(x) − θ₀: the same
+    probabilities as from that Δ written out (unchanged elements, ties and a NaN among them)."""
+    rng = np.random.default_rng(11)
+    m = int(np.prod(shape))
+    base_bits = (rng.standard_normal(m).astype(np.float32) * 0.02).view(np.uint32) >> 16
+    raw = base_bits.astype(np.uint16)
+    moved = rng.random(m) < 0.3
+    raw[moved] = (raw[moved].astype(np.int64) + rng.integers(-3, 4, int(moved.sum()))).astype(np.uint16)
+    raw[7] = 0x7FC0
+    base = (base_bits.astype(np.uint32) << 16).view(np.float32)
+    delta = (raw.astype(np.uint32) << 16).view(np.float32) - base
+    got = della_probabilities(base, raw, shape, rows, 0.6, 0.2)
+    want = numpy_probabilities(delta, shape, rows, 0.6, 0.2)
+    assert np.array_equal(got.view(np.int32), want.view(np.int32))
