@@ -662,28 +662,30 @@ def _ties_fused_blocks(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray
 @numba.njit(cache=True, nogil=True, parallel=True)
 def dare_ties_fused(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], selected: np.ndarray,
                     bounds: np.ndarray, dens: np.ndarray, seeds: np.ndarray, w: np.ndarray, weights: bool,
-                    lam: np.float32, skip: np.ndarray, modes: np.ndarray, scales: np.ndarray) -> None:
+                    lam: np.float32, skip: np.ndarray, modes: np.ndarray, scales: np.ndarray,
+                    keeps: tuple[np.ndarray, ...], masked: np.ndarray) -> None:
     """The whole dare_ties fold of one tensor in one pass, as `ties_fused` does for ties: tile by tile, for
     experts k = 0..K-1 in order (those with ``selected[k, b]``), T = where(u < d_k, Δ_k / d_k, 0.0) with u
     drawn from the block's stream (`seeds[k, b]`; `mt19937`), or T = Δ_k where d_k >= 1 (no mask is drawn),
     then `ties_dare_span`'s sums, kept in L1, and `ties_finish`'s formula into `out`. Same operations, same
     order: the same bits as folding the experts one by one with `ties_dare_span`, without a block of uniforms
     and five tensor-sized sums per expert. ``modes[k]`` says how a kept Δ is rescaled (`_masked`): 2 (DARE's
-    classic Δ / d_k, above), 1 (Δ * scales[k]: the L1 rescale, known beforehand) or 0 (Δ). Runs on numba's
-    threads, the blocks in contiguous chunks (each block's streams start at its own seed, so no block depends
-    on another)."""
+    classic Δ / d_k, above), 1 (Δ * scales[k]: the L1 rescale, known beforehand) or 0 (Δ). An expert with
+    ``masked[k]`` (della) takes its mask from keeps[k] (bool, the tensor's flat shape) instead of drawing one,
+    with mode 1 or 0: the bits of `ties_masked_span`. Runs on numba's threads, the blocks in contiguous chunks
+    (each block's streams start at its own seed, so no block depends on another)."""
     nb = bounds.shape[0] - 1
     c = max(1, min(_PAR_CHUNKS, nb))
     for t in numba.prange(c):
         _dare_ties_fused_blocks(out, base, raws, selected, bounds, dens, seeds, w, weights, lam, skip, modes, scales,
-                                nb * t // c, nb * (t + 1) // c)
+                                keeps, masked, nb * t // c, nb * (t + 1) // c)
 
 
 @numba.njit(cache=True, nogil=True)
 def _dare_ties_fused_blocks(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], selected: np.ndarray,
                             bounds: np.ndarray, dens: np.ndarray, seeds: np.ndarray, w: np.ndarray, weights: bool,
-                            lam: np.float32, skip: np.ndarray, modes: np.ndarray, scales: np.ndarray, b0: int,
-                            b1: int) -> None:
+                            lam: np.float32, skip: np.ndarray, modes: np.ndarray, scales: np.ndarray,
+                            keeps: tuple[np.ndarray, ...], masked: np.ndarray, b0: int, b1: int) -> None:
     """`dare_ties_fused` on blocks [b0, b1)."""
     T = _TILE
     K = selected.shape[0]
@@ -700,7 +702,7 @@ def _dare_ties_fused_blocks(out: np.ndarray, base: np.ndarray, raws: tuple[np.nd
         if skip[b]:
             continue
         for k in range(K):
-            if selected[k, b] and dens[k] < np.float32(1.0):
+            if selected[k, b] and dens[k] < np.float32(1.0) and not masked[k]:
                 pos[k] = mt19937.stream_start(states[k], seeds[k, b])
         for t0 in range(bounds[b], bounds[b + 1], T):
             m = min(T, bounds[b + 1] - t0)
@@ -711,7 +713,19 @@ def _dare_ties_fused_blocks(out: np.ndarray, base: np.ndarray, raws: tuple[np.nd
                     continue
                 xk = raws[k][t0:t0 + m]
                 d = dens[k]
-                if d < np.float32(1.0):
+                if masked[k]:  # della: T = where(keep, Δ · s | Δ, 0.0)
+                    kk = keeps[k][t0:t0 + m]
+                    if modes[k] == 1:
+                        sk = scales[k]
+                        for i in range(m):
+                            q = (widen(xk[i]) - bb[i]) * sk
+                            t[i] = q if kk[i] else zero
+                    else:
+                        for i in range(m):
+                            q = widen(xk[i]) - bb[i]
+                            t[i] = q if kk[i] else zero
+                    _ties_tile(acc, z[:m], t[:m], False, inf, inf, w[k], weights, fresh)
+                elif d < np.float32(1.0):
                     pos[k] = mt19937.stream_fill(u[:m], states[k], bufs[k], pos[k])
                     if modes[k] == 2:
                         for i in range(m):

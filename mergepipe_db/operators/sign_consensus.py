@@ -57,9 +57,10 @@ class TiesFold(DeltaFold):
         self._stash_bytes = 0
         self._dare_modes: dict[int, tuple[int, float]] = {}  # a kept DARE input's (mode, scale): `dare_ties_fused`
         self._bands: dict[int, tuple[float | None, float]] = {}  # a kept breadcrumbs input's (lo, hi): `_fold_band`
+        self._masks: dict[int, tuple[np.ndarray, int, float]] = {}  # a kept DELLA input's (mask, mode, s): `_keep_mask`
 
-    def _fits_stash(self, src: np.ndarray) -> bool:
-        return (self._stash is not None and self._stash_bytes + src.nbytes <= FUSE_BYTES
+    def _fits_stash(self, src: np.ndarray, extra: int = 0) -> bool:
+        return (self._stash is not None and self._stash_bytes + src.nbytes + extra <= FUSE_BYTES
                 and (not self._stash or self._stash[0][0].dtype == src.dtype))
 
     def _fold_trimmed(self, x: ExpertInput, ranges: list[tuple[int, int]]) -> None:
@@ -160,6 +161,12 @@ class TiesFold(DeltaFold):
         if x.index in self._bands:  # breadcrumbs_ties: its band's streaming form
             self._fold_masked(x, x.element_ranges(self._ctx), None, *self._bands[x.index])
             return
+        if x.index in self._masks:  # della: its kept mask, block by block
+            keep, mode, scale = self._masks.pop(x.index)
+            d32 = np.array([self.densities[x.index]], np.float32)
+            for b, s0, e0 in self._block_spans(x):
+                self._masked_block(b, s0, e0, self._bflat[s0:e0], src[s0:e0], keep[s0:e0], d32, 0, mode, scale, w)
+            return
         if self._draws_mask(x):
             super()._fold_dare(x)
             return
@@ -190,6 +197,20 @@ class TiesFold(DeltaFold):
             self._stash_bytes += src.nbytes
             return
         super()._fold_dare(x)
+
+    def _keeps_mask(self, x: ExpertInput) -> bool:
+        """della: its mask is kept for the fused pass (`kernels.merge.dare_ties_fused` reads it a tile at a time)
+        while its stored values and the mask (a byte an element) fit."""
+        src = x.fast_source()
+        return (src is not None and self._P is not None and self._bflat is not None and self._ctx is not None
+                and self._fits_stash(src, self._ctx.numel))
+
+    def _keep_mask(self, x: ExpertInput, keep: np.ndarray, mode: int, scale: float) -> None:
+        src = x.fast_source()
+        assert src is not None and self._stash is not None
+        self._masks[x.index] = (keep, mode, scale)
+        self._stash.append((src, x, False, math.inf, self.weights[x.index], 0))
+        self._stash_bytes += src.nbytes + keep.nbytes
 
     def _dare_block_fast(self, src: np.ndarray, b: int, s0: int, e0: int, u: np.ndarray, d: float,
                          w: float) -> bool:
@@ -290,7 +311,7 @@ class TiesFold(DeltaFold):
         selected = np.zeros((len(stash), self._ctx.n_blocks), np.bool_)
         for k, (_src, x, *_rest) in enumerate(stash):
             selected[k, list(x.selected_blocks)] = True
-        if self.sparsification == "random":
+        if self.sparsification in ("random", "della"):
             self._finish_dare_fused(P, stash, raws, selected)
             return True
         checks = np.array([c for *_a, c in stash], np.int64)
@@ -312,7 +333,8 @@ class TiesFold(DeltaFold):
 
     def _finish_dare_fused(self, P: np.ndarray, stash: list[Any], raws: tuple[np.ndarray, ...],
                            selected: np.ndarray) -> None:
-        """dare_ties's fused pass: each input's density (>= 1: no mask) and its blocks' generator seeds."""
+        """dare_ties's and della's fused pass: each input's density (>= 1: no mask) and its blocks' generator
+        seeds, or della's kept mask."""
         ctx = self._ctx
         assert ctx is not None and self._bflat is not None
         dens = np.array([self.densities[x.index] for _src, x, *_rest in stash], np.float32)
@@ -322,11 +344,16 @@ class TiesFold(DeltaFold):
                 key = self.experts[x.index].key
                 for b in x.selected_blocks:
                     seeds[k, b] = block_seed(ctx.seed, key, ctx.name, b)
-        modes = [self._dare_modes.get(x.index, (0, 1.0)) for _src, x, *_rest in stash]
+        masks = [self._masks.pop(x.index, None) for _src, x, *_rest in stash]
+        modes = [self._dare_modes.get(x.index, (0, 1.0)) if mask is None else mask[1:]
+                 for (_src, x, *_rest), mask in zip(stash, masks)]
+        no_mask = np.empty(0, np.bool_)
         kernels().dare_ties_fused(P, self._bflat, raws, selected, self._bounds, dens, seeds,
                                   np.array([item[4] for item in stash], np.float32), self.normalize,
                                   np.float32(self.lam), self._skip, np.array([m for m, _s in modes], np.int64),
-                                  np.array([sc for _m, sc in modes], np.float32))
+                                  np.array([sc for _m, sc in modes], np.float32),
+                                  kernels().pack([no_mask if mask is None else mask[0] for mask in masks]),
+                                  np.array([mask is not None for mask in masks], np.bool_))
 
     def _end(self) -> None:
         self._P = None

@@ -227,6 +227,22 @@ def test_ties_family_normalized_and_lambda(method) -> None:
     check(method, "l1", (40, 33), 7, "f32", "full", lam=1.7, normalize=False)
 
 
+@pytest.mark.parametrize("fuse_bytes", [0, 9_000, 1 << 30])
+@pytest.mark.parametrize("mode", ["l1", "none", "classic"])
+def test_della_fused_streamed_and_partly_fused(monkeypatch, fuse_bytes, mode) -> None:
+    """della keeps each expert's mask (drawn against its row-rank probabilities, the L1 scale found with it)
+    for dare_ties' fused pass while its stored values and the mask fit `sign_consensus.FUSE_BYTES`, else folds
+    it block by block; classic (Δ / p) always block by block: the plain formula's bits either way, with rows
+    read in part, normalized, and with inf and NaN."""
+    from mergepipe_db.operators import sign_consensus
+
+    monkeypatch.setattr(sign_consensus, "FUSE_BYTES", fuse_bytes)
+    for supply in ("bf16", "f32"):
+        check("della", mode, (40, 33), 7, supply, "partial")
+        check("della", mode, (40, 33), 7, supply, "full", special=supply == "f32")
+        check("della", mode, (9, 4, 5), 2, supply, "full", normalize=True, lam=0.8)
+
+
 @pytest.mark.parametrize("fuse_bytes", [0, 6_000, 1 << 30])
 @pytest.mark.parametrize("mode", ["l1", "none"])
 def test_dare_ties_fused_streamed_and_partly_fused(monkeypatch, fuse_bytes, mode) -> None:
