@@ -335,7 +335,7 @@ class DeltaFold(MergeOperator):
         exactly rounded sums: `kernels.exact_sum`), s = 1 ("none"), or where(keep, Δ_k / p, 0.0) ("classic",
         DELLA). Fused kernels: one pass per block forms the mask (and the sums), a second folds T_k
         (`_masked_block`); "none" and "classic" fold each block at once, "l1" once the sums are known. A family
-        with a fused pass over all experts may instead keep a DELLA mask and its scale for it (`_keeps_mask`)."""
+        with a fused pass over all experts may instead keep a DELLA mask and its scale for it (`_mask_buffer`)."""
         from mergepipe_db.kernels.exact_sum import ExactSum
 
         ctx = self._ctx
@@ -347,10 +347,10 @@ class DeltaFold(MergeOperator):
         della = self.sparsification == "della"
         src = x.fast_source() if self._bflat is not None else None
         sums = (ExactSum(), ExactSum())  # the kept |Δ|, the dropped |Δ|
-        kept = della and mode != "classic" and src is not None and self._keeps_mask(x)
-        keep_all = self.scratch("keep", ctx.numel, np.bool_) if l1 or kept else None
+        kept = self._mask_buffer(x) if della and mode != "classic" and src is not None else None
+        keep_all = kept if kept is not None else self.scratch("keep", ctx.numel, np.bool_) if l1 else None
         d32 = np.array([self.densities[k]], np.float32)  # u < d, the Python float cast to float32 (NEP 50)
-        if not kept:  # a kept mask is folded later, with the others
+        if kept is None:  # a kept mask is folded later, with the others
             self._set_expert(w)
         if l1 and not della and src is not None:  # DARE from the stored values: mask and sums in one pass
             assert keep_all is not None
@@ -370,16 +370,15 @@ class DeltaFold(MergeOperator):
                 p, step = d32, 0
             keep = keep_all[s0:e0] if keep_all is not None else self.scratch("keep_block", n, np.bool_)
             kernels().random_keep_par(keep, bb, xb, u, p, step, l1, sums[0].reserve(n), sums[1].reserve(n))
-            if l1 or kept:
+            if l1 or kept is not None:
                 later.append((b, s0, e0))
             else:
                 self._masked_block(b, s0, e0, bb, xb, keep, p, step, 2 if mode == "classic" else 0, 1.0, w)
         if not later:
             return
-        if kept:
-            assert keep_all is not None
+        if kept is not None:
             scale = _l1_ratio(sums[0].value_with(sums[1]), sums[0].value()) if l1 else 1.0
-            self._keep_mask(x, keep_all.copy(), 1 if scale != 1.0 else 0, scale)
+            self._keep_mask(x, kept, 1 if scale != 1.0 else 0, scale)
             return
         assert keep_all is not None
         scale = _l1_ratio(sums[0].value_with(sums[1]), sums[0].value())
@@ -387,10 +386,10 @@ class DeltaFold(MergeOperator):
             bb, xb = self._block_operands(x, src, s0, e0)
             self._masked_block(b, s0, e0, bb, xb, keep_all[s0:e0], d32, 0, 1 if scale != 1.0 else 0, scale, w)
 
-    def _keeps_mask(self, x: ExpertInput) -> bool:
-        """Whether expert x's DELLA mask is to be kept for a fused pass over all experts (`_keep_mask`) instead
-        of folded block by block: no family here has one."""
-        return False
+    def _mask_buffer(self, x: ExpertInput) -> np.ndarray | None:
+        """Where to draw expert x's DELLA mask (bool, the tensor's flat shape) when it is to be kept for a fused
+        pass over all experts (`_keep_mask`) instead of folded block by block; None: no family here has one."""
+        return None
 
     def _keep_mask(self, x: ExpertInput, keep: np.ndarray, mode: int, scale: float) -> None:
         """Keep expert x's mask (bool, the tensor's flat shape: its selected blocks drawn) with its rescale

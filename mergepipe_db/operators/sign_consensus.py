@@ -198,12 +198,15 @@ class TiesFold(DeltaFold):
             return
         super()._fold_dare(x)
 
-    def _keeps_mask(self, x: ExpertInput) -> bool:
+    def _mask_buffer(self, x: ExpertInput) -> np.ndarray | None:
         """della: its mask is kept for the fused pass (`kernels.merge.dare_ties_fused` reads it a tile at a time)
-        while its stored values and the mask (a byte an element) fit."""
+        while its stored values and the mask (a byte an element) fit: a buffer of its own per place in the
+        stash, reused from tensor to tensor."""
         src = x.fast_source()
-        return (src is not None and self._P is not None and self._bflat is not None and self._ctx is not None
-                and self._fits_stash(src, self._ctx.numel))
+        if (src is None or self._P is None or self._bflat is None or self._ctx is None or self._stash is None
+                or not self._fits_stash(src, self._ctx.numel)):
+            return None
+        return self.scratch(f"della_keep{len(self._stash)}", self._ctx.numel, np.bool_)
 
     def _keep_mask(self, x: ExpertInput, keep: np.ndarray, mode: int, scale: float) -> None:
         src = x.fast_source()
