@@ -113,18 +113,39 @@ STATE_WORDS = _N
 
 
 @numba.njit(cache=True, nogil=True)
-def randint_gather(values: np.ndarray, seed: np.int64, out: np.ndarray) -> None:
-    """out = values[torch.randint(len(values), (len(out),), generator=g)] for g given ``manual_seed(seed)``
-    (0 <= seed < 2^63; 0 < len(values) < 2^32): torch draws each index as one 32-bit MT19937 output modulo the
-    range, in order (ATen's ``uniform_int_from_to_distribution``), which this does without the index array."""
+def _randint_indices(seed32: np.uint32, n: np.uint32, idx: np.ndarray) -> None:
+    """idx = torch.randint(n, (len(idx),)) of a generator seeded with seed32: one tempered MT19937 output
+    modulo n each, in order."""
     state = np.empty(_N, np.uint32)
-    _seed_state(state, np.uint32(seed & np.int64(0xFFFFFFFF)))
-    n = np.uint32(values.shape[0])
-    m = out.shape[0]
+    _seed_state(state, seed32)
+    m = idx.shape[0]
     for pos in range(0, m, _N):
         _twist(state)
         for i in range(min(_N, m - pos)):
-            out[pos + i] = values[_temper(state[i]) % n]
+            idx[pos + i] = _temper(state[i]) % n
+
+
+_GATHER_CHUNKS = 16  # a fixed number of chunks (numba cannot cache a kernel that asks for its thread count)
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _gather(values: np.ndarray, idx: np.ndarray, out: np.ndarray) -> None:
+    """out[i] = values[idx[i]], in contiguous chunks on numba's threads (random reads: more in flight)."""
+    m = out.shape[0]
+    for t in numba.prange(_GATHER_CHUNKS):
+        for i in range(m * t // _GATHER_CHUNKS, m * (t + 1) // _GATHER_CHUNKS):
+            out[i] = values[idx[i]]
+
+
+def randint_gather(values: np.ndarray, seed: int, out: np.ndarray, idx: np.ndarray | None = None) -> None:
+    """out = values[torch.randint(len(values), (len(out),), generator=g)] for g given ``manual_seed(seed)``
+    (0 <= seed < 2^63; 0 < len(values) < 2^32): torch draws each index as one 32-bit MT19937 output modulo the
+    range, in order (ATen's ``uniform_int_from_to_distribution``); the indices are drawn in one pass (into
+    `idx`, uint32 of len(out), when given) and gathered on numba's threads."""
+    if idx is None:
+        idx = np.empty(out.shape[0], np.uint32)
+    _randint_indices(np.uint32(int(seed) & 0xFFFFFFFF), np.uint32(values.shape[0]), idx)
+    _gather(values, idx, out)
 
 
 def torch_rand_into(seed: int, out: np.ndarray) -> None:

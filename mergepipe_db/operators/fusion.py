@@ -6,7 +6,9 @@ passes doing torch's float32 operations); torch is imported when a tensor is fin
 from __future__ import annotations
 
 import hashlib
+import math
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -19,6 +21,39 @@ __all__ = ["QUANTILE_SAMPLE_SIZE", "ArceeFusion"]
 #: MergeKit's sampling size: a tensor with more elements has its quantiles taken from this many importances
 #: drawn with replacement (here by a generator keyed by the merge seed and the tensor name)
 QUANTILE_SAMPLE_SIZE = 1_000_000
+
+
+#: the KL's element-wise torch calls run on row slices that start at multiples of this many elements, so that
+#: each element takes the path it takes in one call on the whole tensor (torch's vector loops, their scalar tail
+#: only at the very end): the bits of one call (tests/kernels/test_gather_kernels.py checks it on this torch)
+SLICE_ALIGN = 64
+_pools: list[ThreadPoolExecutor] = []  # one, made on first use
+
+
+def row_slices(rows: int, width: int, parts: int) -> list[tuple[int, int]]:
+    """At most `parts` contiguous [start, stop) row ranges covering `rows` rows of `width` elements, each
+    starting at a multiple of `SLICE_ALIGN` elements; one range when there are too few rows to cut."""
+    step = SLICE_ALIGN // math.gcd(width, SLICE_ALIGN)  # rows per aligned unit
+    units = rows // step
+    if parts <= 1 or units < parts:
+        return [(0, rows)]
+    cuts = [step * (units * i // parts) for i in range(parts)] + [rows]
+    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+
+
+def _thread_pool() -> ThreadPoolExecutor:
+    if not _pools:
+        _pools.append(ThreadPoolExecutor(max_workers=_cores(), thread_name_prefix="mergepipe-fusion"))
+    return _pools[0]
+
+
+def _kl_rows(p, q, kl, eps: float) -> None:  # noqa: ANN001 - torch tensors
+    """kl = Σ_row p·log(p/q) of some rows, p and q the softmaxes (+ eps in place; q becomes the terms)."""
+    import torch
+
+    p.add_(eps)
+    q.add_(eps)
+    torch.sum(torch.div(p, q, out=q).log_().mul_(p), dim=-1, keepdim=True, out=kl)
 
 
 def _cores() -> int:
@@ -69,9 +104,18 @@ class ArceeFusion(GatherFold):
             q = torch.ops.aten._softmax.out(t0, -1, False, out=self._scratch_tensor("fusion_q", base.shape))
         finally:
             torch.set_num_threads(threads)
-        p.add_(eps)
-        q.add_(eps)
-        kl = torch.sum(torch.div(p, q, out=q).log_().mul_(p), dim=-1, keepdim=True)  # log(p/q)·p = p·log(p/q)
+        # log(p/q)·p = p·log(p/q), summed per row: on every core by row slices (`row_slices`), each slice one
+        # thread's torch calls, where the tensor has rows enough
+        width = base.shape[-1]
+        p2, q2 = p.view(-1, width), q.view(-1, width)
+        slices = row_slices(p2.shape[0], width, _cores()) if base.ndim > 1 else [(0, 1)]
+        if len(slices) == 1:
+            kl = torch.sum(torch.div(p.add_(eps), q.add_(eps), out=q).log_().mul_(p), dim=-1, keepdim=True)
+        else:
+            kl = torch.from_numpy(self.scratch("fusion_kl", p2.shape[0])).view(-1, 1)
+            pool = _thread_pool()
+            for done in [pool.submit(_kl_rows, p2[a:b], q2[a:b], kl[a:b], eps) for a, b in slices]:
+                done.result()
         # importance = |θ_1 - θ₀| · kl, the mask and the result: one numba pass each, torch's float32 operations
         kern = gather_kernels()
         b, x = base.reshape(-1), values[0].reshape(-1)
@@ -84,7 +128,8 @@ class ArceeFusion(GatherFold):
                 from mergepipe_db.kernels import torch_rand
 
                 sample = self.scratch("sample", QUANTILE_SAMPLE_SIZE)
-                torch_rand.randint_gather(importance, np.int64(seed), sample)
+                torch_rand.randint_gather(importance, seed, sample,
+                                          self.scratch("sample_idx", QUANTILE_SAMPLE_SIZE, np.uint32))
                 flat = torch.from_numpy(sample)
             else:
                 g = torch.Generator(device="cpu")

@@ -229,3 +229,33 @@ def test_torch_softmax_rows_have_the_same_bits_on_any_thread_count(shape) -> Non
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one.view(torch.int32), many.view(torch.int32))
+
+
+@pytest.mark.parametrize("shape", [(300, 7), (129, 100), (64, 2048), (9, 5632), (1000, 33), (5, 1)])
+@pytest.mark.parametrize("parts", [2, 3, 5])
+def test_kl_by_aligned_row_slices_is_one_call(shape, parts) -> None:
+    """arcee_fusion's KL terms on row slices, one thread each (`fusion.row_slices`: starts at multiples of
+    `SLICE_ALIGN` elements), equal one call of the same torch operations on the whole tensor, bit for bit:
+    checked here against this torch's kernels, odd widths included."""
+    from mergepipe_db.operators.fusion import SLICE_ALIGN, _kl_rows, row_slices
+
+    g = torch.Generator().manual_seed(shape[0] * 7 + shape[1])
+    p0 = F.softmax(torch.randn(shape, generator=g) * 3, dim=-1)
+    q0 = F.softmax(torch.randn(shape, generator=g) * 3, dim=-1)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        p, q = p0.clone(), q0.clone()
+        want = torch.sum(torch.div(p.add_(1e-8), q.add_(1e-8), out=q).log_().mul_(p), dim=-1, keepdim=True)
+        want_terms = q
+        p, q = p0.clone(), q0.clone()
+        got = torch.empty(shape[0], 1)
+        slices = row_slices(shape[0], shape[1], parts)
+        assert all(a * shape[1] % SLICE_ALIGN == 0 for a, _ in slices)
+        assert slices[0][0] == 0 and slices[-1][1] == shape[0]
+        for a, b in slices:
+            _kl_rows(p[a:b], q[a:b], got[a:b], 1e-8)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert torch.equal(q.view(torch.int32), want_terms.view(torch.int32))
