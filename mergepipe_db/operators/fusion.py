@@ -16,7 +16,7 @@ from mergepipe_db.errors import MethodParameterError
 from mergepipe_db.operators.gather import GatherFold, gather_kernels
 from mergepipe_db.operators.registry import register
 
-__all__ = ["QUANTILE_SAMPLE_SIZE", "ArceeFusion"]
+__all__ = ["QUANTILE_SAMPLE_SIZE", "SLICE_ALIGN", "ArceeFusion", "kl_rows", "row_slices"]
 
 #: MergeKit's sampling size: a tensor with more elements has its quantiles taken from this many importances
 #: drawn with replacement (here by a generator keyed by the merge seed and the tensor name)
@@ -47,7 +47,7 @@ def _thread_pool() -> ThreadPoolExecutor:
     return _pools[0]
 
 
-def _kl_rows(p, q, kl, eps: float) -> None:  # noqa: ANN001 - torch tensors
+def kl_rows(p, q, kl, eps: float) -> None:  # noqa: ANN001 - torch tensors
     """kl = Σ_row p·log(p/q) of some rows, p and q the softmaxes (+ eps in place; q becomes the terms)."""
     import torch
 
@@ -114,7 +114,7 @@ class ArceeFusion(GatherFold):
         else:
             kl = torch.from_numpy(self.scratch("fusion_kl", p2.shape[0])).view(-1, 1)
             pool = _thread_pool()
-            for done in [pool.submit(_kl_rows, p2[a:b], q2[a:b], kl[a:b], eps) for a, b in slices]:
+            for done in [pool.submit(kl_rows, p2[a:b], q2[a:b], kl[a:b], eps) for a, b in slices]:
                 done.result()
         # importance = |θ_1 - θ₀| · kl, the mask and the result: one numba pass each, torch's float32 operations
         kern = gather_kernels()

@@ -237,7 +237,7 @@ def test_kl_by_aligned_row_slices_is_one_call(shape, parts) -> None:
     """arcee_fusion's KL terms on row slices, one thread each (`fusion.row_slices`: starts at multiples of
     `SLICE_ALIGN` elements), equal one call of the same torch operations on the whole tensor, bit for bit:
     checked here against this torch's kernels, odd widths included."""
-    from mergepipe_db.operators.fusion import SLICE_ALIGN, _kl_rows, row_slices
+    from mergepipe_db.operators.fusion import SLICE_ALIGN, kl_rows, row_slices
 
     g = torch.Generator().manual_seed(shape[0] * 7 + shape[1])
     p0 = F.softmax(torch.randn(shape, generator=g) * 3, dim=-1)
@@ -254,7 +254,7 @@ def test_kl_by_aligned_row_slices_is_one_call(shape, parts) -> None:
         assert all(a * shape[1] % SLICE_ALIGN == 0 for a, _ in slices)
         assert slices[0][0] == 0 and slices[-1][1] == shape[0]
         for a, b in slices:
-            _kl_rows(p[a:b], q[a:b], got[a:b], 1e-8)
+            kl_rows(p[a:b], q[a:b], got[a:b], 1e-8)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
