@@ -356,9 +356,7 @@ class DeltaFold(MergeOperator):
             assert keep_all is not None
             spans = self._block_spans(x)
             scale = self._dare_keep_l1(x, src, keep_all, spans)
-            for b, s0, e0 in spans:
-                bb, xb = self._block_operands(x, src, s0, e0)
-                self._masked_block(b, s0, e0, bb, xb, keep_all[s0:e0], d32, 0, 1 if scale != 1.0 else 0, scale, w)
+            self._fold_mask(x, src, spans, keep_all, 1 if scale != 1.0 else 0, scale, w)
             return
         later: list[tuple[int, int, int]] = []
         for b, s0, e0, u in self._block_uniforms(x):
@@ -382,9 +380,16 @@ class DeltaFold(MergeOperator):
             return
         assert keep_all is not None
         scale = _l1_ratio(sums[0].value_with(sums[1]), sums[0].value())
-        for b, s0, e0 in later:
+        self._fold_mask(x, src, later, keep_all, 1 if scale != 1.0 else 0, scale, w)
+
+    def _fold_mask(self, x: ExpertInput, src: np.ndarray | None, spans: list[tuple[int, int, int]],
+                   keep: np.ndarray, mode: int, scale: float, w: float) -> None:
+        """Fold expert x's drawn mask `keep` (the tensor's flat shape) on the blocks `spans` ((block, start,
+        end)): T = where(keep, Δ·s (mode 1) | Δ (0), 0.0), block by block (`_masked_block`)."""
+        d32 = np.array([self.densities[x.index]], np.float32)  # unread in modes 0 and 1
+        for b, s0, e0 in spans:
             bb, xb = self._block_operands(x, src, s0, e0)
-            self._masked_block(b, s0, e0, bb, xb, keep_all[s0:e0], d32, 0, 1 if scale != 1.0 else 0, scale, w)
+            self._masked_block(b, s0, e0, bb, xb, keep[s0:e0], d32, 0, mode, scale, w)
 
     def _mask_buffer(self, x: ExpertInput) -> np.ndarray | None:
         """Where to draw expert x's DELLA mask (bool, the tensor's flat shape) when it is to be kept for a fused

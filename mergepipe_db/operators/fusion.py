@@ -108,11 +108,11 @@ class ArceeFusion(GatherFold):
         # thread's torch calls, where the tensor has rows enough
         width = base.shape[-1]
         p2, q2 = p.view(-1, width), q.view(-1, width)
-        slices = row_slices(p2.shape[0], width, _cores()) if base.ndim > 1 else [(0, 1)]
+        kl = torch.from_numpy(self.scratch("fusion_kl", p2.shape[0])).view(-1, 1)
+        slices = row_slices(p2.shape[0], width, _cores())
         if len(slices) == 1:
-            kl = torch.sum(torch.div(p.add_(eps), q.add_(eps), out=q).log_().mul_(p), dim=-1, keepdim=True)
+            kl_rows(p2, q2, kl, eps)
         else:
-            kl = torch.from_numpy(self.scratch("fusion_kl", p2.shape[0])).view(-1, 1)
             pool = _thread_pool()
             for done in [pool.submit(kl_rows, p2[a:b], q2[a:b], kl[a:b], eps) for a, b in slices]:
                 done.result()

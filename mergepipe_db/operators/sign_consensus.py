@@ -162,10 +162,7 @@ class TiesFold(DeltaFold):
             self._fold_masked(x, x.element_ranges(self._ctx), None, *self._bands[x.index])
             return
         if x.index in self._masks:  # della: its kept mask, block by block
-            keep, mode, scale = self._masks.pop(x.index)
-            d32 = np.array([self.densities[x.index]], np.float32)
-            for b, s0, e0 in self._block_spans(x):
-                self._masked_block(b, s0, e0, self._bflat[s0:e0], src[s0:e0], keep[s0:e0], d32, 0, mode, scale, w)
+            self._fold_mask(x, src, self._block_spans(x), *self._masks.pop(x.index), w)
             return
         if self._draws_mask(x):
             super()._fold_dare(x)
