@@ -1093,6 +1093,16 @@ def chunk_span(n: int, c: int, t: int) -> tuple[int, int]:
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
+def widen_into_par(out: np.ndarray, raw: np.ndarray) -> None:
+    """`widen_into` in chunks."""
+    n = raw.shape[0]
+    c = n_chunks(n, PAR_CHUNK)
+    for t in numba.prange(c):
+        s, e = chunk_span(n, c, t)
+        widen_into(out[s:e], raw[s:e])
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
 def random_keep_par(keep: np.ndarray, b: np.ndarray, x: np.ndarray, u: np.ndarray, p: np.ndarray, p_step: int,
                     l1: bool, acc_kept: np.ndarray, acc_dropped: np.ndarray) -> None:
     """`random_keep` in chunks; each chunk's exact sums in its own accumulators, added into the callers' (exact

@@ -20,6 +20,7 @@ in place, the others as float32 Δ_k; the row and column modes use `gram` (numpy
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,6 +39,9 @@ __all__ = [
     "Slerp",
     "gram",
     "karcher_coefficients",
+    "karcher_float32",
+    "karcher_mean",
+    "karcher_unit",
     "model_stock_coefficients",
     "multislerp_coefficients",
     "nuslerp_coefficients",
@@ -603,93 +607,174 @@ class Karcher(GramFold):
         return self._finish_read()
 
     def _finish_read(self) -> np.ndarray:
-        """Full read: the iteration on the tensors themselves in float32 (`karcher_float32`): near the base the
+        """Full read: the iteration on the tensors themselves in float32 (`karcher_mean`): near the base the
         angles are ~1e-4 and float32 rounding of ``cos θ`` moves them by ~1e-4 relative, which MergeKit's
         result carries; the Gram form (`karcher_coefficients`, exact in float64) differs from it by that much."""
         base = self._base
         assert base is not None
-        thetas = [base if t is None else t for t in self._thetas] + [base]  # MergeKit's order: the base last
-        owned = [t is not None for t in self._thetas] + [False]  # our copies become their unit vectors
-        return karcher_float32(thetas, int(self.options["max_iter"]), float(self.options["tol"]), owned)
+        tol = float(self.options["tol"])
+        for k, theta in enumerate(self._thetas):  # the inputs whose units `_add` left for here
+            if theta is not None and self._units[k] is None:
+                self._units[k] = karcher_unit(theta, theta, tol)
+        base_unit = self._base_unit()
+        pairs = [base_unit if u is None else u for u in self._units] + [base_unit]  # MergeKit's order: base last
+        out = karcher_mean([u for _, u in pairs], [nrm for nrm, _ in pairs], base.size,
+                           int(self.options["max_iter"]), tol, self.scratch)
+        return out.reshape(base.shape)
+
+    def _base_unit(self) -> tuple[Any, np.ndarray | None]:
+        """θ₀'s norm and unit vector (in a buffer of this operator's; θ₀ itself is not written), once a tensor."""
+        if self._base_nu is None:
+            assert self._bflat is not None
+            out = self.scratch("karcher_base", self._bflat.size)
+            self._base_nu = karcher_unit(self._bflat, out, float(self.options["tol"]))
+        return self._base_nu
 
     def _begin(self) -> None:
         super()._begin()
+        #: per input, its θ_k (a buffer of this operator's) or None (θ_k = θ₀), and its (norm, unit) or None
+        #: (θ₀'s, or left for `_finish_read`)
         self._thetas: list[np.ndarray | None] = []
+        self._units: list[tuple[Any, np.ndarray | None] | None] = []
+        self._base_nu: tuple[Any, np.ndarray | None] | None = None
+        self._eager = not self._has_planned()
+        if self._eager:  # θ₀'s unit while the experts are read
+            self._base_unit()
+
+    def _has_planned(self) -> bool:
+        return bool(self._planned_coefficients) and self._ctx is not None and \
+            self._ctx.name in self._planned_coefficients
 
     def _add(self, x: ExpertInput) -> None:
-        if self._planned_coefficients and self._ctx is not None and self._ctx.name in self._planned_coefficients:
+        if not self._eager:
             super()._add(x)  # Δ_k, for the planned coefficients if some expert is read in part
         else:
             self._full.append(bool(x.full))
-        self._thetas.append(np.array(x.theta, dtype=np.float32, copy=True) if x.selected_blocks else None)
+        theta = self._theta_copy(x, len(self._thetas)) if x.selected_blocks else None
+        self._thetas.append(theta)
+        # each unit vector as its expert arrives, while the next is read (the planned path may not need it)
+        self._units.append(karcher_unit(theta, theta, float(self.options["tol"]))
+                           if theta is not None and self._eager else None)
+
+    def _theta_copy(self, x: ExpertInput, k: int) -> np.ndarray:
+        """θ_k (flat float32) in this operator's reused buffer for input k: widened from the stored values in
+        one pass on numba's threads when every block was read, else copied from the input's θ_k."""
+        from mergepipe_db.kernels.merge import widen_into_par
+
+        assert self._ctx is not None and self._bflat is not None
+        out = self.scratch(f"karcher{k}", self._bflat.size)
+        src = x.stored_flat()
+        if src is not None and len(x.selected_blocks) == self._ctx.n_blocks:
+            widen_into_par(out, src)
+        else:
+            theta = x.theta
+            assert theta is not None
+            np.copyto(out, theta.reshape(-1), casting="same_kind")
+        return out
 
     def _end(self) -> None:
         super()._end()
-        self._thetas = []
+        self._thetas, self._units, self._base_nu = [], [], None
+
+
+def karcher_unit(t: np.ndarray, out: np.ndarray, tol: float) -> tuple[Any, np.ndarray | None]:
+    """``(‖t‖, t / ‖t‖)`` of flat float32 `t` (the norm a 0-d torch tensor, torch's; the division into `out`,
+    which may be `t`), or ``(‖t‖, None)`` when ‖t‖ <= tol: karcher leaves such an input out (`out` unwritten)."""
+    import torch
+
+    from mergepipe_db.kernels.karcher import divide
+
+    nrm = torch.linalg.vector_norm(torch.from_numpy(t))
+    if not float(nrm) > tol:
+        return nrm, None
+    divide(out, t, np.float32(nrm.item()))
+    return nrm, out
 
 
 def karcher_float32(tensors: list[np.ndarray], max_iter: int, tol: float,
                     owned: Sequence[bool] | None = None) -> np.ndarray:
     """The weighted (1/N) Karcher mean of float32 tensors on the hypersphere, every step a float32 operation of
-    torch's, as docs/SEMANTICS.md writes it: the norms and dots by torch, the element-wise steps (the start and
-    the tangent, sums in input order; the step along the tangent) by fused kernels doing the same float32 operations in
-    the same order (`kernels.karcher`), so the result is torch's bit for bit.
+    torch's, as docs/SEMANTICS.md writes it (`karcher_unit` for each input, then `karcher_mean`), so the result
+    is torch's bit for bit.
 
     ``owned[i]``: ``tensors[i]`` (float32, contiguous) may be overwritten, with its unit vector; the others are
     not written. An array given more than once is divided once."""
+    n = len(tensors)
+    flats = [np.ascontiguousarray(t, dtype=np.float32).reshape(-1) for t in tensors]
+    done: dict[int, tuple[Any, np.ndarray | None]] = {}  # by id of the input array: its (norm, unit)
+    pairs = []
+    for i in range(n):
+        if id(tensors[i]) not in done:
+            writable = owned is not None and all(owned[j] for j in range(n) if tensors[j] is tensors[i])
+            in_place = writable or not np.may_share_memory(flats[i], tensors[i])  # else flats[i] is our copy
+            done[id(tensors[i])] = karcher_unit(flats[i], flats[i] if in_place else np.empty_like(flats[i]), tol)
+        pairs.append(done[id(tensors[i])])
+    out = karcher_mean([u for _, u in pairs], [nrm for nrm, _ in pairs], flats[0].size, max_iter, tol)
+    return out.reshape(np.shape(tensors[0]))
+
+
+def karcher_mean(units: list[np.ndarray | None], norms: list[Any], size: int, max_iter: int, tol: float,
+                 buffer: Any = None) -> np.ndarray:
+    """karcher's loop (`_karcher_loop`), its dots on one thread (`_dots`); the caller's torch thread count is
+    restored after."""
     import torch
 
-    from mergepipe_db.kernels.karcher import karcher_step, karcher_tangent
+    prev = torch.get_num_threads()
+    try:
+        return _karcher_loop(units, norms, size, max_iter, tol, buffer)
+    finally:
+        torch.set_num_threads(prev)
+
+
+def _karcher_loop(units: list[np.ndarray | None], norms: list[Any], size: int, max_iter: int, tol: float,
+                  buffer: Any = None) -> np.ndarray:
+    """karcher's loop from its N inputs' unit vectors (flat float32 of `size` elements; None for an input left
+    out, its norm <= tol; every input left out gives zeros) and norms (0-d float32 torch tensors,
+    `karcher_unit`), weights 1/N: the start at the normalized mean, up to `max_iter` tangent steps, the mean
+    norm's rescale. The dots (on one thread) and norms are torch's; the element-wise steps fused kernels doing the
+    same float32 operations in the same order (`kernels.karcher`). The result is flat, in
+    ``buffer("karcher_mean", size)`` when `buffer` is given (as `MergeOperator.scratch`), which also gives the
+    tangent's."""
+    import torch
+
+    from mergepipe_db.kernels.karcher import divide, karcher_step, karcher_tangent, scale
     from mergepipe_db.kernels.merge import pack
 
-    shape = np.shape(tensors[0])
-    flats = [np.ascontiguousarray(t, dtype=np.float32).reshape(-1) for t in tensors]
-    ts = [torch.from_numpy(f) for f in flats]
-    n = len(ts)
+    get = buffer if buffer is not None else (lambda _name, m: np.empty(m, np.float32))
+    n = len(units)
     alphas = [1.0 / n] * n
-    norms = [torch.linalg.vector_norm(t) for t in ts]
-    valid = [i for i in range(n) if float(norms[i]) > tol]
+    valid = [i for i in range(n) if units[i] is not None]
     if not valid:
-        return np.zeros_like(tensors[0])
-    units: dict[int, np.ndarray] = {}  # by id of the input array: its unit vector t / ‖t‖
-    for i in valid:
-        if id(tensors[i]) in units:
-            continue
-        writable = owned is not None and all(owned[j] for j in range(n) if tensors[j] is tensors[i])
-        in_place = writable or not np.may_share_memory(flats[i], tensors[i])  # else flats[i] is our copy
-        out = ts[i] if in_place else torch.empty_like(ts[i])
-        torch.div(ts[i], norms[i], out=out)
-        units[id(tensors[i])] = out.numpy()
-    del ts, flats
+        out = get("karcher_mean", size)
+        out[:] = 0.0
+        return out
     total = sum(alphas[i] for i in valid)
     na = [alphas[i] / total for i in valid]
-    vu = pack([units[id(tensors[i])] for i in valid])
+    vu = pack([units[i] for i in valid])  # type: ignore[misc]
     count = len(valid)
     vt = [torch.from_numpy(u) for u in vu[:count]]
-    mean_np = np.empty(vu[0].shape[0], np.float32)
-    tangent_np = np.zeros_like(mean_np)
+    mean_np, tangent_np = get("karcher_mean", size), get("karcher_tangent", size)
     picks = np.arange(count, dtype=np.int64)  # then: the inputs whose angle to the mean is at least tol, in order
     dots = np.zeros(count, np.float32)
-    # the start, Σ a·u from +0.0, is the tangent sum with dots 0 at a +0.0 mean (u − 0·0 is u exactly)
-    karcher_tangent(mean_np, tangent_np, vu, picks, dots, np.array(na, np.float32), count)
+    karcher_tangent(mean_np, mean_np, vu, picks, dots, np.array(na, np.float32), count, False)  # Σ a·u from +0.0
     mean = torch.from_numpy(mean_np)
     mn = torch.linalg.vector_norm(mean)
     if float(mn) < tol:
-        mean.copy_(torch.from_numpy(vu[0]))
+        np.copyto(mean_np, vu[0])
     else:
-        torch.div(mean, mn, out=mean)
+        divide(mean_np, mean_np, np.float32(mn.item()))
     tangent = torch.from_numpy(tangent_np)
     coefs = np.empty(count, np.float32)
     for _ in range(max_iter):
         terms = 0
-        for j, a in enumerate(na):
-            dot = torch.clamp(torch.dot(mean, vt[j]), -1.0, 1.0)
+        for j, (a, raw_dot) in enumerate(zip(na, _dots(mean, vt))):
+            dot = torch.clamp(raw_dot, -1.0, 1.0)
             th = torch.arccos(dot)
             if float(th) < tol:
                 continue
             picks[terms], dots[terms], coefs[terms] = j, dot.item(), (a * (th / torch.sin(th))).item()
             terms += 1
-        karcher_tangent(tangent_np, mean_np, vu, picks, dots, coefs, terms)
+        karcher_tangent(tangent_np, mean_np, vu, picks, dots, coefs, terms, True)
         tn = torch.linalg.vector_norm(tangent)
         if float(tn) < tol:
             break
@@ -697,7 +782,42 @@ def karcher_float32(tensors: list[np.ndarray], max_iter: int, tol: float,
                      np.float32(tn.item()))
         un = torch.linalg.vector_norm(mean)
         if float(un) > tol:
-            torch.div(mean, un, out=mean)
-    scale = sum(a * nm for a, nm in zip(alphas, norms))
-    mean.mul_(scale)
-    return mean_np.reshape(shape)
+            divide(mean_np, mean_np, np.float32(un.item()))
+    factor = sum(a * nm for a, nm in zip(alphas, norms))  # a 0-d float32 tensor, in input order
+    scale(mean_np, np.float32(factor.item()))
+    return mean_np
+
+
+_DOT_POOL_FROM = 1 << 20  # elements from which the dots run on the pool (below, a thread hand-off costs more)
+_dot_pools: list[Any] = []
+
+
+def _one_thread(torch: Any) -> None:
+    """Torch on one thread for karcher's dots, their definition (MergeKit's loop on one thread: ``torch.dot``
+    goes to MKL, whose sum order depends on the thread count; torch's own norms do not). numba's OpenMP
+    kernels set the calling thread's OpenMP thread count, which torch reads, to numba's, so this runs just
+    before the dots."""
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _dots(mean: Any, vt: list[Any]) -> list[Any]:
+    """``[torch.dot(mean, u) for u in vt]`` with torch on one thread: for long vectors on a pool of
+    single-threaded torch workers, two or more at once (memory-bound, they gain from a second core), the same
+    bits; else in the calling thread."""
+    import torch
+
+    if len(vt) < 2 or mean.numel() < _DOT_POOL_FROM:
+        _one_thread(torch)
+        return [torch.dot(mean, u) for u in vt]
+    if not _dot_pools:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _dot_pools.append(ThreadPoolExecutor(max_workers=max(2, min(_cores(), 4)),
+                                             thread_name_prefix="mergepipe-dots",
+                                             initializer=torch.set_num_threads, initargs=(1,)))
+    return list(_dot_pools[0].map(lambda u: torch.dot(mean, u), vt))

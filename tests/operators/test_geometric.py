@@ -113,9 +113,18 @@ def ref_karcher(tensors, max_iter=10, tol=1e-5):
 
 
 def torch_karcher_float32(tensors, max_iter, tol):
-    """karcher's full-read loop as plain float32 torch operations (each step allocating its result), the
-    definition `karcher_float32` must equal bit for bit: inputs with norm <= tol left out, angles < tol
-    skipped, the base given last by the operator."""
+    """karcher's full-read loop as plain float32 torch operations on one thread (each step allocating its
+    result), the definition `karcher_float32` must equal bit for bit: inputs with norm <= tol left out, angles
+    < tol skipped, the base given last by the operator."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _torch_karcher_loop(tensors, max_iter, tol)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _torch_karcher_loop(tensors, max_iter, tol):
     ts = [torch.from_numpy(np.ascontiguousarray(t, dtype=np.float32)) for t in tensors]
     n = len(ts)
     alphas = [1.0 / n] * n
@@ -246,6 +255,34 @@ def test_karcher_full_read_is_the_torch_loop_bit_for_bit(k) -> None:
         got = karcher_float32(owned, mi, tol, [True] * k + [False])
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
         assert np.array_equal(xs[-1], keep[-1])
+
+
+def test_karcher_full_read_in_chunks_bit_for_bit() -> None:
+    """Tensors long enough that the element-wise kernels run in several chunks on numba's threads (the last one
+    ragged), nine inputs (a pass of eight and one of one), several iterations: the torch loop's bits."""
+    xs = _karcher_inputs(3 * (1 << 17) + 4097, 8, 5, [1e-3, 0.2])
+    want = torch_karcher_float32(xs, 10, 1e-7)
+    got = karcher_float32(xs, 10, 1e-7)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_karcher_full_read_is_the_one_thread_loop() -> None:
+    """karcher's reductions are torch's on one thread (MergeKit's loop on one thread), whatever the caller's
+    torch thread count, which is restored after: on long vectors, where a norm's or a dot's sum order depends on
+    the thread count (MKL's dots; inputs far apart, so the dots are away from 1 and their roundings show), the result is
+    the one-thread torch loop's bits. Long vectors' dots run on a pool of single-threaded workers; short ones
+    in the calling thread, after numba's kernels have reset its OpenMP thread count, which torch reads."""
+    threads = torch.get_num_threads()
+    for n in (1 << 15, (1 << 21) + 4097):  # dots in the calling thread, and on the pool
+        xs = _karcher_inputs(n, 8, 11, [1.0, 3.0])
+        want = torch_karcher_float32(xs, 10, 1e-7)
+        try:
+            torch.set_num_threads(2)
+            got = karcher_float32(xs, 10, 1e-7)
+            assert torch.get_num_threads() == 2
+        finally:
+            torch.set_num_threads(threads)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), n
 
 
 def test_karcher_full_read_edge_cases_bit_for_bit() -> None:
