@@ -73,12 +73,13 @@ def _fill(X: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], vecs: t
             s = t0
             while s < t0 + m:
                 e = min(bounds[blk + 1], t0 + m)
+                x = xk[s - t0:e - t0]  # zero-based slices, so that the loops vectorize
                 if sel[blk]:
-                    for i in range(s, e):
-                        xk[i - t0] = np.float64(widen(r[i]) - base[i])
+                    rs, bs = r[s:e], base[s:e]
+                    for i in range(e - s):
+                        x[i] = np.float64(widen(rs[i]) - bs[i])
                 else:
-                    for i in range(s, e):
-                        xk[i - t0] = 0.0
+                    x[:] = 0.0
                 s = e
                 blk += 1
 
@@ -144,19 +145,23 @@ def _combine_span(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...
                   kinds: np.ndarray, sources: np.ndarray, selected: np.ndarray, bounds: np.ndarray, a0: np.float32,
                   a0_one: bool, c: np.ndarray, s: int, e: int) -> None:
     zero = np.float32(0.0)
-    for i in range(s, e):
-        out[i] = base[i] if a0_one else base[i] * a0
+    o, b = out[s:e], base[s:e]  # zero-based slices, so that the loops vectorize
+    if a0_one:
+        o[:] = b
+    else:
+        for i in range(o.shape[0]):
+            o[i] = b[i] * a0
     for k in range(kinds.shape[0]):
         ck = c[k]
         kind = kinds[k]
         if kind == FROM_VEC:
-            v = vecs[sources[k]]
-            for i in range(s, e):
-                out[i] = out[i] + v[i] * ck
+            v = vecs[sources[k]][s:e]
+            for i in range(o.shape[0]):
+                o[i] = o[i] + v[i] * ck
         elif kind == FROM_THETA:
-            r = raws[sources[k]]
-            for i in range(s, e):
-                out[i] = out[i] + widen(r[i]) * ck
+            r = raws[sources[k]][s:e]
+            for i in range(o.shape[0]):
+                o[i] = o[i] + widen(r[i]) * ck
         else:
             r = raws[sources[k]]
             sel = selected[sources[k]]
@@ -164,12 +169,14 @@ def _combine_span(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...
             q = s
             while q < e:
                 qe = min(bounds[blk + 1], e)
+                ob = out[q:qe]
                 if sel[blk]:
-                    for i in range(q, qe):
-                        out[i] = out[i] + (widen(r[i]) - base[i]) * ck
+                    rb, bb = r[q:qe], base[q:qe]
+                    for i in range(qe - q):
+                        ob[i] = ob[i] + (widen(rb[i]) - bb[i]) * ck
                 else:
-                    for i in range(q, qe):
-                        out[i] = out[i] + zero * ck
+                    for i in range(qe - q):
+                        ob[i] = ob[i] + zero * ck
                 q = qe
                 blk += 1
 
