@@ -24,21 +24,20 @@ _INF = np.uint32(0x7F800000)
 
 
 @numba.njit(cache=True, nogil=True)
-def _column(out: np.ndarray, b: np.ndarray, x: np.ndarray, first: int, n: int, C: int, table: np.ndarray,
+def _column(out: np.ndarray, b: np.ndarray, x: np.ndarray, n: int, table: np.ndarray,
             keys: np.ndarray, idx: np.ndarray, keys2: np.ndarray, idx2: np.ndarray, count: np.ndarray) -> None:
-    """out[e] = table[rank of |Δ_e|] for the n elements e = first + j·C of one column, Δ = widen(x) − b, rank
-    the position in the stable ascending order of the keys. Zero keys (Δ = ±0, often most of a column of a
+    """out[j] = table[rank of |Δ_j|] for the n elements of one column (views of it, strided where it is), Δ =
+    widen(x) − b, rank the position in the stable ascending order of the keys. Zero keys (Δ = ±0, often most of a column of a
     BF16 fine-tune) come first in index order, so their ranks are counted as they are met; only the others
     are sorted, packed in index order (the work arrays hold n each; `count` 4 × 256: the four bytes'
     histograms, counted in one pass, which a permutation leaves as they are)."""
     zeros = 0
     m = 0
     for j in range(n):  # branch-free: every key is written, the packed count moves on past the nonzero ones
-        e = first + j * C
-        bits = f32_to_bits(widen(x[e]) - b[e]) & _ABS
+        bits = f32_to_bits(widen(x[j]) - b[j]) & _ABS
         k = _NAN_KEY if bits > _INF else bits
         nonzero = np.int64(k != np.uint32(0))
-        out[e] = table[zeros]  # a nonzero key's is written again below
+        out[j] = table[zeros]  # a nonzero key's is written again below
         keys[m] = k
         idx[m] = j
         m += nonzero
@@ -72,7 +71,7 @@ def _column(out: np.ndarray, b: np.ndarray, x: np.ndarray, first: int, n: int, C
             c[v] = o + 1
         src_k, src_i, dst_k, dst_i = dst_k, dst_i, src_k, src_i
     for pos in range(m):
-        out[first + src_i[pos] * C] = table[zeros + pos]
+        out[src_i[pos]] = table[zeros + pos]
 
 
 @numba.njit(cache=True, nogil=True)
@@ -103,7 +102,14 @@ def _probabilities(out: np.ndarray, b: np.ndarray, x: np.ndarray, R: int, n: int
         idx2 = np.empty(n, np.int32)
         count = np.empty((4, 256), np.int32)
         for col in range(columns * t // chunks, columns * (t + 1) // chunks):
-            _column(out, b, x, (col // C) * n * C + col % C, n, C, table, keys, idx, keys2, idx2, count)
+            first = (col // C) * n * C + col % C
+            if C == 1:  # views from index 0 (numba wraps an index that may be negative, element by element)
+                _column(out[first:first + n], b[first:first + n], x[first:first + n], n, table, keys, idx, keys2,
+                        idx2, count)
+            else:
+                last = first + (n - 1) * C + 1
+                _column(out[first:last:C], b[first:last:C], x[first:last:C], n, table, keys, idx, keys2, idx2,
+                        count)
 
 
 def della_probabilities(base: np.ndarray, raw: np.ndarray, shape: tuple[int, ...], rows: int, d: float, eps: float
