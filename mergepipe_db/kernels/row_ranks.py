@@ -31,17 +31,20 @@ def _column(out: np.ndarray, b: np.ndarray, x: np.ndarray, n: int, table: np.nda
     BF16 fine-tune) come first in index order, so their ranks are counted as they are met; only the others
     are sorted, packed in index order (the work arrays hold n each; `count` 4 × 256: the four bytes'
     histograms, counted in one pass, which a permutation leaves as they are)."""
-    zeros = 0
-    m = 0
+    # unsigned counts: numba wraps a signed index that may be negative, a compare and a select per access
+    zeros_u = np.uint64(0)
+    m_u = np.uint64(0)
+    one = np.uint64(1)
     for j in range(n):  # branch-free: every key is written, the packed count moves on past the nonzero ones
         bits = f32_to_bits(widen(x[j]) - b[j]) & _ABS
         k = _NAN_KEY if bits > _INF else bits
-        nonzero = np.int64(k != np.uint32(0))
-        out[j] = table[zeros]  # a nonzero key's is written again below
-        keys[m] = k
-        idx[m] = j
-        m += nonzero
-        zeros += 1 - nonzero
+        nonzero = np.uint64(k != np.uint32(0))
+        out[j] = table[zeros_u]  # a nonzero key's is written again below
+        keys[m_u] = k
+        idx[m_u] = j
+        m_u += nonzero
+        zeros_u += one - nonzero
+    zeros, m = np.int64(zeros_u), np.int64(m_u)
     if m == 0:
         return
     count[:] = 0
