@@ -16,7 +16,7 @@ import numpy as np
 
 from mergepipe_db.kernels.merge import PAR_CHUNK, chunk_span, n_chunks
 
-__all__ = ["divide", "karcher_step", "karcher_tangent", "scale"]
+__all__ = ["divide", "divide_in_place", "karcher_step", "karcher_tangent", "scale"]
 
 _TILE = 4096  # elements of the tangent sum kept in L1 while every group of inputs adds to them
 
@@ -126,7 +126,7 @@ def karcher_step(mean: np.ndarray, tangent: np.ndarray, cos_tn: np.float32, sin_
 
 @numba.njit(cache=True, nogil=True, parallel=True)
 def divide(out: np.ndarray, x: np.ndarray, d: np.float32) -> None:
-    """out = x / d (float32; `out` may be `x`): torch's ``torch.div(x, d)`` with 0-d float32 ``d``."""
+    """out = x / d (float32; `out` and `x` do not overlap): torch's ``torch.div(x, d)`` with 0-d float32 ``d``."""
     n = x.shape[0]
     c = n_chunks(n, PAR_CHUNK)
     for t in numba.prange(c):
@@ -134,6 +134,19 @@ def divide(out: np.ndarray, x: np.ndarray, d: np.float32) -> None:
         o, v = out[s:e], x[s:e]
         for i in range(v.shape[0]):
             o[i] = v[i] / d
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def divide_in_place(x: np.ndarray, d: np.float32) -> None:
+    """x = x / d in place (float32): `divide` with ``out`` = ``x`` (one array: with two that overlap, LLVM's
+    run-time alias check falls back to its scalar loop)."""
+    n = x.shape[0]
+    c = n_chunks(n, PAR_CHUNK)
+    for t in numba.prange(c):
+        s, e = chunk_span(n, c, t)
+        v = x[s:e]
+        for i in range(v.shape[0]):
+            v[i] = v[i] / d
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)

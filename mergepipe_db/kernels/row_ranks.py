@@ -26,11 +26,11 @@ _INF = np.uint32(0x7F800000)
 @numba.njit(cache=True, nogil=True)
 def _column(out: np.ndarray, b: np.ndarray, x: np.ndarray, n: int, table: np.ndarray,
             keys: np.ndarray, idx: np.ndarray, keys2: np.ndarray, idx2: np.ndarray, count: np.ndarray) -> None:
-    """out[j] = table[rank of |Δ_j|] for the n elements of one column (views of it, strided where it is), Δ =
-    widen(x) − b, rank the position in the stable ascending order of the keys. Zero keys (Δ = ±0, often most of a column of a
-    BF16 fine-tune) come first in index order, so their ranks are counted as they are met; only the others
-    are sorted, packed in index order (the work arrays hold n each; `count` 4 × 256: the four bytes'
-    histograms, counted in one pass, which a permutation leaves as they are)."""
+    """out[j] = table[rank of |Δ_j|] for the n elements of one column (views of it, strided where it is),
+    Δ = widen(x) − b, rank the position in the stable ascending order of the keys. Zero keys (Δ = ±0, often
+    most of a column of a BF16 fine-tune) come first in index order, so their ranks are counted as they are
+    met; only the others are sorted, packed in index order (the work arrays hold n each; `count` 4 × 256: the
+    four bytes' histograms, counted in one pass, which a permutation leaves as they are)."""
     # unsigned counts: numba wraps a signed index that may be negative, a compare and a select per access
     zeros_u = np.uint64(0)
     m_u = np.uint64(0)
