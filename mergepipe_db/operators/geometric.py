@@ -792,7 +792,7 @@ def _karcher_loop(units: list[np.ndarray | None], norms: list[Any], size: int, m
 
 
 _DOT_POOL_FROM = 1 << 20  # elements from which the dots run on the pool (below, a thread hand-off costs more)
-_dot_pools: list[Any] = []
+_dot_pools: list[Any] = []  # one, made on first use
 
 
 def _one_thread(torch: Any) -> None:

@@ -151,7 +151,7 @@ def _arcee_torch(base: np.ndarray, theta: np.ndarray, seed: int, name: str) -> n
 
 @pytest.mark.parametrize("shape,plant", [((300, 64), None), ((40,), None), ((3, 4, 50), None),
                                          ((200, 64), "equal rows"), ((200, 64), "nan"),
-                                         ((2100, 512), "equal rows")])
+                                         ((2100, 512), "equal rows"), ((2100, 512), "nan")])
 def test_arcee_fusion_gives_the_torch_formulaf32_bits(shape, plant) -> None:
     torch.set_num_threads(1)
     g = np.random.default_rng(3)
