@@ -107,27 +107,21 @@ def ram_combine(out: np.ndarray, base: np.ndarray, deltas: np.ndarray, eps: np.f
             o[t] = b[t] + acc[t]
 
 
-@numba.njit(cache=True, nogil=True, parallel=True)
+@numba.njit(cache=True, nogil=True)
 def fusion_importance(out: np.ndarray, theta0: np.ndarray, theta1: np.ndarray, kl: np.ndarray) -> bool:
     """out = |θ_1 − θ₀| · kl[row] (flat, rows of ``len(out) // len(kl)`` elements); False when some value is
-    NaN. Rows in chunks on numba's threads (element-wise: the bits do not depend on how many)."""
-    rows = kl.shape[0]
-    rn = out.shape[0] // rows
-    c = n_chunks(out.shape[0], PAR_CHUNK)
-    c = max(1, min(c, rows))
-    ok = np.ones(c, np.bool_)
-    for t in numba.prange(c):
-        for r in range(rows * t // c, rows * (t + 1) // c):
-            s = r * rn
-            o, a, b = out[s:s + rn], theta0[s:s + rn], theta1[s:s + rn]
-            w = kl[r]
-            good = True
-            for i in range(rn):
-                v = abs(b[i] - a[i]) * w
-                o[i] = v
-                good &= v == v
-            ok[t] &= good
-    return bool(ok.all())
+    NaN."""
+    rn = out.shape[0] // kl.shape[0]
+    ok = True
+    for r in range(kl.shape[0]):
+        s = r * rn
+        o, a, b = out[s:s + rn], theta0[s:s + rn], theta1[s:s + rn]
+        w = kl[r]
+        for i in range(rn):
+            v = abs(b[i] - a[i]) * w
+            o[i] = v
+            ok &= v == v
+    return ok
 
 
 @numba.njit(inline="always")
@@ -195,19 +189,14 @@ def kth_smallest(a: np.ndarray, ks: np.ndarray, out: np.ndarray) -> None:
         out[j] = _from_order_key((prefixes[which[j]] << sixteen) | np.uint32(lo))
 
 
-@numba.njit(cache=True, nogil=True, parallel=True)
+@numba.njit(cache=True, nogil=True)
 def fusion_apply(out: np.ndarray, theta0: np.ndarray, theta1: np.ndarray, importance: np.ndarray,
                  threshold: np.float32) -> None:
-    """out = θ₀ + (θ_1 − θ₀) · float32(importance >= threshold), in chunks on numba's threads."""
+    """out = θ₀ + (θ_1 − θ₀) · float32(importance >= threshold)."""
     zero = np.float32(0.0)
     one = np.float32(1.0)
-    n = out.shape[0]
-    c = n_chunks(n, PAR_CHUNK)
-    for t in numba.prange(c):
-        s, e = chunk_span(n, c, t)
-        o, a, b, m = out[s:e], theta0[s:e], theta1[s:e], importance[s:e]
-        for i in range(o.shape[0]):
-            o[i] = a[i] + (b[i] - a[i]) * (one if m[i] >= threshold else zero)
+    for i in range(out.shape[0]):
+        out[i] = theta0[i] + (theta1[i] - theta0[i]) * (one if importance[i] >= threshold else zero)
 
 
 # -- nearswap (`operators/nearswap.py`) ---------------------------------------------------------------------------
