@@ -16,7 +16,7 @@ import numpy as np
 
 from mergepipe_db.kernels.merge import PAR_CHUNK, chunk_span, n_chunks
 
-__all__ = ["divide", "divide_in_place", "karcher_step", "karcher_tangent", "scale"]
+__all__ = ["divide", "in_place", "karcher_step", "karcher_tangent"]
 
 _TILE = 4096  # elements of the tangent sum kept in L1 while every group of inputs adds to them
 
@@ -137,25 +137,17 @@ def divide(out: np.ndarray, x: np.ndarray, d: np.float32) -> None:
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
-def divide_in_place(x: np.ndarray, d: np.float32) -> None:
-    """x = x / d in place (float32): `divide` with ``out`` = ``x`` (one array: with two that overlap, LLVM's
-    run-time alias check falls back to its scalar loop)."""
+def in_place(x: np.ndarray, f: np.float32, divide: bool) -> None:
+    """x = x / f (`divide`: torch's ``x.div_(f)``) or x = x·f (``x.mul_(f)``) in place, float32, ``f`` a 0-d
+    float32 (one array: where `divide`'s two overlap, LLVM's run-time alias check takes its scalar loop)."""
     n = x.shape[0]
     c = n_chunks(n, PAR_CHUNK)
     for t in numba.prange(c):
         s, e = chunk_span(n, c, t)
         v = x[s:e]
-        for i in range(v.shape[0]):
-            v[i] = v[i] / d
-
-
-@numba.njit(cache=True, nogil=True, parallel=True)
-def scale(x: np.ndarray, f: np.float32) -> None:
-    """x = x·f in place (float32): torch's ``x.mul_(f)`` with 0-d float32 ``f``."""
-    n = x.shape[0]
-    c = n_chunks(n, PAR_CHUNK)
-    for t in numba.prange(c):
-        s, e = chunk_span(n, c, t)
-        v = x[s:e]
-        for i in range(v.shape[0]):
-            v[i] = v[i] * f
+        if divide:
+            for i in range(v.shape[0]):
+                v[i] = v[i] / f
+        else:
+            for i in range(v.shape[0]):
+                v[i] = v[i] * f

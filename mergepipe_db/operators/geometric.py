@@ -682,13 +682,13 @@ def karcher_unit(t: np.ndarray, out: np.ndarray, tol: float) -> tuple[Any, np.nd
     which may be `t`), or ``(‖t‖, None)`` when ‖t‖ <= tol: karcher leaves such an input out (`out` unwritten)."""
     import torch
 
-    from mergepipe_db.kernels.karcher import divide, divide_in_place
+    from mergepipe_db.kernels.karcher import divide, in_place
 
     nrm = torch.linalg.vector_norm(torch.from_numpy(t))
     if not float(nrm) > tol:
         return nrm, None
     if out is t:
-        divide_in_place(t, np.float32(nrm.item()))
+        in_place(t, np.float32(nrm.item()), True)
     else:
         divide(out, t, np.float32(nrm.item()))
     return nrm, out
@@ -740,7 +740,7 @@ def _karcher_loop(units: list[np.ndarray | None], norms: list[Any], size: int, m
     tangent's."""
     import torch
 
-    from mergepipe_db.kernels.karcher import divide_in_place, karcher_step, karcher_tangent, scale
+    from mergepipe_db.kernels.karcher import in_place, karcher_step, karcher_tangent
     from mergepipe_db.kernels.merge import pack
 
     get = buffer if buffer is not None else (lambda _name, m: np.empty(m, np.float32))
@@ -765,7 +765,7 @@ def _karcher_loop(units: list[np.ndarray | None], norms: list[Any], size: int, m
     if float(mn) < tol:
         np.copyto(mean_np, vu[0])
     else:
-        divide_in_place(mean_np, np.float32(mn.item()))
+        in_place(mean_np, np.float32(mn.item()), True)
     tangent = torch.from_numpy(tangent_np)
     coefs = np.empty(count, np.float32)
     for _ in range(max_iter):
@@ -785,9 +785,9 @@ def _karcher_loop(units: list[np.ndarray | None], norms: list[Any], size: int, m
                      np.float32(tn.item()))
         un = torch.linalg.vector_norm(mean)
         if float(un) > tol:
-            divide_in_place(mean_np, np.float32(un.item()))
+            in_place(mean_np, np.float32(un.item()), True)
     factor = sum(a * nm for a, nm in zip(alphas, norms))  # a 0-d float32 tensor, in input order
-    scale(mean_np, np.float32(factor.item()))
+    in_place(mean_np, np.float32(factor.item()), False)
     return mean_np
 
 
