@@ -105,14 +105,10 @@ def _probabilities(out: np.ndarray, b: np.ndarray, x: np.ndarray, R: int, n: int
         idx2 = np.empty(n, np.int32)
         count = np.empty((4, 256), np.int32)
         for col in range(columns * t // chunks, columns * (t + 1) // chunks):
+            # the column as views from index 0 (numba wraps an index that may be negative, element by element)
             first = (col // C) * n * C + col % C
-            if C == 1:  # views from index 0 (numba wraps an index that may be negative, element by element)
-                _column(out[first:first + n], b[first:first + n], x[first:first + n], n, table, keys, idx, keys2,
-                        idx2, count)
-            else:
-                last = first + (n - 1) * C + 1
-                _column(out[first:last:C], b[first:last:C], x[first:last:C], n, table, keys, idx, keys2, idx2,
-                        count)
+            last = first + (n - 1) * C + 1
+            _column(out[first:last:C], b[first:last:C], x[first:last:C], n, table, keys, idx, keys2, idx2, count)
 
 
 def della_probabilities(base: np.ndarray, raw: np.ndarray, shape: tuple[int, ...], rows: int, d: float, eps: float

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import math
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -39,6 +40,7 @@ __all__ = [
     "all_finite",
     "block_bounds",
     "chunks",
+    "cores",
     "kernels",
     "live_ranges",
 ]
@@ -99,6 +101,12 @@ class TensorContext:
         if block < 0 or start >= n:
             raise ValueError(f"tensor {self.name!r}: block {block} out of range ({self.n_blocks} blocks)")
         return start, min(n, start + self.rows_per_block)
+
+
+def cores() -> int:
+    """The cores this process may run on (all of them where the OS cannot say)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
 
 
 def live_ranges(bounds: np.ndarray, skip: np.ndarray | None) -> list[tuple[int, int]]:

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from mergepipe_db.errors import MethodParameterError
+from mergepipe_db.operators.base import cores
 from mergepipe_db.operators.gather import GatherFold, gather_kernels
 from mergepipe_db.operators.registry import register
 
@@ -43,7 +43,7 @@ def row_slices(rows: int, width: int, parts: int) -> list[tuple[int, int]]:
 
 def _thread_pool() -> ThreadPoolExecutor:
     if not _pools:
-        _pools.append(ThreadPoolExecutor(max_workers=_cores(), thread_name_prefix="mergepipe-fusion"))
+        _pools.append(ThreadPoolExecutor(max_workers=cores(), thread_name_prefix="mergepipe-fusion"))
     return _pools[0]
 
 
@@ -54,12 +54,6 @@ def kl_rows(p, q, kl, eps: float) -> None:  # noqa: ANN001 - torch tensors
     p.add_(eps)
     q.add_(eps)
     torch.sum(torch.div(p, q, out=q).log_().mul_(p), dim=-1, keepdim=True, out=kl)
-
-
-def _cores() -> int:
-    """The cores this process may run on (all of them where the OS cannot say)."""
-    affinity = getattr(os, "sched_getaffinity", None)
-    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
 
 
 def sample_seed(seed: int, tensor_name: str) -> int:
@@ -98,7 +92,7 @@ class ArceeFusion(GatherFold):
         threads = torch.get_num_threads()
         # on every core: torch computes each row's softmax on one thread, so the bits do not depend on how many
         # (tests/kernels/test_gather_kernels.py checks it); the executor's one thread for the rest
-        torch.set_num_threads(max(threads, _cores()))
+        torch.set_num_threads(max(threads, cores()))
         try:
             p = torch.ops.aten._softmax.out(t1, -1, False, out=self._scratch_tensor("fusion_p", base.shape))
             q = torch.ops.aten._softmax.out(t0, -1, False, out=self._scratch_tensor("fusion_q", base.shape))
@@ -109,7 +103,7 @@ class ArceeFusion(GatherFold):
         width = base.shape[-1]
         p2, q2 = p.view(-1, width), q.view(-1, width)
         kl = torch.from_numpy(self.scratch("fusion_kl", p2.shape[0])).view(-1, 1)
-        slices = row_slices(p2.shape[0], width, _cores())
+        slices = row_slices(p2.shape[0], width, cores())
         if len(slices) == 1:
             kl_rows(p2, q2, kl, eps)
         else:

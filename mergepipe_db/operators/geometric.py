@@ -20,14 +20,13 @@ in place, the others as float32 Δ_k; the row and column modes use `gram` (numpy
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from mergepipe_db.errors import SpecError
-from mergepipe_db.operators.base import MergeOperator, block_bounds
+from mergepipe_db.operators.base import MergeOperator, block_bounds, cores
 from mergepipe_db.operators.inputs import ExpertInput
 from mergepipe_db.operators.registry import register
 
@@ -618,8 +617,7 @@ class Karcher(GramFold):
                 self._units[k] = karcher_unit(theta, theta, tol)
         base_unit = self._base_unit()
         pairs = [base_unit if u is None else u for u in self._units] + [base_unit]  # MergeKit's order: base last
-        out = karcher_mean([u for _, u in pairs], [nrm for nrm, _ in pairs], base.size,
-                           int(self.options["max_iter"]), tol, self.scratch)
+        out = karcher_mean(pairs, base.size, int(self.options["max_iter"]), tol, self.scratch)
         return out.reshape(base.shape)
 
     def _base_unit(self) -> tuple[Any, np.ndarray | None]:
@@ -637,13 +635,12 @@ class Karcher(GramFold):
         self._thetas: list[np.ndarray | None] = []
         self._units: list[tuple[Any, np.ndarray | None] | None] = []
         self._base_nu: tuple[Any, np.ndarray | None] | None = None
-        self._eager = not self._has_planned()
+        #: whether each unit vector is made as its expert arrives: not where the plan may combine the tensor with
+        #: its coefficients from statistics (`GramFold._planned`), which need no unit vectors
+        self._eager = not (self._planned_coefficients and self._ctx is not None
+                           and self._ctx.name in self._planned_coefficients)
         if self._eager:  # θ₀'s unit while the experts are read
             self._base_unit()
-
-    def _has_planned(self) -> bool:
-        return bool(self._planned_coefficients) and self._ctx is not None and \
-            self._ctx.name in self._planned_coefficients
 
     def _add(self, x: ExpertInput) -> None:
         if not self._eager:
@@ -712,19 +709,19 @@ def karcher_float32(tensors: list[np.ndarray], max_iter: int, tol: float,
             in_place = writable or not np.may_share_memory(flats[i], tensors[i])  # else flats[i] is our copy
             done[id(tensors[i])] = karcher_unit(flats[i], flats[i] if in_place else np.empty_like(flats[i]), tol)
         pairs.append(done[id(tensors[i])])
-    out = karcher_mean([u for _, u in pairs], [nrm for nrm, _ in pairs], flats[0].size, max_iter, tol)
+    out = karcher_mean(pairs, flats[0].size, max_iter, tol)
     return out.reshape(np.shape(tensors[0]))
 
 
-def karcher_mean(units: list[np.ndarray | None], norms: list[Any], size: int, max_iter: int, tol: float,
+def karcher_mean(inputs: list[tuple[Any, np.ndarray | None]], size: int, max_iter: int, tol: float,
                  buffer: Any = None) -> np.ndarray:
-    """karcher's loop (`_karcher_loop`), its dots on one thread (`_dots`); the caller's torch thread count is
-    restored after."""
+    """karcher's loop (`_karcher_loop`) on its N inputs' ``(norm, unit vector)``, as `karcher_unit` gives them, its
+    dots on one thread (`_dots`); the caller's torch thread count is restored after."""
     import torch
 
     prev = torch.get_num_threads()
     try:
-        return _karcher_loop(units, norms, size, max_iter, tol, buffer)
+        return _karcher_loop([u for _, u in inputs], [nrm for nrm, _ in inputs], size, max_iter, tol, buffer)
     finally:
         torch.set_num_threads(prev)
 
@@ -804,10 +801,6 @@ def _one_thread(torch: Any) -> None:
         torch.set_num_threads(1)
 
 
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def _dots(mean: Any, vt: list[Any]) -> list[Any]:
     """``[torch.dot(mean, u) for u in vt]`` with torch on one thread: for long vectors on a pool of
     single-threaded torch workers, two or more at once (memory-bound, they gain from a second core), the same
@@ -820,7 +813,7 @@ def _dots(mean: Any, vt: list[Any]) -> list[Any]:
     if not _dot_pools:
         from concurrent.futures import ThreadPoolExecutor
 
-        _dot_pools.append(ThreadPoolExecutor(max_workers=max(2, min(_cores(), 4)),
+        _dot_pools.append(ThreadPoolExecutor(max_workers=max(2, min(cores(), 4)),
                                              thread_name_prefix="mergepipe-dots",
                                              initializer=torch.set_num_threads, initargs=(1,)))
     return list(_dot_pools[0].map(lambda u: torch.dot(mean, u), vt))
