@@ -1,19 +1,21 @@
 """DELLA's keep probabilities: the rank of each |Δ| along dim 1 of a block (a stable ascending sort: ties in index
 order, NaN after everything, as ``np.argsort(kind="stable")`` orders them), then MergeKit's float32 formula.
 
-A stable LSD radix sort of each column's |Δ| bit patterns (non-negative float32 order is their bit order; every
-NaN is given one pattern above +inf, so NaNs tie and keep index order), 8 bits a pass, skipping a pass where all
-keys share the byte (the sign and most exponent bits of a fine-tune's Δ): O(n) a column instead of a comparison
-sort, and no index arrays of the whole block. Zero Δ (often most of a column of a BF16 fine-tune) rank first
-in index order, so only the others are sorted. Δ comes from θ₀ and the expert's stored values as each column
-is read, and each p from a table by rank (the formula's n values, computed once).
+Each column's keys are the |Δ| bit patterns (non-negative float32 order is their bit order; every NaN is given
+one pattern above +inf, so NaNs tie and keep index order), computed in a loop that vectorizes and then split
+16 at a time (`compress`). Zero Δ (often most of a column of a BF16 fine-tune) rank first in index order. The
+nonzero keys of a BF16 fine-tune take few values (multiples of a few units in the last place): they are
+ranked by value (a small hash table counts each, the distinct values are sorted, ranks dealt in index order).
+Otherwise a stable LSD radix sort, 8 bits a pass, skipping a pass where all keys share the byte: O(n) a column
+either way, and no index arrays of the whole block. Δ comes from θ₀ and the expert's stored values as each
+column is read, and each p from a table by rank (the formula's n values, computed once).
 """
-
 from __future__ import annotations
 
 import numba
 import numpy as np
 
+from mergepipe_db.kernels.compress import SLACK, split_nonzero, split_nonzero_ranks
 from mergepipe_db.kernels.float_bits import f32_to_bits, widen
 
 __all__ = ["della_probabilities"]
@@ -24,29 +26,12 @@ _INF = np.uint32(0x7F800000)
 
 
 @numba.njit(cache=True, nogil=True)
-def _column(out: np.ndarray, b: np.ndarray, x: np.ndarray, n: int, table: np.ndarray,
-            keys: np.ndarray, idx: np.ndarray, keys2: np.ndarray, idx2: np.ndarray, count: np.ndarray) -> None:
-    """out[j] = table[rank of |Δ_j|] for the n elements of one column (views of it, strided where it is),
-    Δ = widen(x) − b, rank the position in the stable ascending order of the keys. Zero keys (Δ = ±0, often
-    most of a column of a BF16 fine-tune) come first in index order, so their ranks are counted as they are
-    met; only the others are sorted, packed in index order (the work arrays hold n each; `count` 4 × 256: the
-    four bytes' histograms, counted in one pass, which a permutation leaves as they are)."""
-    # unsigned counts: numba wraps a signed index that may be negative, a compare and a select per access
-    zeros_u = np.uint64(0)
-    m_u = np.uint64(0)
-    one = np.uint64(1)
-    for j in range(n):  # branch-free: every key is written, the packed count moves on past the nonzero ones
-        bits = f32_to_bits(widen(x[j]) - b[j]) & _ABS
-        k = _NAN_KEY if bits > _INF else bits
-        nonzero = np.uint64(k != np.uint32(0))
-        out[j] = table[zeros_u]  # a nonzero key's is written again below
-        keys[m_u] = k
-        idx[m_u] = j
-        m_u += nonzero
-        zeros_u += one - nonzero
-    zeros, m = np.int64(zeros_u), np.int64(m_u)
-    if m == 0:
-        return
+def _sorted(keys: np.ndarray, idx: np.ndarray, keys2: np.ndarray, idx2: np.ndarray, m: int, count: np.ndarray
+            ) -> tuple[np.ndarray, np.ndarray]:
+    """The m packed (key, index) pairs in the stable ascending order of the keys: (keys, indices), the first m of
+    either the pair (keys, idx) or (keys2, idx2). A stable LSD radix sort, 8 bits a pass, a pass skipped where
+    every key has the byte (`count` 4 × 256: the four bytes' histograms, counted in one pass, which a
+    permutation leaves as they are)."""
     count[:] = 0
     for j in range(m):
         k = keys[j]
@@ -73,13 +58,111 @@ def _column(out: np.ndarray, b: np.ndarray, x: np.ndarray, n: int, table: np.nda
             dst_i[o] = src_i[j]
             c[v] = o + 1
         src_k, src_i, dst_k, dst_i = dst_k, dst_i, src_k, src_i
+    return src_k, src_i
+
+
+_SLOTS = 256  # the hash table of `_ranks_by_value`: at most half of it used
+_HASH = np.uint32(0x9E3779B1)  # Fibonacci hashing: a key's slot is the top 8 bits of key · _HASH
+
+
+@numba.njit(cache=True, nogil=True)
+def _ranks_by_value(keys: np.ndarray, m: int, start: np.uint64, rank: np.ndarray, slot: np.ndarray,
+                    value: np.ndarray, count: np.ndarray) -> bool:
+    """The ranks of the m packed nonzero keys (index order) without sorting them, when they take few values
+    (a BF16 fine-tune's |Δ| in a row: multiples of a few units in the last place): rank[i] = `start` + the
+    rank of keys[i] among them, ties in index order. Each distinct key gets a slot of a small hash table
+    (`value`, `count`: `_SLOTS` each, zero on entry and on return; `slot`: m), the distinct keys are sorted,
+    each slot's first rank follows the count of the smaller keys, and the ranks are dealt in
+    index order. False, with nothing written to `rank`, when the keys take more than a quarter of m values (or
+    `_SLOTS` / 2)."""
+    mask = np.uint32(_SLOTS - 1)
+    one = np.uint64(1)
+    empty = np.uint32(0)  # no nonzero key
+    distinct = 0
+    most = min(_SLOTS // 2, max(16, m // 4))  # more distinct keys than this: sorting them all is cheaper
+    ok = True
+    for i in range(m):
+        k = keys[i]
+        h = np.uint32(k * _HASH) >> np.uint32(24)  # the product's low 32 bits (numba widens it to 64)
+        while value[h] != k and value[h] != empty:
+            h = (h + np.uint32(1)) & mask
+        if value[h] == empty:
+            value[h] = k
+            distinct += 1
+            if distinct > most:
+                ok = False
+                break
+        slot[i] = h
+        count[h] += one
+    used = np.empty(distinct, np.uint32)
+    d = 0
+    for h in range(_SLOTS):
+        if value[h] != empty:
+            used[d] = h
+            d += 1
+    if ok:
+        order = np.argsort(value[used])  # the used slots in ascending key order (the keys are distinct)
+        below = start
+        for a in range(distinct):  # count[h] becomes the slot's next rank
+            h = used[order[a]]
+            t = count[h]
+            count[h] = below
+            below += t
+        for i in range(m):
+            h = slot[i]
+            rank[i] = count[h]
+            count[h] += one
+    for a in range(d):
+        value[used[a]] = empty
+        count[used[a]] = 0
+    return ok
+
+
+@numba.njit(cache=True, nogil=True)
+def _work(n: int) -> tuple[np.ndarray, ...]:
+    """One thread's work arrays for columns of n elements (`_column`)."""
+    # unsigned indices and ranks: numba wraps a signed index that may be negative, a compare and a select per access
+    return (np.empty(n, np.uint32), np.empty(n + SLACK, np.uint32), np.empty(n + SLACK, np.uint32),
+            np.empty(n + SLACK, np.uint32), np.empty(n, np.uint32), np.empty(n, np.uint32), np.empty(n, np.uint64),
+            np.empty(n, np.uint32), np.zeros(_SLOTS, np.uint32), np.zeros(_SLOTS, np.uint64),
+            np.empty((4, 256), np.int32))
+
+
+@numba.njit(cache=True, nogil=True)
+def _column(out: np.ndarray, b: np.ndarray, x: np.ndarray, n: int, table: np.ndarray,
+            work: tuple[np.ndarray, ...]) -> None:
+    """out[j] = table[rank of |Δ_j|] for the n elements of one column (views of it, strided where it is),
+    Δ = widen(x) − b, rank the position in the stable ascending order of the keys.
+
+    Every key first (a loop that vectorizes), then split into the zero and the nonzero ones (`compress`). The
+    zero keys (Δ = ±0, often most of a column of a BF16 fine-tune) rank first in index order: their p are
+    dealt as they are split where `out` is contiguous, else through their indices. The m nonzero keys are
+    ranked by value when they take few (`_ranks_by_value`), else sorted (`_sorted`)."""
+    full, keys, idx, zidx, keys2, idx2, rank, slot, value, slot_count, count = work
+    for j in range(n):
+        bits = f32_to_bits(widen(x[j]) - b[j]) & _ABS
+        full[j] = _NAN_KEY if bits > _INF else bits
+    if out.strides[0] == out.itemsize:
+        m, zeros = split_nonzero_ranks(full, n, keys, idx, table, out)
+    else:
+        m, zeros = split_nonzero(full, n, keys, idx, zidx)
+        for r in range(zeros):
+            out[zidx[r]] = table[r]
+    if m == 0:
+        return
+    if _ranks_by_value(keys, m, np.uint64(zeros), rank, slot, value, slot_count):
+        for i in range(m):
+            out[idx[i]] = table[rank[i]]
+        return
+    src_k, src_i = _sorted(keys, idx, keys2, idx2, m, count)
     for pos in range(m):
         out[src_i[pos]] = table[zeros + pos]
 
 
 @numba.njit(cache=True, nogil=True)
 def _rank_table(n: int, eps: np.float32, low: np.float32) -> np.ndarray:
-    """table[r] = p of rank r: (r / float32(n − 1) clipped to [0, 1], 0 when n = 1) · 2 · ε + low, in float32."""
+    """table[r] = p of rank r: (r / float32(n − 1) clipped to [0, 1], 0 when n = 1) · 2 · ε + low, in float32
+    (non-decreasing in r)."""
     two = np.float32(2.0)
     denom = np.float32(n - 1)
     table = np.empty(n, np.float32)
@@ -99,16 +182,20 @@ def _probabilities(out: np.ndarray, b: np.ndarray, x: np.ndarray, R: int, n: int
     columns = R * C
     chunks = min(columns, 64)
     for t in numba.prange(chunks):
-        keys = np.empty(n, np.uint32)
-        keys2 = np.empty(n, np.uint32)
-        idx = np.empty(n, np.int32)
-        idx2 = np.empty(n, np.int32)
-        count = np.empty((4, 256), np.int32)
+        work = _work(n)
         for col in range(columns * t // chunks, columns * (t + 1) // chunks):
             # the column as views from index 0 (numba wraps an index that may be negative, element by element)
             first = (col // C) * n * C + col % C
             last = first + (n - 1) * C + 1
-            _column(out[first:last:C], b[first:last:C], x[first:last:C], n, table, keys, idx, keys2, idx2, count)
+            _column(out[first:last:C], b[first:last:C], x[first:last:C], n, table, work)
+
+
+def _layout(numel: int, shape: tuple[int, ...], rows: int) -> tuple[int, int, int]:
+    """(R, n, C): a block of `rows` rows of a tensor of `shape` seen as R × n × C, ranked along n (a 0-d or
+    1-d tensor: one row of all its elements)."""
+    if len(shape) <= 1:
+        return 1, numel, 1
+    return rows, int(shape[1]), int(np.prod(shape[2:], dtype=np.int64)) if len(shape) > 2 else 1
 
 
 def della_probabilities(base: np.ndarray, raw: np.ndarray, shape: tuple[int, ...], rows: int, d: float, eps: float
@@ -118,13 +205,10 @@ def della_probabilities(base: np.ndarray, raw: np.ndarray, shape: tuple[int, ...
     tensor: one row of all its elements), rank along dim 1, then p = (rank / float32(n − 1) clipped to [0, 1],
     0 when n = 1) · 2 · float32(ε) + float32(d − ε), in float32."""
     b, x = base.reshape(-1), raw.reshape(-1)
-    if len(shape) <= 1:
-        R, n, C = 1, b.shape[0], 1
-    else:
-        R, n = rows, int(shape[1])
-        C = int(np.prod(shape[2:], dtype=np.int64)) if len(shape) > 2 else 1
+    R, n, C = _layout(b.shape[0], shape, rows)
     out = np.empty(b.shape[0], np.float32)
     if b.shape[0] == 0 or n == 0:
         return out
     _probabilities(out, b, x, R, n, C, np.float32(eps), np.float32(d - eps))
     return out
+

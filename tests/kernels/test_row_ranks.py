@@ -108,3 +108,19 @@ def test_from_stored_values(shape, rows) -> None:
     got = della_probabilities(base, raw, shape, rows, 0.6, 0.2)
     want = numpy_probabilities(delta, shape, rows, 0.6, 0.2)
     assert np.array_equal(got.view(np.int32), want.view(np.int32))
+
+
+@pytest.mark.parametrize("values", [1, 5, 40, 300])
+@pytest.mark.parametrize("shape,rows", [((64, 2048), 64), ((8, 512, 3), 8), ((3, 1000), 3)])
+def test_rows_of_few_or_many_values(values, shape, rows) -> None:
+    """A row's nonzero |Δ| taking few values (a BF16 fine-tune's: ranked by value, through a hash table) or
+    many (sorted), both signs, in contiguous rows (zero ranks dealt as the keys are split) and strided ones;
+    against the plain stable argsort."""
+    rng = np.random.default_rng(values)
+    m = int(np.prod((rows, *shape[1:])))
+    levels = (rng.standard_normal(values) * 0.01).astype(np.float32)
+    flat = levels[rng.integers(0, values, m)] * np.sign(rng.standard_normal(m)).astype(np.float32)
+    flat[rng.random(m) < 0.75] = 0.0
+    got = della_probabilities(np.zeros_like(flat), flat, shape, rows, 0.5, 0.15)
+    want = numpy_probabilities(flat, shape, rows, 0.5, 0.15)
+    assert np.array_equal(got.view(np.int32), want.view(np.int32))
