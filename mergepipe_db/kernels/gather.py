@@ -19,32 +19,52 @@ _SIGN = np.uint32(0x80000000)
 
 
 @numba.njit(cache=True, nogil=True)
-def gather_delta(out: np.ndarray, base: np.ndarray, raw: np.ndarray, ranges: np.ndarray) -> None:
-    """out = Δ = θ_k − θ₀ on the selected element `ranges` of θ_k's stored values `raw` (flat), 0.0 elsewhere."""
+def _gather_span(out: np.ndarray, base: np.ndarray, raw: np.ndarray, ranges: np.ndarray, s: int, e: int,
+                 delta: bool) -> None:
+    """`gather_delta` (``delta``) or `gather_theta` on elements [s, e) only."""
     zero = np.float32(0.0)
-    prev = 0
+    prev = s
     for r in range(ranges.shape[0]):
-        s, e = ranges[r, 0], ranges[r, 1]
-        out[prev:s] = zero
-        o, b, x = out[s:e], base[s:e], raw[s:e]
-        for i in range(e - s):
-            o[i] = widen(x[i]) - b[i]
-        prev = e
-    out[prev:] = zero
+        rs, re = max(ranges[r, 0], s), min(ranges[r, 1], e)
+        if rs >= re:
+            continue
+        if delta:
+            out[prev:rs] = zero
+            o, b, x = out[rs:re], base[rs:re], raw[rs:re]
+            for i in range(re - rs):
+                o[i] = widen(x[i]) - b[i]
+        else:
+            out[prev:rs] = base[prev:rs]
+            o, x = out[rs:re], raw[rs:re]
+            for i in range(re - rs):
+                o[i] = widen(x[i])
+        prev = re
+    if delta:
+        out[prev:e] = zero
+    else:
+        out[prev:e] = base[prev:e]
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, parallel=True)
+def gather_delta(out: np.ndarray, base: np.ndarray, raw: np.ndarray, ranges: np.ndarray) -> None:
+    """out = Δ = θ_k − θ₀ on the selected element `ranges` of θ_k's stored values `raw` (flat), 0.0 elsewhere;
+    in chunks on numba's threads."""
+    n = out.shape[0]
+    c = n_chunks(n, PAR_CHUNK)
+    for t in numba.prange(c):
+        s, e = chunk_span(n, c, t)
+        _gather_span(out, base, raw, ranges, s, e, True)
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
 def gather_theta(out: np.ndarray, base: np.ndarray, raw: np.ndarray, ranges: np.ndarray) -> None:
-    """out = θ_k: the stored values `raw` (flat) on the selected element `ranges`, θ₀ elsewhere."""
-    prev = 0
-    for r in range(ranges.shape[0]):
-        s, e = ranges[r, 0], ranges[r, 1]
-        out[prev:s] = base[prev:s]
-        o, x = out[s:e], raw[s:e]
-        for i in range(e - s):
-            o[i] = widen(x[i])
-        prev = e
-    out[prev:] = base[prev:]
+    """out = θ_k: the stored values `raw` (flat) on the selected element `ranges`, θ₀ elsewhere; in chunks on
+    numba's threads."""
+    n = out.shape[0]
+    c = n_chunks(n, PAR_CHUNK)
+    for t in numba.prange(c):
+        s, e = chunk_span(n, c, t)
+        _gather_span(out, base, raw, ranges, s, e, False)
 
 
 @numba.njit(cache=True, nogil=True)

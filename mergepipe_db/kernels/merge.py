@@ -956,18 +956,15 @@ _SCE_TILE = 1024  # columns per tile of the sce kernels: each expert's loop over
 
 
 @numba.njit(cache=True, nogil=True)
-def sce_abs_var(out: np.ndarray, ds: tuple[np.ndarray, ...], n_experts: int) -> int:
-    """out = |torch.var(stack(ds[:n_experts]), dim=0, unbiased=False)| per element, bit for bit: torch's CPU
-    Welford over the experts in order, in float64 (mean += δ/n, m2 += δ·(x − mean)), m2 / K rounded to
-    float32. Returns how many are nonzero (NaN included), torch's count_nonzero."""
-    n = out.shape[0]
+def _sce_abs_var_span(out: np.ndarray, ds: tuple[np.ndarray, ...], n_experts: int, s: int, e: int) -> int:
+    """`sce_abs_var` on elements [s, e)."""
     nonzero = 0
     kf = np.float64(n_experts)
     mean = np.empty(_SCE_TILE, np.float64)
     m2 = np.empty(_SCE_TILE, np.float64)
     zero = np.float32(0.0)
-    for t0 in range(0, n, _SCE_TILE):
-        m = min(_SCE_TILE, n - t0)
+    for t0 in range(s, e, _SCE_TILE):
+        m = min(_SCE_TILE, e - t0)
         mean[:m] = 0.0
         m2[:m] = 0.0
         for k in range(n_experts):
@@ -987,6 +984,21 @@ def sce_abs_var(out: np.ndarray, ds: tuple[np.ndarray, ...], n_experts: int) -> 
     return nonzero
 
 
+@numba.njit(cache=True, nogil=True, parallel=True)
+def sce_abs_var(out: np.ndarray, ds: tuple[np.ndarray, ...], n_experts: int) -> int:
+    """out = |torch.var(stack(ds[:n_experts]), dim=0, unbiased=False)| per element, bit for bit: torch's CPU
+    Welford over the experts in order, in float64 (mean += δ/n, m2 += δ·(x − mean)), m2 / K rounded to
+    float32. Returns how many are nonzero (NaN included), torch's count_nonzero. In chunks on numba's threads
+    (each element's value is its own; the counts are integers)."""
+    n = out.shape[0]
+    c = n_chunks(n, PAR_CHUNK)
+    counts = np.zeros(c, np.int64)
+    for t in numba.prange(c):
+        s, e = chunk_span(n, c, t)
+        counts[t] = _sce_abs_var_span(out, ds, n_experts, s, e)
+    return counts.sum()
+
+
 @numba.njit(cache=True, nogil=True)
 def sce_keep(bits: np.ndarray, t: np.uint32, k: int, keep: np.ndarray) -> bool:
     """keep[i] = 1 on the k largest of `bits` (non-negative float32 patterns as uint32, NaN largest), else 0,
@@ -1004,8 +1016,7 @@ def sce_keep(bits: np.ndarray, t: np.uint32, k: int, keep: np.ndarray) -> bool:
 
 
 @numba.njit(cache=True, nogil=True)
-def sce_masked_square(out: np.ndarray, d: np.ndarray, keep: np.ndarray, masked: bool) -> None:
-    """out = (d * float32(keep))² (``masked``), or d² — torch's ``(tvs * mask).square()`` of one expert."""
+def _sce_masked_square_span(out: np.ndarray, d: np.ndarray, keep: np.ndarray, masked: bool) -> None:
     if masked:
         for i in range(out.shape[0]):
             t = d[i] * np.float32(keep[i])
@@ -1015,38 +1026,45 @@ def sce_masked_square(out: np.ndarray, d: np.ndarray, keep: np.ndarray, masked: 
             out[i] = d[i] * d[i]
 
 
-@numba.njit(cache=True, nogil=True)
-def sce_combine(out: np.ndarray, base: np.ndarray, ds: tuple[np.ndarray, ...], n_experts: int, keep: np.ndarray,
-                masked: bool, w: np.ndarray) -> None:
-    """out = θ₀ + Σ_k t_k·(w_k·erase_k) / clamp(Σ_k w_k·erase_k, 1e-6) over the first out.shape[0] elements,
-    t_k = Δ_k·float32(keep) (``masked``) or Δ_k, erase_k = sign(t_k) == (Σ_k t_k >= 0 ? 1 : -1), `w` the
-    normalized float32 weights: sce's `_combine` per element, every sum over k in order into +0.0 (torch's
-    order along dim 0 away from an array's last columns, see `Sce`), sign(NaN) = 0 as torch's."""
+@numba.njit(cache=True, nogil=True, parallel=True)
+def sce_masked_square(out: np.ndarray, d: np.ndarray, keep: np.ndarray, masked: bool) -> None:
+    """out = (d * float32(keep))² (``masked``), or d² — torch's ``(tvs * mask).square()`` of one expert; in
+    chunks on numba's threads."""
     n = out.shape[0]
+    c = n_chunks(n, PAR_CHUNK)
+    for t in numba.prange(c):
+        s, e = chunk_span(n, c, t)
+        _sce_masked_square_span(out[s:e], d[s:e], keep[s:e] if masked else keep[0:0], masked)
+
+
+@numba.njit(cache=True, nogil=True)
+def _sce_combine_span(out: np.ndarray, base: np.ndarray, ds: tuple[np.ndarray, ...], n_experts: int,
+                      keep: np.ndarray, masked: bool, w: np.ndarray, s: int, e: int) -> None:
+    """`sce_combine` on elements [s, e)."""
     zero = np.float32(0.0)
     one = np.float32(1.0)
     floor = np.float32(1e-6)
     mk = np.ones(_SCE_TILE, np.float32)
-    s = np.empty(_SCE_TILE, np.float32)
+    sg = np.empty(_SCE_TILE, np.float32)
     num = np.empty(_SCE_TILE, np.float32)
     den = np.empty(_SCE_TILE, np.float32)
-    for t0 in range(0, n, _SCE_TILE):
-        m = min(_SCE_TILE, n - t0)
+    for t0 in range(s, e, _SCE_TILE):
+        m = min(_SCE_TILE, e - t0)
         if masked:
             kp = keep[t0:t0 + m]
             for i in range(m):
                 mk[i] = np.float32(kp[i])
-        s[:m] = zero
+        sg[:m] = zero
         for k in range(n_experts):
             x = ds[k][t0:t0 + m]
             if masked:
                 for i in range(m):
-                    s[i] += x[i] * mk[i]
+                    sg[i] += x[i] * mk[i]
             else:
                 for i in range(m):
-                    s[i] += x[i]
-        for i in range(m):  # the majority sign, kept in s
-            s[i] = one if s[i] >= zero else -one
+                    sg[i] += x[i]
+        for i in range(m):  # the majority sign, kept in sg
+            sg[i] = one if sg[i] >= zero else -one
         num[:m] = zero
         den[:m] = zero
         for k in range(n_experts):
@@ -1054,16 +1072,31 @@ def sce_combine(out: np.ndarray, base: np.ndarray, ds: tuple[np.ndarray, ...], n
             wk = w[k]
             for i in range(m):
                 tk = x[i] * mk[i] if masked else x[i]
-                e = wk * np.float32((np.float32(tk > zero) - np.float32(tk < zero)) == s[i])
-                num[i] += tk * e
-                den[i] += e
+                ek = wk * np.float32((np.float32(tk > zero) - np.float32(tk < zero)) == sg[i])
+                num[i] += tk * ek
+                den[i] += ek
         b = base[t0:t0 + m]
-        o = out[t0:t0 + m]
+        o = out[t0 - s:t0 - s + m]
         for i in range(m):
             d = den[i]
             if d < floor:  # clamp(min=1e-6); NaN stays NaN
                 d = floor
             o[i] = b[i] + num[i] / d
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def sce_combine(out: np.ndarray, base: np.ndarray, ds: tuple[np.ndarray, ...], n_experts: int, keep: np.ndarray,
+                masked: bool, w: np.ndarray) -> None:
+    """out = θ₀ + Σ_k t_k·(w_k·erase_k) / clamp(Σ_k w_k·erase_k, 1e-6) over the first out.shape[0] elements,
+    t_k = Δ_k·float32(keep) (``masked``) or Δ_k, erase_k = sign(t_k) == (Σ_k t_k >= 0 ? 1 : -1), `w` the
+    normalized float32 weights: sce's `_combine` per element, every sum over k in order into +0.0 (torch's
+    order along dim 0 away from an array's last columns, see `Sce`), sign(NaN) = 0 as torch's. In chunks on
+    numba's threads (each element's value is its own)."""
+    n = out.shape[0]
+    c = n_chunks(n, PAR_CHUNK)
+    for t in numba.prange(c):
+        s, e = chunk_span(n, c, t)
+        _sce_combine_span(out[s:e], base, ds, n_experts, keep, masked, w, s, e)
 
 
 # -- the same kernels on numba's threads -----------------------------------------------------------------------

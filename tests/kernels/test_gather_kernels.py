@@ -25,22 +25,29 @@ def _widen(u: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("stored", ["bf16", "f32"])
-def test_gathered_delta_and_theta_are_the_stored_values_on_the_ranges_only(stored) -> None:
+@pytest.mark.parametrize("n,ranges", [
+    (1000, [[0, 10], [100, 350], [900, 990]]),
+    # several threaded chunks: ranges across chunk boundaries, one inside a chunk, one ending at the end
+    (600_000, [[5, 140_000], [262_100, 262_200], [300_000, 450_001], [599_000, 600_000]]),
+    (600_000, [[0, 600_000]]),
+    (600_000, np.zeros((0, 2), np.int64)),
+])
+def test_gathered_delta_and_theta_are_the_stored_values_on_the_ranges_only(stored, n, ranges) -> None:
     g = np.random.default_rng(1)
-    base = g.standard_normal(1000).astype(np.float32)
-    raw = g.standard_normal(1000).astype(np.float32)
+    base = g.standard_normal(n).astype(np.float32)
+    raw = g.standard_normal(n).astype(np.float32)
     raw = _bf16(raw) if stored == "bf16" else raw
     theta = _widen(raw) if stored == "bf16" else raw
-    ranges = np.array([[0, 10], [100, 350], [900, 990]], np.int64)
-    on = np.zeros(1000, np.bool_)
+    ranges = np.array(ranges, np.int64).reshape(-1, 2)
+    on = np.zeros(n, np.bool_)
     for s, e in ranges:
         on[s:e] = True
     raw_junk = raw.copy()
     raw_junk[~on] = raw_junk[0]  # bytes outside the ranges are never read
-    delta = np.full(1000, np.nan, np.float32)
+    delta = np.full(n, np.nan, np.float32)
     kern.gather_delta(delta, base, raw_junk, ranges)
     assert np.array_equal(f32_bits(delta), f32_bits(np.where(on, theta - base, np.float32(0.0))))
-    out = np.full(1000, np.nan, np.float32)
+    out = np.full(n, np.nan, np.float32)
     kern.gather_theta(out, base, raw_junk, ranges)
     assert np.array_equal(f32_bits(out), f32_bits(np.where(on, theta, base)))
 

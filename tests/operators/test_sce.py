@@ -168,7 +168,7 @@ def test_abs_var_is_torch_var_bit_for_bit(data) -> None:
     from mergepipe_db.kernels import merge as kern
 
     g = np.random.default_rng(11)
-    n = 100_000
+    n = 300_001  # three chunks of the threaded kernel
     if data == "near":
         c = g.standard_normal(n).astype(np.float32)
         ds = [(c * (1 + g.standard_normal(n) * 10.0 ** g.integers(-7, 0, n))).astype(np.float32) for _ in range(8)]
@@ -186,7 +186,7 @@ def test_abs_var_is_torch_var_bit_for_bit(data) -> None:
 
 @pytest.mark.parametrize("n_experts", [3, 8])
 @pytest.mark.parametrize("topk", [0.5, 1.0, 0.0])
-@pytest.mark.parametrize("shape", [(300, 1037), (64 * 100 + 37,)])
+@pytest.mark.parametrize("shape", [(300, 1037), (64 * 100 + 37,), (700, 1037)])  # 2, 1 and 5 threaded chunks
 def test_whole_tensor_is_the_torch_formula_bit_for_bit(shape, topk, n_experts) -> None:
     n = int(np.prod(shape))
     ds = [d.reshape(shape) for d in _deltas(n + n_experts, n_experts, n)]
