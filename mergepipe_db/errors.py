@@ -269,4 +269,4 @@ class PackError(MergePipeError):
 
 class EnvironmentSettingError(MergePipeError):
     """A ``MERGEPIPE_*`` environment variable has a value it cannot take (``MERGEPIPE_REUSE_BYTES``: not a
-    whole number of bytes ≥ 0)."""
+    whole number of bytes ≥ 0; ``MERGEPIPE_RETAIN_HEAP``: not 0 or 1)."""

@@ -51,6 +51,7 @@ from mergepipe_db.core.results import ExecutionResult, OutTensor
 from mergepipe_db.errors import OutOfSpaceError, PlanExecutionMismatchError
 from mergepipe_db.io import open_store, range_reader
 from mergepipe_db.io.buffers import BufferPool
+from mergepipe_db.io.heap import retained_heap
 from mergepipe_db.pipeline import base_reuse
 
 DEFAULT_SHARD_BYTES = 4 << 30
@@ -254,9 +255,18 @@ def execute(
 
 def _execute_layout(plan: Plan, staging: Path, layout: tuple[list[OutTensor], list[str]], *, progress: bool,
                     verify_reads: bool, on_tensor: Any) -> ExecutionResult:
+    base_reuse.keep_bytes()  # a bad MERGEPIPE_REUSE_BYTES fails here, before anything is read or written
+    with retained_heap():  # each tensor's temporaries reuse the pages of the last one's (`io/heap.py`)
+        return _execute_threads(plan, staging, layout, progress=progress, verify_reads=verify_reads,
+                                on_tensor=on_tensor)
+
+
+def _execute_threads(plan: Plan, staging: Path, layout: tuple[list[OutTensor], list[str]], *, progress: bool,
+                     verify_reads: bool, on_tensor: Any) -> ExecutionResult:
+    """`_execute` with torch's thread count set for the merge (`MERGEPIPE_COMPUTE_THREADS`, default 1) and
+    restored after it."""
     from mergepipe_db.operators import operator_class
 
-    base_reuse.keep_bytes()  # a bad MERGEPIPE_REUSE_BYTES fails here, before anything is read or written
     needs_torch = (operator_class(plan.spec.method).uses_torch or any(s.needs_torch for s in plan.sources)
                    or any(ot.dtype == "F16" for ot in layout[0]))  # `cast_into`
     torch = sys.modules.get("torch")

@@ -165,3 +165,16 @@ def test_bad_reuse_bound_writes_nothing(fam, monkeypatch: pytest.MonkeyPatch, va
     assert "MERGEPIPE_REUSE_BYTES" in str(ei.value) and len(str(ei.value).splitlines()) == 1
     assert not (root / "bad-out").exists()
     assert cat.sql("SELECT COUNT(*) FROM mp_snapshot")[1] == before
+
+
+def test_bad_retain_heap_setting_writes_nothing(fam, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mergepipe_db.errors import EnvironmentSettingError
+
+    root, _family, cat = fam
+    before = cat.sql("SELECT COUNT(*) FROM mp_snapshot")[1]
+    monkeypatch.setenv("MERGEPIPE_RETAIN_HEAP", "on")
+    with pytest.raises(EnvironmentSettingError) as ei:
+        cat.merge(str(root / "pt.yml"), out=root / "bad-heap-out", budget=0.0)
+    assert "MERGEPIPE_RETAIN_HEAP" in str(ei.value) and len(str(ei.value).splitlines()) == 1
+    assert not (root / "bad-heap-out").exists()
+    assert cat.sql("SELECT COUNT(*) FROM mp_snapshot")[1] == before
