@@ -1,5 +1,4 @@
-"""Splitting an array of keys into its nonzero and zero ones, 16 lanes at a time (`split_nonzero`,
-`split_nonzero_ranks`).
+"""Splitting an array of keys into its nonzero and zero ones, 16 lanes at a time (`split_nonzero_ranks`).
 
 A packing loop written element by element (``keys[m] = k; m += k != 0``) does not vectorize: its store address
 depends on the count so far. LLVM's generic ``llvm.experimental.vector.compress`` packs the selected lanes of a
@@ -18,53 +17,18 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["SLACK", "split_nonzero", "split_nonzero_ranks"]
+__all__ = ["SLACK", "split_nonzero_ranks"]
 
 _LANES = 16
-SLACK = _LANES  #: elements each output array of `split_nonzero` holds past the last one it keeps
-
-
-@intrinsic
-def _split16(typingctx, src, j, keys, idx, m, zidx, z):  # noqa: ANN001, ANN202, ARG001
-    """src[j : j + 16] (uint32): the nonzero keys packed at keys[m:], their indices at idx[m:], the zero keys'
-    indices at zidx[z:], each as a whole 16-lane store (contiguous arrays). Returns how many were nonzero."""
-    sig = types.int64(src, j, keys, idx, m, zidx, z)
-
-    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
-        src_v, j_v, keys_v, idx_v, m_v, zidx_v, z_v = args
-        src_t, _, keys_t, idx_t, _, zidx_t, _ = signature.args
-        i32 = ir.IntType(32)
-        v16 = ir.VectorType(i32, _LANES)
-        m16 = ir.VectorType(ir.IntType(1), _LANES)
-
-        def at(ty, value, offset):  # a <16 x i32>* to element `offset` of an array
-            data = context.make_array(ty)(context, builder, value).data
-            return builder.bitcast(builder.gep(data, [offset]), v16.as_pointer())
-
-        vec = builder.load(at(src_t, src_v, j_v), align=4)
-        nonzero = builder.icmp_unsigned("!=", vec, ir.Constant(v16, [0] * _LANES))
-        zero = builder.not_(nonzero)
-        first = builder.insert_element(ir.Constant(v16, ir.Undefined), builder.trunc(j_v, i32), ir.Constant(i32, 0))
-        splat = builder.shuffle_vector(first, ir.Constant(v16, ir.Undefined), ir.Constant(v16, [0] * _LANES))
-        lanes = builder.add(splat, ir.Constant(v16, list(range(_LANES))))
-        compress = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16, m16, v16]),
-                                                  "llvm.experimental.vector.compress.v16i32")
-        undef = ir.Constant(v16, ir.Undefined)
-        builder.store(builder.call(compress, [vec, nonzero, undef]), at(keys_t, keys_v, m_v), align=4)
-        builder.store(builder.call(compress, [lanes, nonzero, undef]), at(idx_t, idx_v, m_v), align=4)
-        builder.store(builder.call(compress, [lanes, zero, undef]), at(zidx_t, zidx_v, z_v), align=4)
-        i16 = ir.IntType(16)
-        popcount = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i16, [i16]), "llvm.ctpop.i16")
-        return builder.zext(builder.call(popcount, [builder.bitcast(nonzero, i16)]), ir.IntType(64))
-
-    return sig, codegen
+SLACK = _LANES  #: elements `split_nonzero_ranks`' keys and indices hold past the last one it keeps
 
 
 @intrinsic
 def _split16_zero_ranks(typingctx, src, j, keys, idx, m, table, z, out):  # noqa: ANN001, ANN202, ARG001
-    """As `_split16` for the nonzero keys of src[j : j + 16]; the zero keys' lanes of out[j : j + 16] get
-    table[z], table[z + 1], ... in lane order (a masked expanding load; `out` contiguous, the other lanes
-    unspecified). Returns how many were nonzero."""
+    """src[j : j + 16] (uint32): the nonzero keys packed at keys[m:] and their indices at idx[m:] (each as a
+    whole 16-lane store; contiguous arrays), and the zero keys' lanes of out[j : j + 16] given table[z],
+    table[z + 1], ... in lane order (a masked expanding load; the other lanes unspecified). Returns how many
+    were nonzero."""
     sig = types.int64(src, j, keys, idx, m, table, z, out)
 
     def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
@@ -105,37 +69,11 @@ def _split16_zero_ranks(typingctx, src, j, keys, idx, m, table, z, out):  # noqa
 
 
 @numba.njit(nogil=True, inline="always")
-def split_nonzero(src: np.ndarray, n: int, keys: np.ndarray, idx: np.ndarray, zidx: np.ndarray) -> tuple[int, int]:
-    """(m, z): the m nonzero keys of src[:n] (uint32, contiguous) into keys[:m] and their indices into idx[:m],
-    the indices of the z zero ones into zidx[:z], each in index order (int32 indices; every output array holds
-    n + `SLACK`)."""
-    m = 0
-    z = 0
-    j = 0
-    while j + _LANES <= n:
-        c = _split16(src, j, keys, idx, m, zidx, z)
-        m += c
-        z += _LANES - c
-        j += _LANES
-    while j < n:
-        k = src[j]
-        if k != np.uint32(0):
-            keys[m] = k
-            idx[m] = j
-            m += 1
-        else:
-            zidx[z] = j
-            z += 1
-        j += 1
-    return m, z
-
-
-@numba.njit(nogil=True, inline="always")
 def split_nonzero_ranks(src: np.ndarray, n: int, keys: np.ndarray, idx: np.ndarray, table: np.ndarray,
                         out: np.ndarray) -> tuple[int, int]:
-    """(m, z): as `split_nonzero` for the nonzero keys, and out[j] = table[r] for the r-th zero key src[j]
-    (r from 0, index order) instead of their indices (`out`: n float32, its elements adjacent; a lane of a
-    nonzero key gets an unspecified value)."""
+    """(m, z): the m nonzero keys of src[:n] (uint32, contiguous) into keys[:m] and their indices into idx[:m]
+    (uint32), in index order (both hold n + `SLACK`), and out[j] = table[r] for the r-th zero key src[j] (r
+    from 0, index order; `out`: n float32, contiguous; a nonzero key's element gets an unspecified value)."""
     m = 0
     z = 0
     j = 0

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from mergepipe_db.kernels.compress import SLACK, split_nonzero, split_nonzero_ranks
+from mergepipe_db.kernels.compress import SLACK, split_nonzero_ranks
 from mergepipe_db.kernels.float_bits import f32_to_bits, widen
 
 __all__ = ["della_probabilities"]
@@ -123,7 +123,7 @@ def _work(n: int) -> tuple[np.ndarray, ...]:
     """One thread's work arrays for columns of n elements (`_column`)."""
     # unsigned indices and ranks: numba wraps a signed index that may be negative, a compare and a select per access
     return (np.empty(n, np.uint32), np.empty(n + SLACK, np.uint32), np.empty(n + SLACK, np.uint32),
-            np.empty(n + SLACK, np.uint32), np.empty(n, np.uint32), np.empty(n, np.uint32), np.empty(n, np.uint64),
+            np.empty(n, np.float32), np.empty(n, np.uint32), np.empty(n, np.uint32), np.empty(n, np.uint64),
             np.empty(n, np.uint32), np.zeros(_SLOTS, np.uint32), np.zeros(_SLOTS, np.uint64),
             np.empty((4, 256), np.int32))
 
@@ -136,18 +136,18 @@ def _column(out: np.ndarray, b: np.ndarray, x: np.ndarray, n: int, table: np.nda
 
     Every key first (a loop that vectorizes), then split into the zero and the nonzero ones (`compress`). The
     zero keys (Δ = ±0, often most of a column of a BF16 fine-tune) rank first in index order: their p are
-    dealt as they are split where `out` is contiguous, else through their indices. The m nonzero keys are
+    dealt as they are split (into a row of the thread's own where `out` is strided). The m nonzero keys are
     ranked by value when they take few (`_ranks_by_value`), else sorted (`_sorted`)."""
-    full, keys, idx, zidx, keys2, idx2, rank, slot, value, slot_count, count = work
+    full, keys, idx, dealt, keys2, idx2, rank, slot, value, slot_count, count = work
     for j in range(n):
         bits = f32_to_bits(widen(x[j]) - b[j]) & _ABS
         full[j] = _NAN_KEY if bits > _INF else bits
     if out.strides[0] == out.itemsize:
         m, zeros = split_nonzero_ranks(full, n, keys, idx, table, out)
-    else:
-        m, zeros = split_nonzero(full, n, keys, idx, zidx)
-        for r in range(zeros):
-            out[zidx[r]] = table[r]
+    else:  # a strided column: its zero keys' p dealt into the thread's own row first
+        m, zeros = split_nonzero_ranks(full, n, keys, idx, table, dealt)
+        for j in range(n):
+            out[j] = dealt[j]
     if m == 0:
         return
     if _ranks_by_value(keys, m, np.uint64(zeros), rank, slot, value, slot_count):
