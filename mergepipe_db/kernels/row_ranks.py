@@ -10,6 +10,7 @@ Otherwise a stable LSD radix sort, 8 bits a pass, skipping a pass where all keys
 either way, and no index arrays of the whole block. Δ comes from θ₀ and the expert's stored values as each
 column is read, and each p from a table by rank (the formula's n values, computed once).
 """
+
 from __future__ import annotations
 
 import numba
@@ -72,9 +73,9 @@ def _ranks_by_value(keys: np.ndarray, m: int, start: np.uint64, rank: np.ndarray
     (a BF16 fine-tune's |Δ| in a row: multiples of a few units in the last place): rank[i] = `start` + the
     rank of keys[i] among them, ties in index order. Each distinct key gets a slot of a small hash table
     (`value`, `count`: `_SLOTS` each, zero on entry and on return; `slot`: m), the distinct keys are sorted,
-    each slot's first rank follows the count of the smaller keys, and the ranks are dealt in
-    index order. False, with nothing written to `rank`, when the keys take more than a quarter of m values (or
-    `_SLOTS` / 2)."""
+    each slot's first rank follows the count of the smaller keys, and the ranks are dealt in index order.
+    False, with nothing written to `rank`, when the keys take more than a quarter of m values (or `_SLOTS` / 2):
+    sorting them all is then cheaper."""
     mask = np.uint32(_SLOTS - 1)
     one = np.uint64(1)
     empty = np.uint32(0)  # no nonzero key
