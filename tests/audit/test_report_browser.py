@@ -31,10 +31,10 @@ def _chromium() -> str:
     if path:
         return path
     can_install = hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("apt-get")
-    if os.environ.get("CI") or can_install:
-        pytest.fail("Debian's chromium is not installed: run `bash .ci/install-chromium.sh` (make test does)")
-    pytest.skip("chromium is not installed and cannot be installed here (not root or no apt-get; CI unset): "
-                "run `sudo bash .ci/install-chromium.sh`")
+    if not (os.environ.get("CI") or can_install):
+        pytest.skip("chromium is not installed and cannot be installed here (not root or no apt-get; CI unset): "
+                    "run `sudo bash .ci/install-chromium.sh`")
+    pytest.fail("Debian's chromium is not installed: run `bash .ci/install-chromium.sh` (make test does)")
 
 
 class _Tables(HTMLParser):
