@@ -68,12 +68,13 @@ _HASH = np.uint32(0x9E3779B1)  # Fibonacci hashing: a key's slot is the top 8 bi
 
 @numba.njit(cache=True, nogil=True)
 def _ranks_by_value(keys: np.ndarray, m: int, start: np.uint64, rank: np.ndarray, slot: np.ndarray,
-                    value: np.ndarray, count: np.ndarray) -> bool:
+                    value: np.ndarray, count: np.ndarray, by_key: np.ndarray) -> bool:
     """The ranks of the m packed nonzero keys (index order) without sorting them, when they take few values
     (a BF16 fine-tune's |Δ| in a row: multiples of a few units in the last place): rank[i] = `start` + the
     rank of keys[i] among them, ties in index order. Each distinct key gets a slot of a small hash table
-    (`value`, `count`: `_SLOTS` each, zero on entry and on return; `slot`: m), the distinct keys are sorted,
-    each slot's first rank follows the count of the smaller keys, and the ranks are dealt in index order.
+    (`value`, `count`: `_SLOTS` each, zero on entry and on return; `slot`: m), the used slots are sorted by key
+    (in `by_key`, `_SLOTS`: key · 256 + slot, the keys distinct), each slot's first rank follows the count of
+    the smaller keys, and the ranks are dealt in index order.
     False, with nothing written to `rank`, when the keys take more than a quarter of m values (or `_SLOTS` / 2):
     sorting them all is then cheaper."""
     mask = np.uint32(_SLOTS - 1)
@@ -95,17 +96,18 @@ def _ranks_by_value(keys: np.ndarray, m: int, start: np.uint64, rank: np.ndarray
                 break
         slot[i] = h
         count[h] += one
-    used = np.empty(distinct, np.uint32)
+    used = by_key[:distinct]
     d = 0
     for h in range(_SLOTS):
         if value[h] != empty:
-            used[d] = h
+            used[d] = (np.uint64(value[h]) << np.uint64(8)) | np.uint64(h)
             d += 1
+    low = np.uint64(_SLOTS - 1)
     if ok:
-        order = np.argsort(value[used])  # the used slots in ascending key order (the keys are distinct)
+        used.sort()  # ascending key order
         below = start
         for a in range(distinct):  # count[h] becomes the slot's next rank
-            h = used[order[a]]
+            h = used[a] & low
             t = count[h]
             count[h] = below
             below += t
@@ -114,8 +116,9 @@ def _ranks_by_value(keys: np.ndarray, m: int, start: np.uint64, rank: np.ndarray
             rank[i] = count[h]
             count[h] += one
     for a in range(d):
-        value[used[a]] = empty
-        count[used[a]] = 0
+        h = used[a] & low
+        value[h] = empty
+        count[h] = 0
     return ok
 
 
@@ -126,7 +129,7 @@ def _work(n: int) -> tuple[np.ndarray, ...]:
     return (np.empty(n, np.uint32), np.empty(n + SLACK, np.uint32), np.empty(n + SLACK, np.uint32),
             np.empty(n, np.float32), np.empty(n, np.uint32), np.empty(n, np.uint32), np.empty(n, np.uint64),
             np.empty(n, np.uint32), np.zeros(_SLOTS, np.uint32), np.zeros(_SLOTS, np.uint64),
-            np.empty((4, 256), np.int32))
+            np.empty((4, 256), np.int32), np.empty(_SLOTS, np.uint64))
 
 
 @numba.njit(cache=True, nogil=True)
@@ -139,7 +142,7 @@ def _column(out: np.ndarray, b: np.ndarray, x: np.ndarray, n: int, table: np.nda
     zero keys (Δ = ±0, often most of a column of a BF16 fine-tune) rank first in index order: their p are
     dealt as they are split (into a row of the thread's own where `out` is strided). The m nonzero keys are
     ranked by value when they take few (`_ranks_by_value`), else sorted (`_sorted`)."""
-    full, keys, idx, dealt, keys2, idx2, rank, slot, value, slot_count, count = work
+    full, keys, idx, dealt, keys2, idx2, rank, slot, value, slot_count, count, by_key = work
     for j in range(n):
         bits = f32_to_bits(widen(x[j]) - b[j]) & _ABS
         full[j] = _NAN_KEY if bits > _INF else bits
@@ -151,7 +154,7 @@ def _column(out: np.ndarray, b: np.ndarray, x: np.ndarray, n: int, table: np.nda
             out[j] = dealt[j]
     if m == 0:
         return
-    if _ranks_by_value(keys, m, np.uint64(zeros), rank, slot, value, slot_count):
+    if _ranks_by_value(keys, m, np.uint64(zeros), rank, slot, value, slot_count, by_key):
         for i in range(m):
             out[idx[i]] = table[rank[i]]
         return
