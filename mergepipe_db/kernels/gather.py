@@ -128,12 +128,11 @@ def ram_combine(out: np.ndarray, base: np.ndarray, deltas: np.ndarray, eps: np.f
 
 
 @numba.njit(cache=True, nogil=True)
-def fusion_importance(out: np.ndarray, theta0: np.ndarray, theta1: np.ndarray, kl: np.ndarray) -> bool:
-    """out = |θ_1 − θ₀| · kl[row] (flat, rows of ``len(out) // len(kl)`` elements); False when some value is
-    NaN."""
-    rn = out.shape[0] // kl.shape[0]
+def _importance_rows(out: np.ndarray, theta0: np.ndarray, theta1: np.ndarray, kl: np.ndarray, rn: int, r0: int,
+                     r1: int) -> bool:
+    """`fusion_importance` on rows [r0, r1)."""
     ok = True
-    for r in range(kl.shape[0]):
+    for r in range(r0, r1):
         s = r * rn
         o, a, b = out[s:s + rn], theta0[s:s + rn], theta1[s:s + rn]
         w = kl[r]
@@ -142,6 +141,19 @@ def fusion_importance(out: np.ndarray, theta0: np.ndarray, theta1: np.ndarray, k
             o[i] = v
             ok &= v == v
     return ok
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def fusion_importance(out: np.ndarray, theta0: np.ndarray, theta1: np.ndarray, kl: np.ndarray) -> bool:
+    """out = |θ_1 − θ₀| · kl[row] (flat, rows of ``len(out) // len(kl)`` elements); False when some value is
+    NaN. Chunks of rows on numba's threads."""
+    rows = kl.shape[0]
+    rn = out.shape[0] // rows
+    c = min(rows, n_chunks(out.shape[0], PAR_CHUNK))
+    oks = np.empty(c, np.bool_)
+    for t in numba.prange(c):
+        oks[t] = _importance_rows(out, theta0, theta1, kl, rn, rows * t // c, rows * (t + 1) // c)
+    return bool(oks.all())
 
 
 @numba.njit(inline="always")
@@ -209,14 +221,19 @@ def kth_smallest(a: np.ndarray, ks: np.ndarray, out: np.ndarray) -> None:
         out[j] = _from_order_key((prefixes[which[j]] << sixteen) | np.uint32(lo))
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, parallel=True)
 def fusion_apply(out: np.ndarray, theta0: np.ndarray, theta1: np.ndarray, importance: np.ndarray,
                  threshold: np.float32) -> None:
-    """out = θ₀ + (θ_1 − θ₀) · float32(importance >= threshold)."""
+    """out = θ₀ + (θ_1 − θ₀) · float32(importance >= threshold), in chunks on numba's threads."""
     zero = np.float32(0.0)
     one = np.float32(1.0)
-    for i in range(out.shape[0]):
-        out[i] = theta0[i] + (theta1[i] - theta0[i]) * (one if importance[i] >= threshold else zero)
+    n = out.shape[0]
+    c = n_chunks(n, PAR_CHUNK)
+    for t in numba.prange(c):
+        s, e = chunk_span(n, c, t)
+        o, a, b, m = out[s:e], theta0[s:e], theta1[s:e], importance[s:e]
+        for i in range(o.shape[0]):
+            o[i] = a[i] + (b[i] - a[i]) * (one if m[i] >= threshold else zero)
 
 
 # -- nearswap (`operators/nearswap.py`) ---------------------------------------------------------------------------

@@ -158,7 +158,8 @@ def _arcee_torch(base: np.ndarray, theta: np.ndarray, seed: int, name: str) -> n
 
 @pytest.mark.parametrize("shape,plant", [((300, 64), None), ((40,), None), ((3, 4, 50), None),
                                          ((200, 64), "equal rows"), ((200, 64), "nan"),
-                                         ((2100, 512), "equal rows"), ((2100, 512), "nan")])
+                                         ((2100, 512), "equal rows"), ((2100, 512), "nan"),
+                                         ((2100, 512), "late nan")])
 def test_arcee_fusion_gives_the_torch_formulaf32_bits(shape, plant) -> None:
     torch.set_num_threads(1)
     g = np.random.default_rng(3)
@@ -169,6 +170,8 @@ def test_arcee_fusion_gives_the_torch_formulaf32_bits(shape, plant) -> None:
         theta.reshape(-1, shape[-1])[::3] = base.reshape(-1, shape[-1])[::3]  # kl = 0: a third of the importances 0
     elif plant == "nan":
         theta[5, 7] = np.nan  # a NaN row: torch's sort places NaN last
+    elif plant == "late nan":
+        theta[-3, 500] = np.nan  # in the importance pass's last chunk of rows
     n_rows = shape[0] if len(shape) > 1 else 1
     ctx = TensorContext(name="w", shape=shape, rows_per_block=n_rows if len(shape) > 1 else 1, n_blocks=1, seed=4)
     op = make_operator("arcee_fusion", [ExpertParams("e0")])
@@ -266,3 +269,32 @@ def test_kl_by_aligned_row_slices_is_one_call(shape, parts) -> None:
         torch.set_num_threads(before)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
     assert torch.equal(q.view(torch.int32), want_terms.view(torch.int32))
+
+
+@pytest.mark.parametrize("shape", [(300, 7), (129, 100), (64, 2048), (9, 5632), (1000, 33), (5, 1), (3, 100_003)])
+@pytest.mark.parametrize("elements", [1000, 4096])
+def test_kl_by_row_chunks_is_the_formula_on_the_whole_tensor(shape, elements) -> None:
+    """arcee_fusion's softmaxes and KL a chunk of rows at a time (`fusion.kl_by_row_chunks`, chunks by
+    `row_chunks`) equal the formula's torch calls on the whole tensor, bit for bit: checked on this torch, odd
+    widths and rows wider than a chunk included."""
+    from mergepipe_db.operators.fusion import SLICE_ALIGN, kl_by_row_chunks, row_chunks
+
+    g = torch.Generator().manual_seed(shape[0] * 7 + shape[1])
+    t0, t1 = torch.randn(shape, generator=g) * 3, torch.randn(shape, generator=g) * 3
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        p, q = F.softmax(t1, dim=-1) + 1e-8, F.softmax(t0, dim=-1) + 1e-8
+        want = torch.sum(p * torch.log(p / q), dim=-1, keepdim=True)
+        chunks = row_chunks(shape[0], shape[1], elements)
+        assert all(a * shape[1] % SLICE_ALIGN == 0 for a, _ in chunks)
+        assert chunks[0][0] == 0 and chunks[-1][1] == shape[0]
+        assert all(b == c for (_, b), (c, _) in zip(chunks, chunks[1:]))
+        if shape[0] * shape[1] >= 4 * elements and shape[1] % 64 == 0:
+            assert len(chunks) >= 4  # cut where the rows allow it
+        longest = max(b - a for a, b in chunks) * shape[1]
+        got = torch.full((shape[0], 1), float("nan"))
+        kl_by_row_chunks(t0, t1, got, chunks, (torch.empty(longest), torch.empty(longest)))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
