@@ -1,4 +1,5 @@
-"""Splitting an array of keys into its nonzero and zero ones, 16 lanes at a time (`split_nonzero_ranks`).
+"""Packing the selected lanes of an array of keys, 16 lanes at a time: splitting keys into their nonzero and
+zero ones (`split_nonzero_ranks`), and keeping those strictly between two bounds (`pack_between`).
 
 A packing loop written element by element (``keys[m] = k; m += k != 0``) does not vectorize: its store address
 depends on the count so far. LLVM's generic ``llvm.experimental.vector.compress`` packs the selected lanes of a
@@ -17,10 +18,10 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["SLACK", "split_nonzero_ranks"]
+__all__ = ["SLACK", "pack_between", "split_nonzero_ranks"]
 
 _LANES = 16
-SLACK = _LANES  #: elements `split_nonzero_ranks`' keys and indices hold past the last one it keeps
+SLACK = _LANES  #: elements an output holds past the last key kept (`split_nonzero_ranks`, `pack_between`)
 
 
 @intrinsic
@@ -93,3 +94,56 @@ def split_nonzero_ranks(src: np.ndarray, n: int, keys: np.ndarray, idx: np.ndarr
             z += 1
         j += 1
     return m, z
+
+
+@intrinsic
+def _pack16_between(typingctx, src, j, lo, hi, out, m):  # noqa: ANN001, ANN202, ARG001
+    """The keys lo < src[i] < hi (unsigned) of src[j : j + 16] packed at out[m:] (a whole 16-lane store;
+    contiguous uint32 arrays). Returns how many."""
+    sig = types.int64(src, j, lo, hi, out, m)
+
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+        src_v, j_v, lo_v, hi_v, out_v, m_v = args
+        src_t, _, _, _, out_t, _ = signature.args
+        i32 = ir.IntType(32)
+        v16 = ir.VectorType(i32, _LANES)
+        m16 = ir.VectorType(ir.IntType(1), _LANES)
+
+        def ptr(ty, value, offset):
+            data = context.make_array(ty)(context, builder, value).data
+            return builder.gep(data, [offset])
+
+        def splat(value):
+            first = builder.insert_element(ir.Constant(v16, ir.Undefined), value, ir.Constant(i32, 0))
+            return builder.shuffle_vector(first, ir.Constant(v16, ir.Undefined), ir.Constant(v16, [0] * _LANES))
+
+        vec = builder.load(builder.bitcast(ptr(src_t, src_v, j_v), v16.as_pointer()), align=4)
+        inside = builder.and_(builder.icmp_unsigned(">", vec, splat(lo_v)),
+                              builder.icmp_unsigned("<", vec, splat(hi_v)))
+        compress = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16, m16, v16]),
+                                                  "llvm.experimental.vector.compress.v16i32")
+        builder.store(builder.call(compress, [vec, inside, ir.Constant(v16, ir.Undefined)]),
+                      builder.bitcast(ptr(out_t, out_v, m_v), v16.as_pointer()), align=4)
+        i16 = ir.IntType(16)
+        popcount = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i16, [i16]), "llvm.ctpop.i16")
+        return builder.zext(builder.call(popcount, [builder.bitcast(inside, i16)]), ir.IntType(64))
+
+    return sig, codegen
+
+
+@numba.njit(nogil=True, inline="always")
+def pack_between(src: np.ndarray, n: int, lo: np.uint32, hi: np.uint32, out: np.ndarray, m: int) -> int:
+    """The keys lo < k < hi of src[:n] (uint32, contiguous), in index order, into out[m:] (uint32, contiguous,
+    holding `SLACK` elements past the last one kept); returns how many."""
+    c = 0
+    j = 0
+    while j + _LANES <= n:
+        c += _pack16_between(src, j, lo, hi, out, m + c)
+        j += _LANES
+    while j < n:
+        k = src[j]
+        if lo < k < hi:
+            out[m + c] = k
+            c += 1
+        j += 1
+    return c

@@ -1269,7 +1269,7 @@ _HIST_TILE = 1024  # |Δ| patterns formed a tile at a time (a loop that vectoriz
 
 
 @numba.njit(cache=True, nogil=True)
-def _absdelta_bits_tile(out: np.ndarray, b: np.ndarray, x: np.ndarray) -> None:
+def absdelta_bits_tile(out: np.ndarray, b: np.ndarray, x: np.ndarray) -> None:
     """out = the bit patterns of |θ_k − θ₀| of one tile."""
     for i in range(out.shape[0]):
         out[i] = f32_to_bits(abs(widen(x[i]) - b[i]))
@@ -1288,7 +1288,7 @@ def _absdelta_hist_chunks(base: np.ndarray, raw: np.ndarray, parts: np.ndarray) 
         tile = np.empty(_HIST_TILE, np.uint32)
         for t0 in range(s, e, _HIST_TILE):
             m = min(_HIST_TILE, e - t0)
-            _absdelta_bits_tile(tile[:m], base[t0:t0 + m], raw[t0:t0 + m])
+            absdelta_bits_tile(tile[:m], base[t0:t0 + m], raw[t0:t0 + m])
             q = m // R * R
             for i in range(0, q, R):
                 for r in range(R):
@@ -1320,7 +1320,7 @@ def _absdelta_low_chunks(base: np.ndarray, raw: np.ndarray, prefixes: np.ndarray
         tile = np.empty(_HIST_TILE, np.uint32)
         for t0 in range(s, e, _HIST_TILE):
             mt = min(_HIST_TILE, e - t0)
-            _absdelta_bits_tile(tile[:mt], base[t0:t0 + mt], raw[t0:t0 + mt])
+            absdelta_bits_tile(tile[:mt], base[t0:t0 + mt], raw[t0:t0 + mt])
             for i in range(mt):
                 v = tile[i]
                 top = v >> np.uint32(16)

@@ -266,7 +266,9 @@ class DeltaFold(MergeOperator):
         if src is not None and self._bflat is not None and ks and len(ranges) <= 64:
             # every block that may differ was read: the cut points from the stored values on the rows read
             # (zeros elsewhere); None when some |Δ| is inf or NaN
-            cuts = kernels().kth_largest_abs_deltas(self._bflat, src, x.element_ranges_array(self._ctx), n, ks)
+            from mergepipe_db.kernels.kth_select import kth_largest_abs_deltas_sampled
+
+            cuts = kth_largest_abs_deltas_sampled(self._bflat, src, x.element_ranges_array(self._ctx), n, ks)
         if cuts is not None:
             hi = cuts[0] if n_top > 0 else math.inf
             lo = cuts[-1] if n_bot > 0 else None
