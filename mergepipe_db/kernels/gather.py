@@ -78,13 +78,12 @@ def _ram_tile_counts(cnt: np.ndarray, deltas: np.ndarray, s: int, m: int, eps: n
 
 
 @numba.njit(cache=True, nogil=True)
-def ram_counts(deltas: np.ndarray, eps: np.float32, shared: np.ndarray, unique: np.ndarray) -> None:
-    """ramplus_tl's counts of expert k (`deltas`: (K, n) float32): shared[k] += #(|Δ_k| > ε and c > 1),
-    unique[k] += #(|Δ_k| > ε and c == 1), with c = Σ_k (|Δ_k| > ε)."""
-    n = deltas.shape[1]
+def _ram_counts_span(deltas: np.ndarray, eps: np.float32, shared: np.ndarray, unique: np.ndarray, s0: int,
+                     e0: int) -> None:
+    """`ram_counts` of elements [s0, e0), added into shared and unique."""
     cnt = np.empty(_TILE, np.int32)
-    for s in range(0, n, _TILE):
-        m = min(_TILE, n - s)
+    for s in range(s0, e0, _TILE):
+        m = min(_TILE, e0 - s)
         _ram_tile_counts(cnt, deltas, s, m, eps)
         for k in range(deltas.shape[0]):
             d = deltas[k, s:s + m]
@@ -98,19 +97,33 @@ def ram_counts(deltas: np.ndarray, eps: np.float32, shared: np.ndarray, unique: 
             unique[k] += un
 
 
-@numba.njit(cache=True, nogil=True, error_model="numpy")  # no zero-division check: the loop vectorizes
-def ram_combine(out: np.ndarray, base: np.ndarray, deltas: np.ndarray, eps: np.float32, lam: np.ndarray) -> None:
-    """out = θ₀ + Σ_k (z_k·unique·λ_k + (z_k·overlap) / float32(max(c, 1))), summed in expert order into +0.0,
-    with z_k = where(|Δ_k| > ε, Δ_k, 0.0), unique = (c == 1), overlap = (c > 1) as 1.0/0.0 factors (`deltas`:
-    (K, n) float32; `lam`: float32 λ_k, 1.0 for ram)."""
+@numba.njit(cache=True, nogil=True, parallel=True)
+def ram_counts(deltas: np.ndarray, eps: np.float32, shared: np.ndarray, unique: np.ndarray) -> None:
+    """ramplus_tl's counts of expert k (`deltas`: (K, n) float32): shared[k] += #(|Δ_k| > ε and c > 1),
+    unique[k] += #(|Δ_k| > ε and c == 1), with c = Σ_k (|Δ_k| > ε). In chunks on numba's threads, each
+    chunk's counts its own, added after (integers: the same for any thread count)."""
     n = deltas.shape[1]
+    c = n_chunks(n, PAR_CHUNK)
+    parts = np.zeros((c, 2, deltas.shape[0]), np.int64)
+    for t in numba.prange(c):
+        s, e = chunk_span(n, c, t)
+        _ram_counts_span(deltas, eps, parts[t, 0], parts[t, 1], s, e)
+    for t in range(c):
+        shared += parts[t, 0]
+        unique += parts[t, 1]
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")  # no zero-division check: the loop vectorizes
+def _ram_combine_span(out: np.ndarray, base: np.ndarray, deltas: np.ndarray, eps: np.float32, lam: np.ndarray,
+                      s0: int, e0: int) -> None:
+    """`ram_combine` of elements [s0, e0)."""
     zero = np.float32(0.0)
     one = np.float32(1.0)
     cnt = np.empty(_TILE, np.int32)
     den = np.empty(_TILE, np.float32)
     acc = np.empty(_TILE, np.float32)
-    for s in range(0, n, _TILE):
-        m = min(_TILE, n - s)
+    for s in range(s0, e0, _TILE):
+        m = min(_TILE, e0 - s)
         _ram_tile_counts(cnt, deltas, s, m, eps)
         for t in range(m):
             den[t] = np.float32(max(cnt[t], 1))
@@ -125,6 +138,19 @@ def ram_combine(out: np.ndarray, base: np.ndarray, deltas: np.ndarray, eps: np.f
         o, b = out[s:s + m], base[s:s + m]
         for t in range(m):
             o[t] = b[t] + acc[t]
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def ram_combine(out: np.ndarray, base: np.ndarray, deltas: np.ndarray, eps: np.float32, lam: np.ndarray) -> None:
+    """out = θ₀ + Σ_k (z_k·unique·λ_k + (z_k·overlap) / float32(max(c, 1))), summed in expert order into +0.0,
+    with z_k = where(|Δ_k| > ε, Δ_k, 0.0), unique = (c == 1), overlap = (c > 1) as 1.0/0.0 factors (`deltas`:
+    (K, n) float32; `lam`: float32 λ_k, 1.0 for ram). Each element's value is its own: chunks on numba's
+    threads."""
+    n = deltas.shape[1]
+    c = n_chunks(n, PAR_CHUNK)
+    for t in numba.prange(c):
+        s, e = chunk_span(n, c, t)
+        _ram_combine_span(out, base, deltas, eps, lam, s, e)
 
 
 @numba.njit(cache=True, nogil=True)

@@ -81,11 +81,12 @@ def _ram_numpy_terms(base, deltas, eps, r, alpha):
     return base + acc, counts
 
 
-@pytest.mark.parametrize("n_experts", [1, 2, 3, 8, 9])
+@pytest.mark.parametrize("n_experts,n", [(1, 3 * 1024 + 77), (2, 3 * 1024 + 77), (3, 3 * 1024 + 77),
+                                          (8, 3 * 1024 + 77), (9, 3 * 1024 + 77), (3, (1 << 17) * 5 + 333)])
 @pytest.mark.parametrize("eps", [1e-3, 0.0, -1e-3, 0.1])
-def test_ram_kernels_give_the_numpy_formulaf32_bits(n_experts, eps) -> None:
+def test_ram_kernels_give_the_numpy_formulaf32_bits(n_experts, n, eps) -> None:
+    """Tiles and a tail; the last case spans five chunks of numba's threads (`merge.PAR_CHUNK`)."""
     g = np.random.default_rng(n_experts)
-    n = 3 * 1024 + 77  # tiles and a tail
     base = g.standard_normal(n).astype(np.float32)
     base[:7] = -0.0
     deltas = np.empty((n_experts, n), np.float32)
