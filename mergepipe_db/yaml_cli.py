@@ -112,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         for name in _NO_EFFECT:
             if getattr(args, name):
                 print(f"mergepipe-yaml: note: --{name.replace('_', '-')} has no effect", file=sys.stderr)
+        from mergepipe_db.kernels import warmup
+
+        warmup.start(own_process=True)  # the merge kernels load while the catalog is imported, opened and planned
         from mergepipe_db.catalog import Catalog
 
         cat = Catalog.open(args.catalog)

@@ -7,6 +7,7 @@ bits by MT19937 (`mergepipe_db.kernels.torch_rand`) without importing torch. `da
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
 __all__ = ["block_seed", "check_mask_keys", "dare_keep_mask", "dare_uniforms_packed"]
 
 
+@functools.lru_cache(maxsize=1 << 13)  # dare_ties and della's TIES pass ask for a tensor's seeds twice
 def block_seed(seed: int, expert_key: str, tensor_name: str, block_index: int) -> int:
     """The generator seed of one block's DARE uniforms (docs/SEMANTICS.md)."""
     key = hashlib.sha256(f"{seed}\x1f{expert_key}\x1f{tensor_name}\x1f{block_index}".encode()).digest()
