@@ -265,7 +265,7 @@ def fusion_apply(out: np.ndarray, theta0: np.ndarray, theta1: np.ndarray, import
 # -- nearswap (`operators/nearswap.py`) ---------------------------------------------------------------------------
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, error_model="numpy")  # no zero-division check (m >= 1e-6 or NaN): it vectorizes
 def _nearswap_span(out: np.ndarray, a: np.ndarray, b: np.ndarray, t: np.float32) -> None:
     """One span of `nearswap`."""
     eps = np.float32(1e-6)
