@@ -24,6 +24,37 @@ _LANES = 16
 SLACK = _LANES  #: elements an output holds past the last key kept (`split_nonzero_ranks`, `pack_between`)
 
 
+_I32 = ir.IntType(32)
+_V16 = ir.VectorType(_I32, _LANES)  # 16 uint32 keys
+_M16 = ir.VectorType(ir.IntType(1), _LANES)  # a lane mask
+
+
+def _element(context, builder, ty, value, offset):  # noqa: ANN001, ANN202
+    """A pointer to element `offset` of the contiguous array argument `value` (numba type `ty`)."""
+    return builder.gep(context.make_array(ty)(context, builder, value).data, [offset])
+
+
+def _splat(builder, value):  # noqa: ANN001, ANN202
+    """An i32 `value` in all 16 lanes."""
+    first = builder.insert_element(ir.Constant(_V16, ir.Undefined), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(first, ir.Constant(_V16, ir.Undefined), ir.Constant(_V16, [0] * _LANES))
+
+
+def _compress_store(builder, vec, mask, pointer) -> None:  # noqa: ANN001
+    """The lanes of `vec` selected by `mask` packed to the front and stored whole (16 lanes) at `pointer`."""
+    compress = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16, [_V16, _M16, _V16]),
+                                              "llvm.experimental.vector.compress.v16i32")
+    builder.store(builder.call(compress, [vec, mask, ir.Constant(_V16, ir.Undefined)]),
+                  builder.bitcast(pointer, _V16.as_pointer()), align=4)
+
+
+def _count(builder, mask):  # noqa: ANN001, ANN202
+    """How many lanes `mask` selects, as an int64."""
+    i16 = ir.IntType(16)
+    popcount = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i16, [i16]), "llvm.ctpop.i16")
+    return builder.zext(builder.call(popcount, [builder.bitcast(mask, i16)]), ir.IntType(64))
+
+
 @intrinsic
 def _split16_zero_ranks(typingctx, src, j, keys, idx, m, table, z, out):  # noqa: ANN001, ANN202, ARG001
     """src[j : j + 16] (uint32): the nonzero keys packed at keys[m:] and their indices at idx[m:] (each as a
@@ -35,36 +66,21 @@ def _split16_zero_ranks(typingctx, src, j, keys, idx, m, table, z, out):  # noqa
     def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
         src_v, j_v, keys_v, idx_v, m_v, table_v, z_v, out_v = args
         src_t, _, keys_t, idx_t, _, table_t, _, out_t = signature.args
-        i32 = ir.IntType(32)
         f32 = ir.FloatType()
-        v16 = ir.VectorType(i32, _LANES)
         f16 = ir.VectorType(f32, _LANES)
-        m16 = ir.VectorType(ir.IntType(1), _LANES)
-
-        def ptr(ty, value, offset):
-            data = context.make_array(ty)(context, builder, value).data
-            return builder.gep(data, [offset])
-
-        vec = builder.load(builder.bitcast(ptr(src_t, src_v, j_v), v16.as_pointer()), align=4)
-        nonzero = builder.icmp_unsigned("!=", vec, ir.Constant(v16, [0] * _LANES))
-        zero = builder.not_(nonzero)
-        first = builder.insert_element(ir.Constant(v16, ir.Undefined), builder.trunc(j_v, i32), ir.Constant(i32, 0))
-        splat = builder.shuffle_vector(first, ir.Constant(v16, ir.Undefined), ir.Constant(v16, [0] * _LANES))
-        lanes = builder.add(splat, ir.Constant(v16, list(range(_LANES))))
-        compress = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16, m16, v16]),
-                                                  "llvm.experimental.vector.compress.v16i32")
-        undef = ir.Constant(v16, ir.Undefined)
-        builder.store(builder.call(compress, [vec, nonzero, undef]),
-                      builder.bitcast(ptr(keys_t, keys_v, m_v), v16.as_pointer()), align=4)
-        builder.store(builder.call(compress, [lanes, nonzero, undef]),
-                      builder.bitcast(ptr(idx_t, idx_v, m_v), v16.as_pointer()), align=4)
+        vec = builder.load(builder.bitcast(_element(context, builder, src_t, src_v, j_v), _V16.as_pointer()),
+                           align=4)
+        nonzero = builder.icmp_unsigned("!=", vec, ir.Constant(_V16, [0] * _LANES))
+        lanes = builder.add(_splat(builder, builder.trunc(j_v, _I32)), ir.Constant(_V16, list(range(_LANES))))
+        _compress_store(builder, vec, nonzero, _element(context, builder, keys_t, keys_v, m_v))
+        _compress_store(builder, lanes, nonzero, _element(context, builder, idx_t, idx_v, m_v))
         expand = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(f16, [f32.as_pointer(), m16, f16]), "llvm.masked.expandload.v16f32")
-        ranks = builder.call(expand, [ptr(table_t, table_v, z_v), zero, ir.Constant(f16, ir.Undefined)])
-        builder.store(ranks, builder.bitcast(ptr(out_t, out_v, j_v), f16.as_pointer()), align=4)
-        i16 = ir.IntType(16)
-        popcount = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i16, [i16]), "llvm.ctpop.i16")
-        return builder.zext(builder.call(popcount, [builder.bitcast(nonzero, i16)]), ir.IntType(64))
+            builder.module, ir.FunctionType(f16, [f32.as_pointer(), _M16, f16]), "llvm.masked.expandload.v16f32")
+        ranks = builder.call(expand, [_element(context, builder, table_t, table_v, z_v), builder.not_(nonzero),
+                                      ir.Constant(f16, ir.Undefined)])
+        builder.store(ranks, builder.bitcast(_element(context, builder, out_t, out_v, j_v), f16.as_pointer()),
+                      align=4)
+        return _count(builder, nonzero)
 
     return sig, codegen
 
@@ -105,28 +121,12 @@ def _pack16_between(typingctx, src, j, lo, hi, out, m):  # noqa: ANN001, ANN202,
     def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
         src_v, j_v, lo_v, hi_v, out_v, m_v = args
         src_t, _, _, _, out_t, _ = signature.args
-        i32 = ir.IntType(32)
-        v16 = ir.VectorType(i32, _LANES)
-        m16 = ir.VectorType(ir.IntType(1), _LANES)
-
-        def ptr(ty, value, offset):
-            data = context.make_array(ty)(context, builder, value).data
-            return builder.gep(data, [offset])
-
-        def splat(value):
-            first = builder.insert_element(ir.Constant(v16, ir.Undefined), value, ir.Constant(i32, 0))
-            return builder.shuffle_vector(first, ir.Constant(v16, ir.Undefined), ir.Constant(v16, [0] * _LANES))
-
-        vec = builder.load(builder.bitcast(ptr(src_t, src_v, j_v), v16.as_pointer()), align=4)
-        inside = builder.and_(builder.icmp_unsigned(">", vec, splat(lo_v)),
-                              builder.icmp_unsigned("<", vec, splat(hi_v)))
-        compress = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16, m16, v16]),
-                                                  "llvm.experimental.vector.compress.v16i32")
-        builder.store(builder.call(compress, [vec, inside, ir.Constant(v16, ir.Undefined)]),
-                      builder.bitcast(ptr(out_t, out_v, m_v), v16.as_pointer()), align=4)
-        i16 = ir.IntType(16)
-        popcount = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i16, [i16]), "llvm.ctpop.i16")
-        return builder.zext(builder.call(popcount, [builder.bitcast(inside, i16)]), ir.IntType(64))
+        vec = builder.load(builder.bitcast(_element(context, builder, src_t, src_v, j_v), _V16.as_pointer()),
+                           align=4)
+        inside = builder.and_(builder.icmp_unsigned(">", vec, _splat(builder, lo_v)),
+                              builder.icmp_unsigned("<", vec, _splat(builder, hi_v)))
+        _compress_store(builder, vec, inside, _element(context, builder, out_t, out_v, m_v))
+        return _count(builder, inside)
 
     return sig, codegen
 
