@@ -1,8 +1,8 @@
 """sce: select the elements of highest variance across the experts, weight each expert by its mean squared task
 vector, erase the minority sign (docs/SEMANTICS.md). torch's var, topk and mean are the definition (their
 summation orders set the bits); numba kernels compute it per element in torch's orders, without K-sized
-temporaries (`_merge_flat`), and torch, imported when a tensor is finished, sums the squares, chooses among
-variances tied at the top-k cut and does an array's last columns.
+temporaries (`_merge_flat`), `kernels.topk_select` chooses among variances tied at the top-k cut as torch.topk
+does, and torch, imported when a tensor is finished, sums the squares and does an array's last columns.
 
 Under a partial selection the formula runs on the rows read only (the union of every expert's selected rows,
 compacted into contiguous arrays); the other rows get the formula's value for an all-zero Δ, θ₀ + 0.0."""
@@ -96,10 +96,13 @@ class Sce(GatherFold):
         """The `select_topk` mask (uint8 per element); None when it is 1 (nothing masked).
 
         torch.topk's k largest |var|: the k-th largest by radix select, and every element at or above it kept
-        when those are exactly k. Only when variances equal to the k-th largest are split (some in, some out:
-        frequent with BF16 experts, whose Δ take few values) does torch.topk itself choose, unsorted (the same
-        set; its choice among ties is its own). |var| is torch's, bit for bit (`sce_abs_var`)."""
+        when those are exactly k. When variances equal to the k-th largest are split (some in, some out:
+        frequent with BF16 experts, whose Δ take few values), torch.topk's choice among them, reproduced
+        (`kernels.topk_select`), or torch.topk itself where that is not reproduced. |var| is torch's, bit for
+        bit (`sce_abs_var`)."""
         import torch
+
+        from mergepipe_db.kernels.topk_select import torch_topk_mask
 
         density = self.params["select_topk"]
         if density >= 1:
@@ -114,7 +117,8 @@ class Sce(GatherFold):
         k = int(int(kern.sce_abs_var(var, kern.pack(ds), len(ds))) * density)
         if k <= 0:
             keep[:] = 0
-        elif not kern.sce_keep(var.view(np.uint32), np.uint32(kth_largest_bits(var, k, self)), k, keep):
+        elif not kern.sce_keep(var.view(np.uint32), np.uint32(kth_largest_bits(var, k, self)), k, keep) and \
+                not torch_topk_mask(var, k, keep, self.scratch("sce_keys", n, np.uint64)):
             keep[:] = 0
             keep[torch.topk(torch.from_numpy(var), k, sorted=False).indices.numpy()] = 1
         return keep
