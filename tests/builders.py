@@ -138,6 +138,21 @@ def fold_deltas(method: str, base: np.ndarray, selected, deltas, options: dict, 
     return op.finish().copy()
 
 
+def fold_stored(method: str, base: np.ndarray, selected, stored, options: dict, *, full: bool,
+                rows_per_block: int) -> np.ndarray:
+    """`fold_deltas` with expert k given as its stored values `stored[k]` (θ_k's BF16 bit patterns as uint16,
+    or float32), read in place as the executor hands them over; the rows of blocks not in `selected[k]` hold
+    whatever `stored[k]` has there (the caller puts garbage there: they were never read). The arrays may be
+    written (an operator may fill the rows not read). Returns a copy of the result."""
+    n_blocks = -(-base.shape[0] // rows_per_block)
+    ctx = TensorContext(name="w", shape=base.shape, rows_per_block=rows_per_block, n_blocks=n_blocks, seed=0)
+    op = make_operator(method, [ExpertParams(f"e{k}") for k in range(len(stored))], options=options)
+    op.begin(base, ctx)
+    for k, (blocks, raw) in enumerate(zip(selected, stored)):
+        op.add(ExpertInput.from_raw(k, None, blocks, full, base=base, raw=raw, ctx=ctx))
+    return op.finish().copy()
+
+
 def f32_bits(a) -> np.ndarray:
     """The float32 bit patterns of `a` (int32), for bit-for-bit comparisons."""
     return np.asarray(a, np.float32).view(np.int32)

@@ -16,6 +16,7 @@ from mergepipe_db.kernels.merge import PAR_CHUNK, chunk_span, n_chunks
 
 _TILE = 1024  # elements per tile: a tile's count and accumulator stay in L1 across the experts
 _SIGN = np.uint32(0x80000000)
+_EXP = np.uint32(0x7F800000)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -68,6 +69,53 @@ def gather_theta(out: np.ndarray, base: np.ndarray, raw: np.ndarray, ranges: np.
 
 
 @numba.njit(cache=True, nogil=True)
+def _fill_unread_span(bits: np.ndarray, base: np.ndarray, ranges: np.ndarray, shift: int, s: int, e: int) -> bool:
+    """`fill_unread` on elements [s, e) only."""
+    low = np.uint32((1 << shift) - 1)
+    ok = True
+    prev = s
+    for r in range(ranges.shape[0] + 1):
+        rs = min(ranges[r, 0], e) if r < ranges.shape[0] else e
+        if rs > prev:
+            o, b = bits[prev:rs], base[prev:rs]
+            for i in range(rs - prev):
+                v = f32_to_bits(b[i])
+                ok &= ((v & _EXP) != _EXP) & ((v & low) == np.uint32(0))
+                o[i] = v >> np.uint32(shift)
+        if r < ranges.shape[0]:
+            prev = max(prev, min(ranges[r, 1], e))
+    return ok
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def fill_unread(bits: np.ndarray, base: np.ndarray, ranges: np.ndarray, shift: int) -> bool:
+    """Outside the element `ranges` (sorted, disjoint), θ_k's stored values made θ₀'s: ``bits`` (θ_k's stored
+    patterns, flat: BF16 as uint16 with ``shift`` 16, float32 as uint32 with ``shift`` 0) gets θ₀'s float32
+    pattern shifted right by ``shift``. Returns whether every such θ₀ is finite and kept exactly by the
+    shift, so that there widen(θ_k) = θ₀ and widen(θ_k) − θ₀ = +0.0, what `gather_delta` and `gather_theta`
+    give an unread element; when False the stored values are spoilt there (the ranges are untouched). In
+    chunks on numba's threads."""
+    n = bits.shape[0]
+    c = n_chunks(n, PAR_CHUNK)
+    ok = np.zeros(c, np.bool_)
+    for t in numba.prange(c):
+        s, e = chunk_span(n, c, t)
+        ok[t] = _fill_unread_span(bits, base, ranges, shift, s, e)
+    return bool(ok.all())
+
+
+@numba.njit(cache=True, nogil=True)
+def _delta_tile(tile: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], n_experts: int, s: int,
+                m: int) -> None:
+    """tile[k, :m] = widen(raws[k][s + i]) − base[s + i]: the Δ_k of a tile from the stored values."""
+    b = base[s:s + m]
+    for k in range(n_experts):
+        x, t = raws[k][s:s + m], tile[k]
+        for i in range(m):
+            t[i] = widen(x[i]) - b[i]
+
+
+@numba.njit(cache=True, nogil=True)
 def _ram_tile_counts(cnt: np.ndarray, deltas: np.ndarray, s: int, m: int, eps: np.float32) -> None:
     """cnt[:m] = c = Σ_k (|Δ_k| > ε) over elements s..s+m."""
     cnt[:m] = 0
@@ -84,17 +132,36 @@ def _ram_counts_span(deltas: np.ndarray, eps: np.float32, shared: np.ndarray, un
     cnt = np.empty(_TILE, np.int32)
     for s in range(s0, e0, _TILE):
         m = min(_TILE, e0 - s)
-        _ram_tile_counts(cnt, deltas, s, m, eps)
-        for k in range(deltas.shape[0]):
-            d = deltas[k, s:s + m]
-            sh = 0
-            un = 0
-            for t in range(m):
-                nz = abs(d[t]) > eps
-                sh += np.int64(nz & (cnt[t] > 1))
-                un += np.int64(nz & (cnt[t] == 1))
-            shared[k] += sh
-            unique[k] += un
+        _ram_tile_tally(cnt, deltas, s, m, eps, shared, unique)
+
+
+@numba.njit(cache=True, nogil=True)
+def _ram_tile_tally(cnt: np.ndarray, deltas: np.ndarray, s: int, m: int, eps: np.float32, shared: np.ndarray,
+                    unique: np.ndarray) -> None:
+    """ramplus_tl's counts of elements s..s+m of `deltas`, added into shared and unique."""
+    _ram_tile_counts(cnt, deltas, s, m, eps)
+    for k in range(deltas.shape[0]):
+        d = deltas[k, s:s + m]
+        sh = 0
+        un = 0
+        for t in range(m):
+            nz = abs(d[t]) > eps
+            sh += np.int64(nz & (cnt[t] > 1))
+            un += np.int64(nz & (cnt[t] == 1))
+        shared[k] += sh
+        unique[k] += un
+
+
+@numba.njit(cache=True, nogil=True)
+def _ram_counts_raw_span(base: np.ndarray, raws: tuple[np.ndarray, ...], n_experts: int, eps: np.float32,
+                         shared: np.ndarray, unique: np.ndarray, s0: int, e0: int) -> None:
+    """`ram_counts_raw` of elements [s0, e0), added into shared and unique."""
+    cnt = np.empty(_TILE, np.int32)
+    tile = np.empty((n_experts, _TILE), np.float32)
+    for s in range(s0, e0, _TILE):
+        m = min(_TILE, e0 - s)
+        _delta_tile(tile, base, raws, n_experts, s, m)
+        _ram_tile_tally(cnt, tile, 0, m, eps, shared, unique)
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
@@ -113,31 +180,67 @@ def ram_counts(deltas: np.ndarray, eps: np.float32, shared: np.ndarray, unique: 
         unique += parts[t, 1]
 
 
+@numba.njit(cache=True, nogil=True, parallel=True)
+def ram_counts_raw(base: np.ndarray, raws: tuple[np.ndarray, ...], n_experts: int, eps: np.float32,
+                   shared: np.ndarray, unique: np.ndarray) -> None:
+    """`ram_counts` with Δ_k = widen(raws[k]) − base formed a tile at a time from the stored values (flat, each
+    valid everywhere: `fill_unread`), not read from a gathered float32 copy."""
+    n = base.shape[0]
+    c = n_chunks(n, PAR_CHUNK)
+    parts = np.zeros((c, 2, n_experts), np.int64)
+    for t in numba.prange(c):
+        s, e = chunk_span(n, c, t)
+        _ram_counts_raw_span(base, raws, n_experts, eps, parts[t, 0], parts[t, 1], s, e)
+    for t in range(c):
+        shared += parts[t, 0]
+        unique += parts[t, 1]
+
+
 @numba.njit(cache=True, nogil=True, error_model="numpy")  # no zero-division check: the loop vectorizes
 def _ram_combine_span(out: np.ndarray, base: np.ndarray, deltas: np.ndarray, eps: np.float32, lam: np.ndarray,
                       s0: int, e0: int) -> None:
     """`ram_combine` of elements [s0, e0)."""
-    zero = np.float32(0.0)
-    one = np.float32(1.0)
     cnt = np.empty(_TILE, np.int32)
     den = np.empty(_TILE, np.float32)
     acc = np.empty(_TILE, np.float32)
     for s in range(s0, e0, _TILE):
         m = min(_TILE, e0 - s)
-        _ram_tile_counts(cnt, deltas, s, m, eps)
+        _ram_tile_combine(out[s:s + m], base[s:s + m], deltas, s, m, eps, lam, cnt, den, acc)
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")  # no zero-division check: the loop vectorizes
+def _ram_tile_combine(o: np.ndarray, b: np.ndarray, deltas: np.ndarray, s: int, m: int, eps: np.float32,
+                      lam: np.ndarray, cnt: np.ndarray, den: np.ndarray, acc: np.ndarray) -> None:
+    """`ram_combine` of elements s..s+m of `deltas` into o (θ₀ there: b); cnt, den, acc: tile scratch."""
+    zero = np.float32(0.0)
+    one = np.float32(1.0)
+    _ram_tile_counts(cnt, deltas, s, m, eps)
+    for t in range(m):
+        den[t] = np.float32(max(cnt[t], 1))
+        acc[t] = zero
+    for k in range(deltas.shape[0]):
+        d = deltas[k, s:s + m]
+        w = lam[k]
         for t in range(m):
-            den[t] = np.float32(max(cnt[t], 1))
-            acc[t] = zero
-        for k in range(deltas.shape[0]):
-            d = deltas[k, s:s + m]
-            w = lam[k]
-            for t in range(m):
-                z = d[t] if abs(d[t]) > eps else zero
-                u = z * (one if cnt[t] == 1 else zero) * w
-                acc[t] = acc[t] + (u + (z * (one if cnt[t] > 1 else zero)) / den[t])
-        o, b = out[s:s + m], base[s:s + m]
-        for t in range(m):
-            o[t] = b[t] + acc[t]
+            z = d[t] if abs(d[t]) > eps else zero
+            u = z * (one if cnt[t] == 1 else zero) * w
+            acc[t] = acc[t] + (u + (z * (one if cnt[t] > 1 else zero)) / den[t])
+    for t in range(m):
+        o[t] = b[t] + acc[t]
+
+
+@numba.njit(cache=True, nogil=True)
+def _ram_combine_raw_span(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], n_experts: int,
+                          eps: np.float32, lam: np.ndarray, s0: int, e0: int) -> None:
+    """`ram_combine_raw` of elements [s0, e0)."""
+    cnt = np.empty(_TILE, np.int32)
+    den = np.empty(_TILE, np.float32)
+    acc = np.empty(_TILE, np.float32)
+    tile = np.empty((n_experts, _TILE), np.float32)
+    for s in range(s0, e0, _TILE):
+        m = min(_TILE, e0 - s)
+        _delta_tile(tile, base, raws, n_experts, s, m)
+        _ram_tile_combine(out[s:s + m], base[s:s + m], tile, 0, m, eps, lam, cnt, den, acc)
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
@@ -151,6 +254,18 @@ def ram_combine(out: np.ndarray, base: np.ndarray, deltas: np.ndarray, eps: np.f
     for t in numba.prange(c):
         s, e = chunk_span(n, c, t)
         _ram_combine_span(out, base, deltas, eps, lam, s, e)
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def ram_combine_raw(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], n_experts: int,
+                    eps: np.float32, lam: np.ndarray) -> None:
+    """`ram_combine` with Δ_k = widen(raws[k]) − base formed a tile at a time from the stored values (as
+    `ram_counts_raw`)."""
+    n = base.shape[0]
+    c = n_chunks(n, PAR_CHUNK)
+    for t in numba.prange(c):
+        s, e = chunk_span(n, c, t)
+        _ram_combine_raw_span(out, base, raws, n_experts, eps, lam, s, e)
 
 
 @numba.njit(cache=True, nogil=True)

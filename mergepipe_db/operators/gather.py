@@ -2,7 +2,13 @@
 nearswap, arcee_fusion): each expert's Δ_k (or θ_k) is kept, in float32 and the tensor's shape, with Δ_k = 0 on
 the rows of omitted blocks, and the method's formula runs once all experts are in. Memory: K + 1 tensors of the
 tensor's size (as MergeKit holds them); the K are the rows of one (K, numel) buffer reused between tensors
-(`_stacked`), filled straight from the stored values by a numba kernel.
+(`_stacked`), filled straight from the stored values by a numba kernel (or, with ``raw_formula``, the K read
+buffers themselves: half that for BF16).
+
+A method with ``raw_formula`` also runs its formula from the experts' stored values (`_combine_raw`): each input
+read in place is held, not copied, its unread elements made θ₀'s (`kernels.gather.fill_unread`, where θ₀ is finite
+and exact in the stored dtype), and its kernels form Δ_k a tile at a time; a float32 copy is gathered at finish
+only where that path does not apply (an input not held, stored dtypes that differ, rows compacted).
 
 A method with ``compacts_rows`` may run its formula on the rows read only under a partial selection: the fold
 records which rows any expert read, `_rows_read` gives them (None when the whole tensor must be used) and
@@ -44,6 +50,9 @@ class GatherFold(MergeOperator):
     #: every input is copied into its row of `_stacked` at add(): a tensor-granular method (arcee_fusion) may be
     #: handed inputs read in place, as the others are
     copies_inputs: ClassVar[bool] = True
+    #: the formula also runs from the stored values of every expert (`_combine_raw`): inputs read in place are
+    #: held instead of gathered
+    raw_formula: ClassVar[bool] = False
 
     def _validate(self) -> None:
         self.params: dict[str, float] = {}
@@ -58,6 +67,8 @@ class GatherFold(MergeOperator):
     def _begin(self) -> None:
         assert self._ctx is not None
         self._held: list[np.ndarray | None] = []
+        #: expert index -> its stored values (flat, θ₀'s where unread), held for `_combine_raw`
+        self._raws: dict[int, np.ndarray] = {}
         n = self._ctx.numel
         #: every expert's values, row k flat (reused between tensors): the arrays `_combine_all` gets are its rows
         self._stacked = self.scratch("gathered", self.n_experts * n).reshape(self.n_experts, n)
@@ -77,6 +88,9 @@ class GatherFold(MergeOperator):
         assert self._ctx is not None and self._bflat is not None
         row = self._stacked[x.index]
         src = x.stored_flat()
+        if src is not None and self.raw_formula and self._hold_raw(x.index, src, x.element_ranges_array(self._ctx)):
+            self._held.append(row.reshape(self._ctx.shape))  # filled only if the float32 formula runs after all
+            return
         if src is not None:  # straight from the stored values, no intermediate θ_k or Δ_k
             kern = gather_kernels()
             fill = kern.gather_delta if self.gather == "delta" else kern.gather_theta
@@ -87,9 +101,57 @@ class GatherFold(MergeOperator):
             row[:] = v.reshape(-1)
         self._held.append(row.reshape(self._ctx.shape))
 
+    def _hold_raw(self, k: int, src: np.ndarray, ranges: np.ndarray) -> bool:
+        """Hold expert k's stored values `src` (read in place) for `_combine_raw`, θ₀'s outside `ranges`; False
+        (nothing held: gather it) where θ₀ cannot be stored there exactly, or the dtype is not the others'."""
+        assert self._bflat is not None
+        if any(r.dtype != src.dtype for r in self._raws.values()):
+            return False
+        bits, shift = (src, 16) if src.dtype == np.uint16 else (src.view(np.uint32), 0)
+        if not gather_kernels().fill_unread(bits, self._bflat, ranges, shift):
+            return False
+        self._raws[k] = src
+        return True
+
+    def held_inputs(self) -> frozenset[int]:
+        return frozenset(self._raws)
+
+    def _raw_inputs(self) -> list[np.ndarray] | None:
+        """Every expert's stored values for `_combine_raw` (an expert with nothing selected: θ₀ in the others'
+        dtype, in a buffer of this operator's), or None where the float32 formula must run: an input not held,
+        θ₀ not exact in that dtype, rows compacted."""
+        if not self._raws or len(self._raws) + sum(h is None for h in self._held) != self.n_experts:
+            return None
+        if self.compacts_rows and self._rows_read() is not None:
+            return None
+        assert self._bflat is not None
+        dtype = next(iter(self._raws.values())).dtype
+        empty = np.zeros((0, 2), np.int64)
+        out = []
+        for k in range(self.n_experts):
+            if k not in self._raws:  # nothing selected: θ_k = θ₀
+                src = self.scratch(f"raw_base{k}", self._bflat.size, dtype)
+                if not self._hold_raw(k, src, empty):
+                    return None
+            out.append(self._raws[k])
+        return out
+
+    def _combine_raw(self, base: np.ndarray, raws: list[np.ndarray]) -> np.ndarray:
+        """`_combine_all` from every expert's stored values (flat, one dtype, valid everywhere) and θ₀."""
+        raise NotImplementedError
+
     def _finish(self) -> np.ndarray:
         base = self._base
         assert base is not None
+        if self._raws:
+            raws = self._raw_inputs()
+            if raws is not None:
+                return np.asarray(self._combine_raw(base, raws), dtype=np.float32).reshape(base.shape)
+            kern = gather_kernels()
+            fill = kern.gather_delta if self.gather == "delta" else kern.gather_theta
+            whole = np.array([[0, base.size]], np.int64)
+            for k, src in self._raws.items():  # the float32 formula after all: each held input gathered now
+                fill(self._stacked[k], self._bflat, src, whole)
         vals = []
         for k, v in enumerate(self._held):
             if v is None:  # Δ_k = 0, θ_k = θ₀
@@ -119,4 +181,5 @@ class GatherFold(MergeOperator):
 
     def _end(self) -> None:
         self._held = []
+        self._raws = {}
         self._stacked = np.empty((0, 0), np.float32)

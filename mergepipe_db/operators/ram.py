@@ -13,6 +13,7 @@ from typing import ClassVar
 import numpy as np
 
 from mergepipe_db.errors import MethodParameterError
+from mergepipe_db.operators.base import kernels
 from mergepipe_db.operators.gather import GatherFold, gather_kernels
 from mergepipe_db.operators.registry import register
 
@@ -26,6 +27,10 @@ class RamFold(GatherFold):
     joint_election: ClassVar[bool] = True
     scaled: ClassVar[bool] = False
     compacts_rows = True
+    raw_formula = True
+
+    def _combine_raw(self, base: np.ndarray, raws: list[np.ndarray]) -> np.ndarray:
+        return self._formula(base.reshape(-1), None, 0, raws)
 
     def _combine_all(self, base: np.ndarray, values: list[np.ndarray]) -> np.ndarray:
         rows = self._rows_read()
@@ -41,25 +46,34 @@ class RamFold(GatherFold):
         out.reshape(n_rows, -1)[rows] = formula.reshape(b2[:len(rows)].shape)
         return out
 
-    def _formula(self, base: np.ndarray, deltas: np.ndarray, omitted: int) -> np.ndarray:
-        """The formula on θ₀ (flat) and the Δ_k of the same elements (float32 (K, n)); `omitted` elements
-        elsewhere have |Δ_k| > ε for every k. A numba pass per element (`kernels.gather.ram_combine`): the
-        float32 operations of ``θ₀ + Σ_k (z_k·unique·λ_k + (z_k·overlap) / max(c, 1))`` in numpy's order."""
+    def _formula(self, base: np.ndarray, deltas: np.ndarray | None, omitted: int,
+                 raws: list[np.ndarray] | None = None) -> np.ndarray:
+        """The formula on θ₀ (flat) and the Δ_k of the same elements (float32 (K, n), or, with `raws`, formed
+        from every expert's stored values, flat); `omitted` elements elsewhere have |Δ_k| > ε for every k. A
+        numba pass per element (`kernels.gather.ram_combine`): the float32 operations of
+        ``θ₀ + Σ_k (z_k·unique·λ_k + (z_k·overlap) / max(c, 1))`` in numpy's order."""
         kern = gather_kernels()
         eps = self.params["epsilon"]
-        n_experts = deltas.shape[0]
+        packed = kernels().pack(raws) if raws is not None else None
+        n_experts = len(raws) if raws is not None else deltas.shape[0]  # type: ignore[union-attr]
         lam = np.ones(n_experts, np.float32)
         if self.scaled:
             shared = np.zeros(n_experts, np.int64)
             unique = np.zeros(n_experts, np.int64)
-            kern.ram_counts(deltas, np.float32(eps), shared, unique)
+            if packed is None:
+                kern.ram_counts(deltas, np.float32(eps), shared, unique)
+            else:
+                kern.ram_counts_raw(base, packed, n_experts, np.float32(eps), shared, unique)
             for k in range(n_experts):
                 sh = int(shared[k]) + (omitted if n_experts > 1 else 0)
                 un = int(unique[k]) + (omitted if n_experts == 1 else 0)
                 rho = sh / max(float(un), eps)
                 lam[k] = 1.0 + self.params["r"] * min(max(rho, 0.0), self.params["alpha"])
         out = np.empty(base.shape, np.float32)
-        kern.ram_combine(out, base, deltas, np.float32(eps), lam)
+        if packed is None:
+            kern.ram_combine(out, base, deltas, np.float32(eps), lam)
+        else:
+            kern.ram_combine_raw(out, base, packed, n_experts, np.float32(eps), lam)
         return out
 
 

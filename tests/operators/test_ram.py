@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from builders import f32_bits, fold_deltas
+from builders import f32_bits, fold_deltas, fold_stored
 
 from mergepipe_db.operators.ram import RamFold
 
@@ -79,9 +79,9 @@ def test_partial_selection_gives_the_whole_tensor_bytes(method, opts, monkeypatc
     sizes = []
     formula = RamFold._formula
 
-    def spy(self, b, values, omitted):
+    def spy(self, b, values, omitted, raws=None):
         sizes.append(b.size)
-        return formula(self, b, values, omitted)
+        return formula(self, b, values, omitted, raws)
 
     monkeypatch.setattr(RamFold, "_formula", spy)
     got = _run(method, base, SELECTED, deltas, opts, full=False)
@@ -122,3 +122,79 @@ def test_no_row_read_gives_the_base_plus_zero(method, opts) -> None:
     none = [(), (), (), ()]
     got = _run(method, base, none, [np.zeros(SHAPE, np.float32)] * 4, opts, full=False)
     assert np.array_equal(f32_bits(got), f32_bits(base + np.float32(0.0)))
+
+
+def _bf16(a: np.ndarray) -> np.ndarray:
+    """a's values rounded toward zero to BF16, as bit patterns (uint16)."""
+    return (np.ascontiguousarray(a, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def _widen(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def _stored_case(seed: int, eps: float, selected, dtype: str):
+    """θ₀ (BF16 values in float32) and each expert's stored θ_k (BF16 bits or float32) with garbage (NaN, inf,
+    huge values) on the rows of blocks it did not select; the Δ_k those give (0 on unread rows)."""
+    base, deltas = _case(seed, eps, selected)
+    base = _widen(_bf16(base))
+    g = np.random.default_rng(seed + 100)
+    stored, want = [], []
+    for blocks, d in zip(selected, deltas):
+        theta = base + d
+        raw = _bf16(theta) if dtype == "bf16" else theta.astype(np.float32)
+        delta = (_widen(raw) if dtype == "bf16" else raw) - base
+        unread = np.ones(SHAPE[0], bool)
+        unread[_rows(blocks)] = False
+        delta[unread] = 0.0
+        junk = g.integers(0, 1 << 16, (int(unread.sum()), SHAPE[1])).astype(np.uint16)
+        junk[:, :3] = [0x7FC0, 0x7F80, 0xFF80]  # NaN, inf, -inf
+        raw[unread] = junk if dtype == "bf16" else _widen(junk)
+        stored.append(raw)
+        want.append(delta)
+    return base, stored, want
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f32"])
+@pytest.mark.parametrize("method,opts", CASES)
+def test_stored_values_held_give_the_gathered_bytes(method, opts, dtype, monkeypatch) -> None:
+    """Inputs read in place are held and the formula forms Δ_k from them (`_combine_raw`), their unread rows
+    made θ₀'s: the same bytes as the formula on the gathered Δ_k, at full selection (an expert with nothing
+    selected included) and under a partial one (the rows compacted: the held inputs gathered at finish)."""
+    from mergepipe_db.kernels import gather as gk
+
+    calls = []
+    raw_combine = gk.ram_combine_raw
+    monkeypatch.setattr(gk, "ram_combine_raw", lambda *a: (calls.append(1), raw_combine(*a))[1])
+    selected = SELECTED if opts["epsilon"] >= 0 or method == "ram" else [(0, 2)]
+    base, stored, deltas = _stored_case(11, opts["epsilon"], selected, dtype)
+    want = _want(method, opts, base, deltas)
+    got = fold_stored(method, base, selected, [s.copy() for s in stored], opts, full=True, rows_per_block=RPB)
+    assert calls == [1]
+    assert np.array_equal(f32_bits(got), f32_bits(want))
+    got = fold_stored(method, base, selected, [s.copy() for s in stored], opts, full=False, rows_per_block=RPB)
+    assert calls == [1]  # compacted rows: the float32 formula
+    assert np.array_equal(f32_bits(got), f32_bits(want))
+
+
+@pytest.mark.parametrize("spoil", ["nan_base", "inexact_base", "mixed_dtypes"])
+def test_stored_values_not_held_where_the_base_cannot_fill_them(spoil, monkeypatch) -> None:
+    """Where an unread row cannot be made θ₀'s exactly (θ₀ NaN, inf or not a BF16 value there) or the experts'
+    stored dtypes differ, the inputs are gathered: still the formula's bytes."""
+    from mergepipe_db.kernels import gather as gk
+
+    calls = []
+    raw_combine = gk.ram_combine_raw
+    monkeypatch.setattr(gk, "ram_combine_raw", lambda *a: (calls.append(1), raw_combine(*a))[1])
+    opts = CASES[3][1]
+    base, stored, deltas = _stored_case(12, opts["epsilon"], SELECTED, "bf16")
+    if spoil == "nan_base":
+        base[9, 5] = np.nan  # row 9 is unread by every expert
+    elif spoil == "inexact_base":
+        base[20, 2] = np.float32(1.0 + 2.0**-20)
+    else:
+        stored[1] = _widen(stored[1]).reshape(SHAPE)
+    want = _want("ramplus_tl", opts, base, deltas)
+    got = fold_stored("ramplus_tl", base, SELECTED, stored, opts, full=True, rows_per_block=RPB)
+    assert calls == []
+    assert np.array_equal(f32_bits(got), f32_bits(want))
