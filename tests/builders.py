@@ -153,6 +153,35 @@ def fold_stored(method: str, base: np.ndarray, selected, stored, options: dict, 
     return op.finish().copy()
 
 
+def stored_with_garbage(base: np.ndarray, deltas, selected, rows_per_block: int, dtype: str, seed: int):
+    """θ₀ rounded to BF16 values, and each expert's stored θ_k = θ₀ + Δ_k (BF16 bit patterns as uint16, or
+    float32) with garbage — NaN, ±inf, any pattern — on the rows of the blocks not in `selected[k]` (never read);
+    returns (θ₀, the stored arrays, the Δ_k they give: widen(θ_k) − θ₀ on rows read, 0 elsewhere)."""
+    def widen(bits):
+        return (bits.astype(np.uint32) << 16).view(np.float32)
+
+    def bf16(a):
+        return (np.ascontiguousarray(a, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+    base = widen(bf16(base))
+    g = np.random.default_rng(seed)
+    stored, effective = [], []
+    for blocks, d in zip(selected, deltas):
+        raw = bf16(base + d) if dtype == "bf16" else (base + d).astype(np.float32)
+        delta = (widen(raw) if dtype == "bf16" else raw) - base
+        unread = np.ones(base.shape[0], bool)
+        for b in blocks:
+            unread[b * rows_per_block:(b + 1) * rows_per_block] = False
+        delta[unread] = 0.0
+        junk = g.integers(0, 1 << 16, (int(unread.sum()),) + base.shape[1:]).astype(np.uint16)
+        if junk.size:
+            junk.reshape(junk.shape[0], -1)[:, :3] = [0x7FC0, 0x7F80, 0xFF80]  # NaN, inf, -inf
+        raw[unread] = junk if dtype == "bf16" else widen(junk)
+        stored.append(raw)
+        effective.append(delta)
+    return base, stored, effective
+
+
 def f32_bits(a) -> np.ndarray:
     """The float32 bit patterns of `a` (int32), for bit-for-bit comparisons."""
     return np.asarray(a, np.float32).view(np.int32)

@@ -12,9 +12,9 @@ import numba
 import numpy as np
 
 from mergepipe_db.kernels.float_bits import bits_to_f32, f32_to_bits, widen
-from mergepipe_db.kernels.merge import PAR_CHUNK, chunk_span, n_chunks
+from mergepipe_db.kernels.merge import PAR_CHUNK, RAW_TILE, chunk_span, delta_tile, n_chunks
 
-_TILE = 1024  # elements per tile: a tile's count and accumulator stay in L1 across the experts
+_TILE = RAW_TILE  # elements per tile: a tile's count and accumulator stay in L1 across the experts
 _SIGN = np.uint32(0x80000000)
 _EXP = np.uint32(0x7F800000)
 
@@ -69,50 +69,47 @@ def gather_theta(out: np.ndarray, base: np.ndarray, raw: np.ndarray, ranges: np.
 
 
 @numba.njit(cache=True, nogil=True)
-def _fill_unread_span(bits: np.ndarray, base: np.ndarray, ranges: np.ndarray, shift: int, s: int, e: int) -> bool:
-    """`fill_unread` on elements [s, e) only."""
+def _fill_from_base(bits: np.ndarray, base: np.ndarray, s: int, e: int, shift: int) -> bool:
+    """bits[s:e] = θ₀'s float32 patterns there shifted right by ``shift``; whether each is finite and exact."""
     low = np.uint32((1 << shift) - 1)
     ok = True
-    prev = s
-    for r in range(ranges.shape[0] + 1):
-        rs = min(ranges[r, 0], e) if r < ranges.shape[0] else e
-        if rs > prev:
-            o, b = bits[prev:rs], base[prev:rs]
-            for i in range(rs - prev):
-                v = f32_to_bits(b[i])
-                ok &= ((v & _EXP) != _EXP) & ((v & low) == np.uint32(0))
-                o[i] = v >> np.uint32(shift)
-        if r < ranges.shape[0]:
-            prev = max(prev, min(ranges[r, 1], e))
+    o, b = bits[s:e], base[s:e]
+    for i in range(e - s):
+        v = f32_to_bits(b[i])
+        ok &= ((v & _EXP) != _EXP) & ((v & low) == np.uint32(0))
+        o[i] = v >> np.uint32(shift)
     return ok
 
 
-@numba.njit(cache=True, nogil=True, parallel=True)
-def fill_unread(bits: np.ndarray, base: np.ndarray, ranges: np.ndarray, shift: int) -> bool:
-    """Outside the element `ranges` (sorted, disjoint), θ_k's stored values made θ₀'s: ``bits`` (θ_k's stored
-    patterns, flat: BF16 as uint16 with ``shift`` 16, float32 as uint32 with ``shift`` 0) gets θ₀'s float32
-    pattern shifted right by ``shift``. Returns whether every such θ₀ is finite and kept exactly by the
-    shift, so that there widen(θ_k) = θ₀ and widen(θ_k) − θ₀ = +0.0, what `gather_delta` and `gather_theta`
-    give an unread element; when False the stored values are spoilt there (the ranges are untouched). In
-    chunks on numba's threads."""
-    n = bits.shape[0]
-    c = n_chunks(n, PAR_CHUNK)
-    ok = np.zeros(c, np.bool_)
-    for t in numba.prange(c):
-        s, e = chunk_span(n, c, t)
-        ok[t] = _fill_unread_span(bits, base, ranges, shift, s, e)
-    return bool(ok.all())
-
-
 @numba.njit(cache=True, nogil=True)
-def _delta_tile(tile: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], n_experts: int, s: int,
-                m: int) -> None:
-    """tile[k, :m] = widen(raws[k][s + i]) − base[s + i]: the Δ_k of a tile from the stored values."""
-    b = base[s:s + m]
-    for k in range(n_experts):
-        x, t = raws[k][s:s + m], tile[k]
-        for i in range(m):
-            t[i] = widen(x[i]) - b[i]
+def map_read_tiles(bits: np.ndarray, base: np.ndarray, ranges: np.ndarray, shift: int, read: np.ndarray) -> bool:
+    """The read map of one expert's stored values for `merge.delta_tile`: read[j] = 1 where tile j (`RAW_TILE`
+    elements) holds an element of the element `ranges` (sorted, disjoint), else 0; in such a tile the elements
+    outside the ranges are made θ₀'s (``bits``: the stored patterns, flat, BF16 as uint16 with ``shift`` 16,
+    float32 as uint32 with ``shift`` 0; θ₀'s pattern shifted right), so the whole tile gives widen(θ_k) − θ₀ =
+    +0.0 there, what `gather_delta` gives an element not read. Returns whether every such θ₀ was finite and kept
+    exactly by the shift (if not, the stored values outside the ranges are spoilt; inside, untouched). Tiles
+    with nothing read are not touched."""
+    n = bits.shape[0]
+    read[:] = 0
+    nr = ranges.shape[0]
+    for r in range(nr):
+        if ranges[r, 1] > ranges[r, 0]:
+            read[ranges[r, 0] // RAW_TILE:(ranges[r, 1] - 1) // RAW_TILE + 1] = 1
+    ok = True
+    prev = 0
+    for r in range(nr + 1):
+        g1 = ranges[r, 0] if r < nr else n
+        if g1 > prev:  # a gap [prev, g1): only its first and last tiles may have been read
+            a = prev // RAW_TILE
+            if read[a]:
+                ok &= _fill_from_base(bits, base, prev, min(g1, (a + 1) * RAW_TILE), shift)
+            z = (g1 - 1) // RAW_TILE
+            if z != a and read[z]:
+                ok &= _fill_from_base(bits, base, z * RAW_TILE, g1, shift)
+        if r < nr:
+            prev = max(prev, ranges[r, 1])
+    return ok
 
 
 @numba.njit(cache=True, nogil=True)
@@ -153,14 +150,14 @@ def _ram_tile_tally(cnt: np.ndarray, deltas: np.ndarray, s: int, m: int, eps: np
 
 
 @numba.njit(cache=True, nogil=True)
-def _ram_counts_raw_span(base: np.ndarray, raws: tuple[np.ndarray, ...], n_experts: int, eps: np.float32,
-                         shared: np.ndarray, unique: np.ndarray, s0: int, e0: int) -> None:
+def _ram_counts_raw_span(base: np.ndarray, raws: tuple[np.ndarray, ...], read: np.ndarray, n_experts: int,
+                         eps: np.float32, shared: np.ndarray, unique: np.ndarray, s0: int, e0: int) -> None:
     """`ram_counts_raw` of elements [s0, e0), added into shared and unique."""
     cnt = np.empty(_TILE, np.int32)
     tile = np.empty((n_experts, _TILE), np.float32)
     for s in range(s0, e0, _TILE):
         m = min(_TILE, e0 - s)
-        _delta_tile(tile, base, raws, n_experts, s, m)
+        delta_tile(tile, base, raws, read, n_experts, s, m)
         _ram_tile_tally(cnt, tile, 0, m, eps, shared, unique)
 
 
@@ -181,16 +178,16 @@ def ram_counts(deltas: np.ndarray, eps: np.float32, shared: np.ndarray, unique: 
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
-def ram_counts_raw(base: np.ndarray, raws: tuple[np.ndarray, ...], n_experts: int, eps: np.float32,
-                   shared: np.ndarray, unique: np.ndarray) -> None:
-    """`ram_counts` with Δ_k = widen(raws[k]) − base formed a tile at a time from the stored values (flat, each
-    valid everywhere: `fill_unread`), not read from a gathered float32 copy."""
+def ram_counts_raw(base: np.ndarray, raws: tuple[np.ndarray, ...], read: np.ndarray, n_experts: int,
+                   eps: np.float32, shared: np.ndarray, unique: np.ndarray) -> None:
+    """`ram_counts` with Δ_k formed a tile at a time from the stored values (flat) and their read map
+    (`merge.delta_tile`), not read from a gathered float32 copy."""
     n = base.shape[0]
     c = n_chunks(n, PAR_CHUNK)
     parts = np.zeros((c, 2, n_experts), np.int64)
     for t in numba.prange(c):
         s, e = chunk_span(n, c, t)
-        _ram_counts_raw_span(base, raws, n_experts, eps, parts[t, 0], parts[t, 1], s, e)
+        _ram_counts_raw_span(base, raws, read, n_experts, eps, parts[t, 0], parts[t, 1], s, e)
     for t in range(c):
         shared += parts[t, 0]
         unique += parts[t, 1]
@@ -230,8 +227,8 @@ def _ram_tile_combine(o: np.ndarray, b: np.ndarray, deltas: np.ndarray, s: int, 
 
 
 @numba.njit(cache=True, nogil=True)
-def _ram_combine_raw_span(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], n_experts: int,
-                          eps: np.float32, lam: np.ndarray, s0: int, e0: int) -> None:
+def _ram_combine_raw_span(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], read: np.ndarray,
+                          n_experts: int, eps: np.float32, lam: np.ndarray, s0: int, e0: int) -> None:
     """`ram_combine_raw` of elements [s0, e0)."""
     cnt = np.empty(_TILE, np.int32)
     den = np.empty(_TILE, np.float32)
@@ -239,7 +236,7 @@ def _ram_combine_raw_span(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndar
     tile = np.empty((n_experts, _TILE), np.float32)
     for s in range(s0, e0, _TILE):
         m = min(_TILE, e0 - s)
-        _delta_tile(tile, base, raws, n_experts, s, m)
+        delta_tile(tile, base, raws, read, n_experts, s, m)
         _ram_tile_combine(out[s:s + m], base[s:s + m], tile, 0, m, eps, lam, cnt, den, acc)
 
 
@@ -257,15 +254,15 @@ def ram_combine(out: np.ndarray, base: np.ndarray, deltas: np.ndarray, eps: np.f
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
-def ram_combine_raw(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], n_experts: int,
-                    eps: np.float32, lam: np.ndarray) -> None:
-    """`ram_combine` with Δ_k = widen(raws[k]) − base formed a tile at a time from the stored values (as
+def ram_combine_raw(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], read: np.ndarray,
+                    n_experts: int, eps: np.float32, lam: np.ndarray) -> None:
+    """`ram_combine` with Δ_k formed a tile at a time from the stored values and their read map (as
     `ram_counts_raw`)."""
     n = base.shape[0]
     c = n_chunks(n, PAR_CHUNK)
     for t in numba.prange(c):
         s, e = chunk_span(n, c, t)
-        _ram_combine_raw_span(out, base, raws, n_experts, eps, lam, s, e)
+        _ram_combine_raw_span(out, base, raws, read, n_experts, eps, lam, s, e)
 
 
 @numba.njit(cache=True, nogil=True)

@@ -12,6 +12,8 @@ kernels release the GIL.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numba
 import numpy as np
 
@@ -952,36 +954,95 @@ def masked_delta(out: np.ndarray, base: np.ndarray, raw: np.ndarray, lo: np.floa
 # -- sce (`operators/sce.py`): the top-k mask by a threshold, the weights' squares, the election and the sum -----
 
 
-_SCE_TILE = 1024  # columns per tile of the sce kernels: each expert's loop over a tile vectorizes
+#: elements per tile of the kernels that form Δ_k from the stored values (`delta_tile`), and of their read maps
+RAW_TILE = 1024
+_SCE_TILE = RAW_TILE  # columns per tile of the sce kernels: each expert's loop over a tile vectorizes
+
+
+@numba.njit(cache=True, nogil=True)
+def delta_tile(tile: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], read: np.ndarray, n_experts: int,
+               s: int, m: int) -> None:
+    """tile[k, :m] = Δ_k of elements s..s+m (s a multiple of `RAW_TILE`), as a gathered float32 copy holds it:
+    widen(raws[k][s + i]) − base[s + i] where expert k read that tile (``read[k, s // RAW_TILE]``: its stored
+    values valid on the whole tile), else +0.0 (its stored values there not read, not touched)."""
+    b = base[s:s + m]
+    j = s // RAW_TILE
+    zero = np.float32(0.0)
+    for k in range(n_experts):
+        t = tile[k]
+        if read[k, j]:
+            x = raws[k][s:s + m]
+            for i in range(m):
+                t[i] = widen(x[i]) - b[i]
+        else:
+            t[:m] = zero
+
+
+@numba.njit(cache=True, nogil=True)
+def _sce_var_tile(o: np.ndarray, src: Any, off: int, m: int, n_experts: int, mean: np.ndarray,
+                  m2: np.ndarray) -> int:
+    """o[:m] = `sce_abs_var` of elements off..off+m of `src` (a tuple of flat Δ_k, or a (K, tile) array);
+    returns how many are nonzero."""
+    kf = np.float64(n_experts)
+    zero = np.float32(0.0)
+    mean[:m] = 0.0
+    m2[:m] = 0.0
+    for k in range(n_experts):
+        x = src[k][off:off + m]
+        nf = np.float64(k + 1)
+        for i in range(m):
+            xi = np.float64(x[i])
+            delta = xi - mean[i]
+            mi = mean[i] + delta / nf
+            mean[i] = mi
+            m2[i] = m2[i] + delta * (xi - mi)
+    nonzero = 0
+    for i in range(m):
+        v = abs(np.float32(m2[i] / kf))
+        o[i] = v
+        nonzero += np.int64(v != zero)
+    return nonzero
 
 
 @numba.njit(cache=True, nogil=True)
 def _sce_abs_var_span(out: np.ndarray, ds: tuple[np.ndarray, ...], n_experts: int, s: int, e: int) -> int:
     """`sce_abs_var` on elements [s, e)."""
     nonzero = 0
-    kf = np.float64(n_experts)
     mean = np.empty(_SCE_TILE, np.float64)
     m2 = np.empty(_SCE_TILE, np.float64)
-    zero = np.float32(0.0)
     for t0 in range(s, e, _SCE_TILE):
         m = min(_SCE_TILE, e - t0)
-        mean[:m] = 0.0
-        m2[:m] = 0.0
-        for k in range(n_experts):
-            x = ds[k][t0:t0 + m]
-            nf = np.float64(k + 1)
-            for i in range(m):
-                xi = np.float64(x[i])
-                delta = xi - mean[i]
-                mi = mean[i] + delta / nf
-                mean[i] = mi
-                m2[i] = m2[i] + delta * (xi - mi)
-        o = out[t0:t0 + m]
-        for i in range(m):
-            v = abs(np.float32(m2[i] / kf))
-            o[i] = v
-            nonzero += np.int64(v != zero)
+        nonzero += _sce_var_tile(out[t0:t0 + m], ds, t0, m, n_experts, mean, m2)
     return nonzero
+
+
+@numba.njit(cache=True, nogil=True)
+def _sce_abs_var_raw_span(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], read: np.ndarray,
+                          n_experts: int, s: int, e: int) -> int:
+    """`sce_abs_var_raw` on elements [s, e)."""
+    nonzero = 0
+    mean = np.empty(_SCE_TILE, np.float64)
+    m2 = np.empty(_SCE_TILE, np.float64)
+    tile = np.empty((n_experts, _SCE_TILE), np.float32)
+    for t0 in range(s, e, _SCE_TILE):
+        m = min(_SCE_TILE, e - t0)
+        delta_tile(tile, base, raws, read, n_experts, t0, m)
+        nonzero += _sce_var_tile(out[t0:t0 + m], tile, 0, m, n_experts, mean, m2)
+    return nonzero
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def sce_abs_var_raw(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], read: np.ndarray,
+                    n_experts: int) -> int:
+    """`sce_abs_var` with Δ_k formed a tile at a time from the stored values (flat) and their read map
+    (`delta_tile`)."""
+    n = out.shape[0]
+    c = n_chunks(n, PAR_CHUNK)
+    counts = np.zeros(c, np.int64)
+    for t in numba.prange(c):
+        s, e = chunk_span(n, c, t)
+        counts[t] = _sce_abs_var_raw_span(out, base, raws, read, n_experts, s, e)
+    return counts.sum()
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
@@ -1038,50 +1099,120 @@ def sce_masked_square(out: np.ndarray, d: np.ndarray, keep: np.ndarray, masked: 
 
 
 @numba.njit(cache=True, nogil=True)
-def _sce_combine_span(out: np.ndarray, base: np.ndarray, ds: tuple[np.ndarray, ...], n_experts: int,
-                      keep: np.ndarray, masked: bool, w: np.ndarray, s: int, e: int) -> None:
-    """`sce_combine` on elements [s, e)."""
+def _sce_masked_square_raw_span(out: np.ndarray, base: np.ndarray, raw: np.ndarray, read: np.ndarray,
+                                keep: np.ndarray, masked: bool, s: int, e: int) -> None:
+    """`sce_masked_square_raw` on elements [s, e) (s a multiple of `RAW_TILE`)."""
+    zero = np.float32(0.0)
+    for t0 in range(s, e, RAW_TILE):
+        m = min(RAW_TILE, e - t0)
+        o = out[t0:t0 + m]
+        if not read[t0 // RAW_TILE]:
+            o[:] = zero  # Δ = +0.0: (0·keep)² = +0.0
+            continue
+        b, x = base[t0:t0 + m], raw[t0:t0 + m]
+        if masked:
+            kp = keep[t0:t0 + m]
+            for i in range(m):
+                t = (widen(x[i]) - b[i]) * np.float32(kp[i])
+                o[i] = t * t
+        else:
+            for i in range(m):
+                d = widen(x[i]) - b[i]
+                o[i] = d * d
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def sce_masked_square_raw(out: np.ndarray, base: np.ndarray, raw: np.ndarray, read: np.ndarray, keep: np.ndarray,
+                          masked: bool) -> None:
+    """`sce_masked_square` of one expert's Δ formed from its stored values (flat) and its read map (`read`: a
+    row of `delta_tile`'s)."""
+    n = out.shape[0]
+    c = n_chunks(n, PAR_CHUNK)
+    for t in numba.prange(c):
+        s, e = chunk_span(n, c, t)
+        _sce_masked_square_raw_span(out, base, raw, read, keep, masked, s, e)
+
+
+@numba.njit(cache=True, nogil=True)
+def _sce_combine_tile(o: np.ndarray, b: np.ndarray, src: Any, off: int, m: int, n_experts: int, kp: np.ndarray,
+                      masked: bool, w: np.ndarray, mk: np.ndarray, sg: np.ndarray, num: np.ndarray,
+                      den: np.ndarray) -> None:
+    """o[:m] = `sce_combine` of elements off..off+m of `src` (a tuple of flat Δ_k, or a (K, tile) array), θ₀
+    there b, their keep flags kp; mk (all 1.0 unless ``masked``), sg, num, den: tile scratch."""
     zero = np.float32(0.0)
     one = np.float32(1.0)
     floor = np.float32(1e-6)
+    if masked:
+        for i in range(m):
+            mk[i] = np.float32(kp[i])
+    sg[:m] = zero
+    for k in range(n_experts):
+        x = src[k][off:off + m]
+        if masked:
+            for i in range(m):
+                sg[i] += x[i] * mk[i]
+        else:
+            for i in range(m):
+                sg[i] += x[i]
+    for i in range(m):  # the majority sign, kept in sg
+        sg[i] = one if sg[i] >= zero else -one
+    num[:m] = zero
+    den[:m] = zero
+    for k in range(n_experts):
+        x = src[k][off:off + m]
+        wk = w[k]
+        for i in range(m):
+            tk = x[i] * mk[i] if masked else x[i]
+            ek = wk * np.float32((np.float32(tk > zero) - np.float32(tk < zero)) == sg[i])
+            num[i] += tk * ek
+            den[i] += ek
+    for i in range(m):
+        d = den[i]
+        if d < floor:  # clamp(min=1e-6); NaN stays NaN
+            d = floor
+        o[i] = b[i] + num[i] / d
+
+
+@numba.njit(cache=True, nogil=True)
+def _sce_combine_span(out: np.ndarray, base: np.ndarray, ds: tuple[np.ndarray, ...], n_experts: int,
+                      keep: np.ndarray, masked: bool, w: np.ndarray, s: int, e: int) -> None:
+    """`sce_combine` on elements [s, e)."""
     mk = np.ones(_SCE_TILE, np.float32)
     sg = np.empty(_SCE_TILE, np.float32)
     num = np.empty(_SCE_TILE, np.float32)
     den = np.empty(_SCE_TILE, np.float32)
     for t0 in range(s, e, _SCE_TILE):
         m = min(_SCE_TILE, e - t0)
-        if masked:
-            kp = keep[t0:t0 + m]
-            for i in range(m):
-                mk[i] = np.float32(kp[i])
-        sg[:m] = zero
-        for k in range(n_experts):
-            x = ds[k][t0:t0 + m]
-            if masked:
-                for i in range(m):
-                    sg[i] += x[i] * mk[i]
-            else:
-                for i in range(m):
-                    sg[i] += x[i]
-        for i in range(m):  # the majority sign, kept in sg
-            sg[i] = one if sg[i] >= zero else -one
-        num[:m] = zero
-        den[:m] = zero
-        for k in range(n_experts):
-            x = ds[k][t0:t0 + m]
-            wk = w[k]
-            for i in range(m):
-                tk = x[i] * mk[i] if masked else x[i]
-                ek = wk * np.float32((np.float32(tk > zero) - np.float32(tk < zero)) == sg[i])
-                num[i] += tk * ek
-                den[i] += ek
-        b = base[t0:t0 + m]
-        o = out[t0 - s:t0 - s + m]
-        for i in range(m):
-            d = den[i]
-            if d < floor:  # clamp(min=1e-6); NaN stays NaN
-                d = floor
-            o[i] = b[i] + num[i] / d
+        _sce_combine_tile(out[t0 - s:t0 - s + m], base[t0:t0 + m], ds, t0, m, n_experts,
+                          keep[t0:t0 + m] if masked else keep[0:0], masked, w, mk, sg, num, den)
+
+
+@numba.njit(cache=True, nogil=True)
+def _sce_combine_raw_span(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], read: np.ndarray,
+                          n_experts: int, keep: np.ndarray, masked: bool, w: np.ndarray, s: int, e: int) -> None:
+    """`sce_combine_raw` on elements [s, e)."""
+    mk = np.ones(_SCE_TILE, np.float32)
+    sg = np.empty(_SCE_TILE, np.float32)
+    num = np.empty(_SCE_TILE, np.float32)
+    den = np.empty(_SCE_TILE, np.float32)
+    tile = np.empty((n_experts, _SCE_TILE), np.float32)
+    for t0 in range(s, e, _SCE_TILE):
+        m = min(_SCE_TILE, e - t0)
+        delta_tile(tile, base, raws, read, n_experts, t0, m)
+        _sce_combine_tile(out[t0 - s:t0 - s + m], base[t0:t0 + m], tile, 0, m, n_experts,
+                          keep[t0:t0 + m] if masked else keep[0:0], masked, w, mk, sg, num, den)
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def sce_combine_raw(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], read: np.ndarray,
+                    n_experts: int, keep: np.ndarray, masked: bool, w: np.ndarray) -> None:
+    """`sce_combine` with Δ_k formed a tile at a time from the stored values (flat) and their read map
+    (`delta_tile`)."""
+    n = out.shape[0]
+    c = n_chunks(n, PAR_CHUNK)
+    for t in numba.prange(c):
+        s, e = chunk_span(n, c, t)
+        _sce_combine_raw_span(out[s:e], base, raws, read, n_experts, keep, masked, w, s, e)
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)

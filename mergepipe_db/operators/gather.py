@@ -6,9 +6,11 @@ tensor's size (as MergeKit holds them); the K are the rows of one (K, numel) buf
 buffers themselves: half that for BF16).
 
 A method with ``raw_formula`` also runs its formula from the experts' stored values (`_combine_raw`): each input
-read in place is held, not copied, its unread elements made θ₀'s (`kernels.gather.fill_unread`, where θ₀ is finite
-and exact in the stored dtype), and its kernels form Δ_k a tile at a time; a float32 copy is gathered at finish
-only where that path does not apply (an input not held, stored dtypes that differ, rows compacted).
+read in place is held, not copied, with a map of the tiles it read (`kernels.gather.map_read_tiles`; in a tile
+read in part the elements not read are made θ₀'s, where θ₀ is finite and exact in the stored dtype), and the
+method's kernels form Δ_k a tile at a time (`kernels.merge.delta_tile`: +0.0 on a tile not read, whose bytes are
+never touched); a float32 copy is gathered at finish only where that path does not apply (an input not held,
+stored dtypes that differ, rows compacted).
 
 A method with ``compacts_rows`` may run its formula on the rows read only under a partial selection: the fold
 records which rows any expert read, `_rows_read` gives them (None when the whole tensor must be used) and
@@ -67,8 +69,10 @@ class GatherFold(MergeOperator):
     def _begin(self) -> None:
         assert self._ctx is not None
         self._held: list[np.ndarray | None] = []
-        #: expert index -> its stored values (flat, θ₀'s where unread), held for `_combine_raw`
-        self._raws: dict[int, np.ndarray] = {}
+        #: expert index -> its stored values (flat) and their element ranges read, held for `_combine_raw`
+        self._raws: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        #: row k: the tiles of `kernels.merge.RAW_TILE` elements expert k read (`_hold_raw`), made at first use
+        self._read_map = np.zeros((0, 0), np.uint8)
         n = self._ctx.numel
         #: every expert's values, row k flat (reused between tensors): the arrays `_combine_all` gets are its rows
         self._stacked = self.scratch("gathered", self.n_experts * n).reshape(self.n_experts, n)
@@ -102,42 +106,47 @@ class GatherFold(MergeOperator):
         self._held.append(row.reshape(self._ctx.shape))
 
     def _hold_raw(self, k: int, src: np.ndarray, ranges: np.ndarray) -> bool:
-        """Hold expert k's stored values `src` (read in place) for `_combine_raw`, θ₀'s outside `ranges`; False
-        (nothing held: gather it) where θ₀ cannot be stored there exactly, or the dtype is not the others'."""
+        """Hold expert k's stored values `src` (read in place, valid on the element `ranges`) for `_combine_raw`
+        and map the tiles it read; False (nothing held: gather it) where a tile read in part cannot be made θ₀'s
+        exactly where not read, or the dtype is not the others'."""
+        from mergepipe_db.kernels.merge import RAW_TILE
+
         assert self._bflat is not None
-        if any(r.dtype != src.dtype for r in self._raws.values()):
+        if any(r.dtype != src.dtype for r, _ in self._raws.values()):
             return False
+        if not self._read_map.size:
+            n_tiles = -(-self._bflat.size // RAW_TILE)
+            self._read_map = self.scratch("read_map", self.n_experts * n_tiles, np.uint8).reshape(-1, n_tiles)
         bits, shift = (src, 16) if src.dtype == np.uint16 else (src.view(np.uint32), 0)
-        if not gather_kernels().fill_unread(bits, self._bflat, ranges, shift):
+        if not gather_kernels().map_read_tiles(bits, self._bflat, ranges, shift, self._read_map[k]):
             return False
-        self._raws[k] = src
+        self._raws[k] = (src, ranges)
         return True
 
     def held_inputs(self) -> frozenset[int]:
         return frozenset(self._raws)
 
     def _raw_inputs(self) -> list[np.ndarray] | None:
-        """Every expert's stored values for `_combine_raw` (an expert with nothing selected: θ₀ in the others'
-        dtype, in a buffer of this operator's), or None where the float32 formula must run: an input not held,
-        θ₀ not exact in that dtype, rows compacted."""
+        """Every expert's stored values for `_combine_raw` (an expert with nothing selected: an empty array, its
+        row of the read map all 0), or None where the float32 formula must run: an input not held, rows
+        compacted."""
         if not self._raws or len(self._raws) + sum(h is None for h in self._held) != self.n_experts:
             return None
         if self.compacts_rows and self._rows_read() is not None:
             return None
-        assert self._bflat is not None
-        dtype = next(iter(self._raws.values())).dtype
-        empty = np.zeros((0, 2), np.int64)
+        dtype = next(iter(self._raws.values()))[0].dtype
         out = []
         for k in range(self.n_experts):
-            if k not in self._raws:  # nothing selected: θ_k = θ₀
-                src = self.scratch(f"raw_base{k}", self._bflat.size, dtype)
-                if not self._hold_raw(k, src, empty):
-                    return None
-            out.append(self._raws[k])
+            if k not in self._raws:  # nothing selected: Δ_k = 0 on every tile
+                self._read_map[k] = 0
+                out.append(np.empty(0, dtype))
+            else:
+                out.append(self._raws[k][0])
         return out
 
-    def _combine_raw(self, base: np.ndarray, raws: list[np.ndarray]) -> np.ndarray:
-        """`_combine_all` from every expert's stored values (flat, one dtype, valid everywhere) and θ₀."""
+    def _combine_raw(self, base: np.ndarray, raws: list[np.ndarray], read: np.ndarray) -> np.ndarray:
+        """`_combine_all` from every expert's stored values (flat, one dtype) and their read map (`read`: row k
+        for expert k, `kernels.merge.delta_tile`'s), and θ₀."""
         raise NotImplementedError
 
     def _finish(self) -> np.ndarray:
@@ -146,12 +155,12 @@ class GatherFold(MergeOperator):
         if self._raws:
             raws = self._raw_inputs()
             if raws is not None:
-                return np.asarray(self._combine_raw(base, raws), dtype=np.float32).reshape(base.shape)
+                out = self._combine_raw(base, raws, self._read_map)
+                return np.asarray(out, dtype=np.float32).reshape(base.shape)
             kern = gather_kernels()
             fill = kern.gather_delta if self.gather == "delta" else kern.gather_theta
-            whole = np.array([[0, base.size]], np.int64)
-            for k, src in self._raws.items():  # the float32 formula after all: each held input gathered now
-                fill(self._stacked[k], self._bflat, src, whole)
+            for k, (src, ranges) in self._raws.items():  # the float32 formula after all: held inputs gathered now
+                fill(self._stacked[k], self._bflat, src, ranges)
         vals = []
         for k, v in enumerate(self._held):
             if v is None:  # Δ_k = 0, θ_k = θ₀
@@ -182,4 +191,5 @@ class GatherFold(MergeOperator):
     def _end(self) -> None:
         self._held = []
         self._raws = {}
+        self._read_map = np.zeros((0, 0), np.uint8)
         self._stacked = np.empty((0, 0), np.float32)

@@ -29,8 +29,8 @@ class RamFold(GatherFold):
     compacts_rows = True
     raw_formula = True
 
-    def _combine_raw(self, base: np.ndarray, raws: list[np.ndarray]) -> np.ndarray:
-        return self._formula(base.reshape(-1), None, 0, raws)
+    def _combine_raw(self, base: np.ndarray, raws: list[np.ndarray], read: np.ndarray) -> np.ndarray:
+        return self._formula(base.reshape(-1), None, 0, (raws, read))
 
     def _combine_all(self, base: np.ndarray, values: list[np.ndarray]) -> np.ndarray:
         rows = self._rows_read()
@@ -47,15 +47,16 @@ class RamFold(GatherFold):
         return out
 
     def _formula(self, base: np.ndarray, deltas: np.ndarray | None, omitted: int,
-                 raws: list[np.ndarray] | None = None) -> np.ndarray:
-        """The formula on θ₀ (flat) and the Δ_k of the same elements (float32 (K, n), or, with `raws`, formed
-        from every expert's stored values, flat); `omitted` elements elsewhere have |Δ_k| > ε for every k. A
+                 stored: tuple[list[np.ndarray], np.ndarray] | None = None) -> np.ndarray:
+        """The formula on θ₀ (flat) and the Δ_k of the same elements (float32 (K, n), or, with `stored`, formed
+        from every expert's stored values and their read map); `omitted` elements elsewhere have |Δ_k| > ε for
+        every k. A
         numba pass per element (`kernels.gather.ram_combine`): the float32 operations of
         ``θ₀ + Σ_k (z_k·unique·λ_k + (z_k·overlap) / max(c, 1))`` in numpy's order."""
         kern = gather_kernels()
         eps = self.params["epsilon"]
-        packed = kernels().pack(raws) if raws is not None else None
-        n_experts = len(raws) if raws is not None else deltas.shape[0]  # type: ignore[union-attr]
+        packed = kernels().pack(stored[0]) if stored is not None else None
+        n_experts = len(stored[0]) if stored is not None else deltas.shape[0]  # type: ignore[union-attr]
         lam = np.ones(n_experts, np.float32)
         if self.scaled:
             shared = np.zeros(n_experts, np.int64)
@@ -63,7 +64,7 @@ class RamFold(GatherFold):
             if packed is None:
                 kern.ram_counts(deltas, np.float32(eps), shared, unique)
             else:
-                kern.ram_counts_raw(base, packed, n_experts, np.float32(eps), shared, unique)
+                kern.ram_counts_raw(base, packed, stored[1], n_experts, np.float32(eps), shared, unique)
             for k in range(n_experts):
                 sh = int(shared[k]) + (omitted if n_experts > 1 else 0)
                 un = int(unique[k]) + (omitted if n_experts == 1 else 0)
@@ -73,7 +74,7 @@ class RamFold(GatherFold):
         if packed is None:
             kern.ram_combine(out, base, deltas, np.float32(eps), lam)
         else:
-            kern.ram_combine_raw(out, base, packed, n_experts, np.float32(eps), lam)
+            kern.ram_combine_raw(out, base, packed, stored[1], n_experts, np.float32(eps), lam)
         return out
 
 

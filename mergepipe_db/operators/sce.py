@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from mergepipe_db.core.dtypes import as_float32
 from mergepipe_db.operators.base import kernels
 from mergepipe_db.operators.gather import GatherFold
 from mergepipe_db.operators.order_stats import kth_largest_bits
@@ -31,6 +32,7 @@ class Sce(GatherFold):
     joint_election: ClassVar[bool] = True
     uses_torch = True
     compacts_rows = True
+    raw_formula = True
 
     def coefficient(self, k: int) -> float:
         return 1.0
@@ -55,44 +57,70 @@ class Sce(GatherFold):
         out.reshape(n_rows, -1)[rows] = final.reshape(len(rows), b2.shape[1])
         return out
 
+    def _combine_raw(self, base: np.ndarray, raws: list[np.ndarray], read: np.ndarray) -> np.ndarray:
+        out, _ = self._merge_flat(base.reshape(-1), raws, base.size, read)
+        return out
+
     #: the last columns (this many, plus up to 63 more to a multiple of 64 before them) go through torch's
     #: `_combine`: torch's sum over dim 0 adds the K rows in order into +0.0, except in an array's last columns
     #: (its narrow-vector and scalar tails), whose order depends on the CPU's vector width
     TORCH_TAIL = 128
 
-    def _merge_flat(self, base: np.ndarray, ds: list[np.ndarray], divisor: int) -> tuple[np.ndarray, Any]:
-        """θ₀ + sce's update on flat float32 arrays (θ₀ and every Δ_k), w_k = Σ tvs_k² / `divisor`: the torch
-        formula of docs/SEMANTICS.md without K-sized temporaries, bit for bit. Returns it and the raw weights
-        (a float32 tensor of K)."""
+    def _merge_flat(self, base: np.ndarray, ds: list[np.ndarray], divisor: int, read: np.ndarray | None = None,
+                    ) -> tuple[np.ndarray, Any]:
+        """θ₀ + sce's update on flat float32 arrays (θ₀ and every Δ_k; given the read map `read`, each
+        expert's stored values instead, Δ_k formed from them: `kernels.merge.delta_tile`), w_k = Σ tvs_k² /
+        `divisor`: the torch formula of docs/SEMANTICS.md without K-sized temporaries, bit for bit. Returns it
+        and the raw weights (a float32 tensor of K)."""
         import torch
 
         kern = kernels()
         n, n_experts = base.shape[0], len(ds)
-        keep = self._keep(ds)
+        stored = read is not None
+        keep = self._keep(ds, (base, read) if stored else None)
         masked = keep is not None
         keep_arr = keep if keep is not None else np.zeros(1, np.uint8)
         # w_k: torch's sum of the squares. Expanded to two rows, torch sums each row whole on one thread, as it
         # does each row of the stacked (K, n) array (a single row would be split across threads)
         sq = self.scratch("sce_sq", n)
         sums = []
-        for d in ds:
-            kern.sce_masked_square(sq, d, keep_arr, masked)
+        for k, d in enumerate(ds):
+            if read is not None:
+                kern.sce_masked_square_raw(sq, base, d, read[k], keep_arr, masked)
+            else:
+                kern.sce_masked_square(sq, d, keep_arr, masked)
             sums.append(torch.from_numpy(sq).view(1, -1).expand(2, -1).sum(dim=1)[0])
         weights = torch.stack(sums) / divisor
         total = torch.sum(weights).item()
         norm = torch.ones_like(weights) / n_experts if abs(total) < 1e-6 else weights / total
         out = np.empty(n, np.float32)
         bulk = 0 if n < 4 * self.TORCH_TAIL else n - self.TORCH_TAIL - n % 64
-        if bulk:
+        if bulk and read is not None:
+            kern.sce_combine_raw(out[:bulk], base, kern.pack(ds), read, n_experts, keep_arr, masked, norm.numpy())
+        elif bulk:
             kern.sce_combine(out[:bulk], base, kern.pack(ds), n_experts, keep_arr, masked, norm.numpy())
         if bulk < n:  # the tail, by torch as written
-            tvs = torch.stack([torch.from_numpy(d[bulk:]) for d in ds])
+            tail = [self._stored_tail(base, d, read[k], bulk) for k, d in enumerate(ds)] if read is not None \
+                else [d[bulk:] for d in ds]
+            tvs = torch.stack([torch.from_numpy(d) for d in tail])
             if masked:
                 tvs = tvs * torch.from_numpy(keep_arr[bulk:]).to(torch.float32)
             out[bulk:] = (torch.from_numpy(base[bulk:]) + self._combine(tvs, weights)).numpy()
         return out, weights
 
-    def _keep(self, ds: list[np.ndarray]) -> np.ndarray | None:
+    @staticmethod
+    def _stored_tail(base: np.ndarray, raw: np.ndarray, read: np.ndarray, start: int) -> np.ndarray:
+        """Δ from `start` on, from an expert's stored values and read map: +0.0 on the tiles not read."""
+        from mergepipe_db.kernels.merge import RAW_TILE
+
+        out = np.zeros(base.shape[0] - start, np.float32)
+        for j in range(start // RAW_TILE, len(read)):
+            if read[j]:
+                s, e = max(j * RAW_TILE, start), min((j + 1) * RAW_TILE, base.shape[0])
+                out[s - start:e - start] = as_float32(raw[s:e]) - base[s:e]
+        return out
+
+    def _keep(self, ds: list[np.ndarray], stored: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray | None:
         """The `select_topk` mask (uint8 per element); None when it is 1 (nothing masked).
 
         torch.topk's k largest |var|: the k-th largest by radix select, and every element at or above it kept
@@ -107,14 +135,18 @@ class Sce(GatherFold):
         density = self.params["select_topk"]
         if density >= 1:
             return None
-        n = ds[0].shape[0]
+        n = stored[0].shape[0] if stored is not None else ds[0].shape[0]  # a stored array may be empty (no read)
         keep = self.scratch("sce_keep", n, np.uint8)
         if density <= 0 or n == 0:
             keep[:] = 0
             return keep
         kern = kernels()
         var = self.scratch("sce_var", n)
-        k = int(int(kern.sce_abs_var(var, kern.pack(ds), len(ds))) * density)
+        if stored is not None:  # ds: the stored values, Δ_k formed from them, θ₀ and the read map
+            nonzero = kern.sce_abs_var_raw(var, stored[0], kern.pack(ds), stored[1], len(ds))
+        else:
+            nonzero = kern.sce_abs_var(var, kern.pack(ds), len(ds))
+        k = int(int(nonzero) * density)
         if k <= 0:
             keep[:] = 0
         elif not kern.sce_keep(var.view(np.uint32), np.uint32(kth_largest_bits(var, k, self)), k, keep) and \

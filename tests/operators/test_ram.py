@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from builders import f32_bits, fold_deltas, fold_stored
+from builders import f32_bits, fold_deltas, fold_stored, stored_with_garbage
 
 from mergepipe_db.operators.ram import RamFold
 
@@ -124,35 +124,9 @@ def test_no_row_read_gives_the_base_plus_zero(method, opts) -> None:
     assert np.array_equal(f32_bits(got), f32_bits(base + np.float32(0.0)))
 
 
-def _bf16(a: np.ndarray) -> np.ndarray:
-    """a's values rounded toward zero to BF16, as bit patterns (uint16)."""
-    return (np.ascontiguousarray(a, np.float32).view(np.uint32) >> 16).astype(np.uint16)
-
-
-def _widen(bits: np.ndarray) -> np.ndarray:
-    return (bits.astype(np.uint32) << 16).view(np.float32)
-
-
 def _stored_case(seed: int, eps: float, selected, dtype: str):
-    """θ₀ (BF16 values in float32) and each expert's stored θ_k (BF16 bits or float32) with garbage (NaN, inf,
-    huge values) on the rows of blocks it did not select; the Δ_k those give (0 on unread rows)."""
     base, deltas = _case(seed, eps, selected)
-    base = _widen(_bf16(base))
-    g = np.random.default_rng(seed + 100)
-    stored, want = [], []
-    for blocks, d in zip(selected, deltas):
-        theta = base + d
-        raw = _bf16(theta) if dtype == "bf16" else theta.astype(np.float32)
-        delta = (_widen(raw) if dtype == "bf16" else raw) - base
-        unread = np.ones(SHAPE[0], bool)
-        unread[_rows(blocks)] = False
-        delta[unread] = 0.0
-        junk = g.integers(0, 1 << 16, (int(unread.sum()), SHAPE[1])).astype(np.uint16)
-        junk[:, :3] = [0x7FC0, 0x7F80, 0xFF80]  # NaN, inf, -inf
-        raw[unread] = junk if dtype == "bf16" else _widen(junk)
-        stored.append(raw)
-        want.append(delta)
-    return base, stored, want
+    return stored_with_garbage(base, deltas, selected, RPB, dtype, seed + 100)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "f32"])
@@ -193,8 +167,28 @@ def test_stored_values_not_held_where_the_base_cannot_fill_them(spoil, monkeypat
     elif spoil == "inexact_base":
         base[20, 2] = np.float32(1.0 + 2.0**-20)
     else:
-        stored[1] = _widen(stored[1]).reshape(SHAPE)
+        stored[1] = (stored[1].astype(np.uint32) << 16).view(np.float32)
     want = _want("ramplus_tl", opts, base, deltas)
     got = fold_stored("ramplus_tl", base, SELECTED, stored, opts, full=True, rows_per_block=RPB)
     assert calls == []
     assert np.array_equal(f32_bits(got), f32_bits(want))
+
+
+@pytest.mark.parametrize("method,opts", [CASES[0], CASES[3]])
+def test_stored_values_tiles_read_whole_in_part_or_not_at_all(method, opts) -> None:
+    """Blocks of 2,048 elements (two tiles of `RAW_TILE`) and of 24 (many to a tile): tiles no expert read are
+    never touched (garbage stays there: Δ = +0.0), tiles read in part are completed from θ₀."""
+    g = np.random.default_rng(21)
+    for shape, rpb, selected in [((64, 256), 8, [(0, 2, 3), (3, 7), (), (1, 2, 7)]),
+                                 ((300, 24), 1, [tuple(range(0, 300, 3)), tuple(range(5, 290)), (7,), ()]),
+                                 ((64, 256), 8, [(), (3, 7), (0, 1, 2, 3, 4, 5, 6, 7)])]:
+        base = g.standard_normal(shape).astype(np.float32)
+        deltas = []
+        for blocks in selected:
+            d = np.zeros(shape, np.float32)
+            for b in blocks:
+                d[b * rpb:(b + 1) * rpb] = (g.standard_normal((rpb,) + shape[1:]) * 0.01).astype(np.float32)
+            deltas.append(d)
+        base, stored, deltas = stored_with_garbage(base, deltas, selected, rpb, "bf16", 22)
+        got = fold_stored(method, base, selected, stored, opts, full=True, rows_per_block=rpb)
+        assert np.array_equal(f32_bits(got), f32_bits(_want(method, opts, base, deltas)))

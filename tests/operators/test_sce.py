@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from builders import f32_bits, fold_deltas
+from builders import f32_bits, fold_deltas, fold_stored, stored_with_garbage
 
 from mergepipe_db.operators import ExpertInput, ExpertParams, TensorContext, make_operator
 
@@ -201,3 +201,45 @@ def test_whole_tensor_is_the_torch_formula_bit_for_bit(shape, topk, n_experts) -
     tvs = torch.stack([torch.from_numpy(d).reshape(-1) for d in ds])
     want = lit_sce(torch.from_numpy(base).reshape(-1), tvs, topk, n).reshape(shape)
     assert np.array_equal(f32_bits(got), f32_bits(want))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f32"])
+@pytest.mark.parametrize("topk", [0.5, 1.0, 0.1])
+def test_stored_values_held_give_the_formula(topk, dtype, monkeypatch) -> None:
+    """Inputs read in place (θ_k's stored values, garbage — NaN, inf — on the rows not read) are held and Δ_k
+    formed from them in the variance, the squares and the sum (`_combine_raw`): the formula's bytes on the Δ_k
+    (0 on unread rows), the array's last columns by torch included; an expert with nothing selected too."""
+    from mergepipe_db.kernels import merge as mk
+
+    calls = []
+    raw_combine = mk.sce_combine_raw
+    monkeypatch.setattr(mk, "sce_combine_raw", lambda *a: (calls.append(1), raw_combine(*a))[1])
+    base, selected, deltas = _case(6)
+    base, stored, want_d = stored_with_garbage(base, deltas, selected, RPB, dtype, 7)
+    got = fold_stored("sce", base, selected, stored, {"select_topk": topk}, full=True, rows_per_block=RPB)
+    assert calls == [1]
+    tvs = torch.stack([torch.from_numpy(d) for d in want_d]).reshape(len(want_d), -1)
+    want = lit_sce(torch.from_numpy(base).flatten(), tvs, topk, base.size).reshape(SHAPE)
+    assert np.array_equal(f32_bits(got), f32_bits(want))
+
+
+@pytest.mark.parametrize("topk", [0.5, 1.0])
+def test_stored_values_tiles_read_whole_in_part_or_not_at_all(topk) -> None:
+    """Blocks of 2,048 elements (two tiles of `RAW_TILE`) and of 24 (many to a tile), some tiles read by no
+    expert, the first expert reading nothing, the array's last columns in a tile read in part: the formula's bytes."""
+    g = np.random.default_rng(23)
+    for shape, rpb, selected in [((64, 256), 8, [(0, 2, 3), (3, 7), (), (1, 2, 7)]),
+                                 ((300, 24), 1, [tuple(range(0, 300, 3)), tuple(range(5, 290)), (299,), ()]),
+                                 ((64, 256), 8, [(), (3, 7), (0, 1, 2, 3, 4, 5, 6, 7)])]:
+        base = g.standard_normal(shape).astype(np.float32)
+        deltas = []
+        for blocks in selected:
+            d = np.zeros(shape, np.float32)
+            for b in blocks:
+                d[b * rpb:(b + 1) * rpb] = (g.standard_normal((rpb,) + shape[1:]) * 0.01).astype(np.float32)
+            deltas.append(d)
+        base, stored, deltas = stored_with_garbage(base, deltas, selected, rpb, "bf16", 24)
+        got = fold_stored("sce", base, selected, stored, {"select_topk": topk}, full=True, rows_per_block=rpb)
+        tvs = torch.stack([torch.from_numpy(d) for d in deltas]).reshape(len(deltas), -1)
+        want = lit_sce(torch.from_numpy(base).flatten(), tvs, topk, base.size).reshape(shape)
+        assert np.array_equal(f32_bits(got), f32_bits(want))
