@@ -7,7 +7,6 @@ Every error a user can cause is a MergePipeError: printed as one line on stderr,
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import io
 import json
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from mergepipe_db import sources
+from mergepipe_db.core.process import exit_now
 from mergepipe_db.core.units import fmt_bytes
 from mergepipe_db.core.version import __version__
 from mergepipe_db.errors import MergePipeError
@@ -560,19 +560,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("mergepipe: interrupted", file=sys.stderr)
         return 130
-
-
-def exit_now(rc: int) -> NoReturn:
-    """End the process with `rc`. After a successful command every output file is written, fsynced and
-    closed, and the catalog holds no connection (each call opens and closes its own): all that is left is the
-    interpreter's teardown of the imported modules (~0.5 s, mostly numba's), so the process exits at once,
-    stdout and stderr flushed. A failed command exits normally."""
-    if rc == 0:
-        with contextlib.suppress(OSError):  # a closed pipe (`mergepipe sql ... | head`)
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(0)
-    sys.exit(rc)
 
 
 def run() -> NoReturn:

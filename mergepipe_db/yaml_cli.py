@@ -139,9 +139,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run() -> NoReturn:
-    """The `mergepipe-yaml` console script."""
-    sys.stdout.flush()
-    raise SystemExit(main())
+    """The `mergepipe-yaml` console script: `main`, then `core.process.exit_now` (tests call `main` in
+    process)."""
+    from mergepipe_db.core.process import exit_now
+
+    exit_now(main())
 
 
 if __name__ == "__main__":

@@ -121,3 +121,29 @@ def test_help_names_every_option(capsys) -> None:
                 "--random-seed", "--lazy-unpickle", "--cuda", "--allow-crimes", "--budget", "--catalog",
                 "--download"):
         assert opt in text
+
+
+def test_console_script_exits_at_once_with_its_output_complete(env, tmp_path: Path) -> None:
+    """The console script (`run`) ends a successful merge without the interpreter's teardown
+    (`core.process.exit_now`): its JSON result on stdout is whole, the output written; a refused config exits 1
+    the usual way, one line on stderr."""
+    import os
+    import subprocess
+    import sys
+
+    root, url = env
+    script = "import sys; from mergepipe_db import yaml_cli; sys.argv[0] = 'mergepipe-yaml'; yaml_cli.run()"
+    # stdout a pipe, buffered: what `exit_now` does not flush is lost
+    envs = {k: v for k, v in os.environ.items() if k not in ("MERGEPIPE_DEBUG", "PYTHONUNBUFFERED")}
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-c", script, str(root / "cfg.yml"), str(out), "--catalog", url, "--json"],
+                          capture_output=True, text=True, env=envs, timeout=300)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["snapshot_id"] and (out / "model.safetensors").exists()
+    bad = tmp_path / "bad.yml"
+    bad.write_text("merge_method: [")
+    done = subprocess.run([sys.executable, "-c", script, str(bad), str(tmp_path / "never"), "--catalog", url],
+                          capture_output=True, text=True, env=envs, timeout=300)
+    assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1
+    assert "not readable YAML" in done.stderr and not (tmp_path / "never").exists()
