@@ -379,19 +379,20 @@ def fusion_apply(out: np.ndarray, theta0: np.ndarray, theta1: np.ndarray, import
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")  # no zero-division check (m >= 1e-6 or NaN): it vectorizes
 def _nearswap_span(out: np.ndarray, a: np.ndarray, b: np.ndarray, t: np.float32) -> None:
-    """One span of `nearswap`."""
+    """One span of `nearswap` (b: float32, or θ_1's stored values, widened here)."""
     eps = np.float32(1e-6)
     zero = np.float32(0.0)
     one = np.float32(1.0)
     for i in range(out.shape[0]):
-        d = abs(a[i] - b[i])
+        bi = widen(b[i])
+        d = abs(a[i] - bi)
         m = d if (d >= eps or d != d) else eps  # np.maximum: NaN wins
         w = t / m
         if w < zero:  # np.clip(w, 0, 1): NaN stays NaN
             w = zero
         elif w > one:
             w = one
-        out[i] = w * b[i] + (one - w) * a[i]
+        out[i] = w * bi + (one - w) * a[i]
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
@@ -404,3 +405,19 @@ def nearswap(out: np.ndarray, a: np.ndarray, b: np.ndarray, t: np.float32) -> No
     for k in numba.prange(c):
         s, e = chunk_span(n, c, k)
         _nearswap_span(out[s:e], a[s:e], b[s:e], t)
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def nearswap_raw(out: np.ndarray, a: np.ndarray, raw: np.ndarray, read: np.ndarray, t: np.float32) -> None:
+    """`nearswap` with θ_1 from its stored values (flat) and read map (`merge.delta_tile`'s): widen(raw) on a
+    tile read, θ₀ on a tile not read (θ_1 = θ₀ there, as `gather_theta` gives it)."""
+    n = out.shape[0]
+    c = n_chunks(n, PAR_CHUNK)
+    for k in numba.prange(c):
+        s, e = chunk_span(n, c, k)
+        for t0 in range(s, e, RAW_TILE):
+            t1 = min(t0 + RAW_TILE, e)
+            if read[t0 // RAW_TILE]:
+                _nearswap_span(out[t0:t1], a[t0:t1], raw[t0:t1], t)
+            else:
+                _nearswap_span(out[t0:t1], a[t0:t1], a[t0:t1], t)

@@ -18,6 +18,7 @@ class Nearswap(GatherFold):
 
     gather = "theta"
     uses_theta = True
+    raw_formula = True
 
     def _check(self) -> None:
         if self.n_experts != 1:
@@ -37,4 +38,13 @@ class Nearswap(GatherFold):
         b = np.ascontiguousarray(values[0]).reshape(-1)
         out = self.scratch("nearswap_out", a.shape[0])  # finish() may return a reused buffer
         gather_kernels().nearswap(out, a, b, np.float32(self.t))
+        return out.reshape(base.shape)
+
+    def _combine_raw(self, base: np.ndarray, raws: list[np.ndarray], read: np.ndarray) -> np.ndarray:
+        """`_combine_all` with θ_1 widened from its stored values as the pass reads them
+        (`kernels.gather.nearswap_raw`)."""
+        assert self.t is not None
+        a = np.ascontiguousarray(base).reshape(-1)
+        out = self.scratch("nearswap_out", a.shape[0])
+        gather_kernels().nearswap_raw(out, a, raws[0], read[0], np.float32(self.t))
         return out.reshape(base.shape)
