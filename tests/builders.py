@@ -182,6 +182,24 @@ def stored_with_garbage(base: np.ndarray, deltas, selected, rows_per_block: int,
     return base, stored, effective
 
 
+def tile_cases(seed: int):
+    """(shape, rows per block, each expert's selected blocks, θ₀, each expert's Δ on its blocks) for the
+    stored-value passes' tiles of 1,024 elements: blocks of 2,048 elements (tiles read whole or not at all), blocks
+    of 24 (many to a tile: tiles read in part), a first expert that reads nothing and one that reads everything."""
+    g = np.random.default_rng(seed)
+    for shape, rpb, selected in [((64, 256), 8, [(0, 2, 3), (3, 7), (), (1, 2, 7)]),
+                                 ((300, 24), 1, [tuple(range(0, 300, 3)), tuple(range(5, 290)), (299,), ()]),
+                                 ((64, 256), 8, [(), (3, 7), (0, 1, 2, 3, 4, 5, 6, 7)])]:
+        base = g.standard_normal(shape).astype(np.float32)
+        deltas = []
+        for blocks in selected:
+            d = np.zeros(shape, np.float32)
+            for b in blocks:
+                d[b * rpb:(b + 1) * rpb] = (g.standard_normal((rpb,) + shape[1:]) * 0.01).astype(np.float32)
+            deltas.append(d)
+        yield shape, rpb, selected, base, deltas
+
+
 def f32_bits(a) -> np.ndarray:
     """The float32 bit patterns of `a` (int32), for bit-for-bit comparisons."""
     return np.asarray(a, np.float32).view(np.int32)

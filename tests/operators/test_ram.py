@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from builders import f32_bits, fold_deltas, fold_stored, stored_with_garbage
+from builders import f32_bits, fold_deltas, fold_stored, stored_with_garbage, tile_cases
 
 from mergepipe_db.operators.ram import RamFold
 
@@ -178,17 +178,7 @@ def test_stored_values_not_held_where_the_base_cannot_fill_them(spoil, monkeypat
 def test_stored_values_tiles_read_whole_in_part_or_not_at_all(method, opts) -> None:
     """Blocks of 2,048 elements (two tiles of `RAW_TILE`) and of 24 (many to a tile): tiles no expert read are
     never touched (garbage stays there: Δ = +0.0), tiles read in part are completed from θ₀."""
-    g = np.random.default_rng(21)
-    for shape, rpb, selected in [((64, 256), 8, [(0, 2, 3), (3, 7), (), (1, 2, 7)]),
-                                 ((300, 24), 1, [tuple(range(0, 300, 3)), tuple(range(5, 290)), (7,), ()]),
-                                 ((64, 256), 8, [(), (3, 7), (0, 1, 2, 3, 4, 5, 6, 7)])]:
-        base = g.standard_normal(shape).astype(np.float32)
-        deltas = []
-        for blocks in selected:
-            d = np.zeros(shape, np.float32)
-            for b in blocks:
-                d[b * rpb:(b + 1) * rpb] = (g.standard_normal((rpb,) + shape[1:]) * 0.01).astype(np.float32)
-            deltas.append(d)
+    for _shape, rpb, selected, base, deltas in tile_cases(21):
         base, stored, deltas = stored_with_garbage(base, deltas, selected, rpb, "bf16", 22)
         got = fold_stored(method, base, selected, stored, opts, full=True, rows_per_block=rpb)
         assert np.array_equal(f32_bits(got), f32_bits(_want(method, opts, base, deltas)))

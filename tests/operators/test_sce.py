@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from builders import f32_bits, fold_deltas, fold_stored, stored_with_garbage
+from builders import f32_bits, fold_deltas, fold_stored, stored_with_garbage, tile_cases
 
 from mergepipe_db.operators import ExpertInput, ExpertParams, TensorContext, make_operator
 
@@ -227,17 +227,7 @@ def test_stored_values_held_give_the_formula(topk, dtype, monkeypatch) -> None:
 def test_stored_values_tiles_read_whole_in_part_or_not_at_all(topk) -> None:
     """Blocks of 2,048 elements (two tiles of `RAW_TILE`) and of 24 (many to a tile), some tiles read by no
     expert, the first expert reading nothing, the array's last columns in a tile read in part: the formula's bytes."""
-    g = np.random.default_rng(23)
-    for shape, rpb, selected in [((64, 256), 8, [(0, 2, 3), (3, 7), (), (1, 2, 7)]),
-                                 ((300, 24), 1, [tuple(range(0, 300, 3)), tuple(range(5, 290)), (299,), ()]),
-                                 ((64, 256), 8, [(), (3, 7), (0, 1, 2, 3, 4, 5, 6, 7)])]:
-        base = g.standard_normal(shape).astype(np.float32)
-        deltas = []
-        for blocks in selected:
-            d = np.zeros(shape, np.float32)
-            for b in blocks:
-                d[b * rpb:(b + 1) * rpb] = (g.standard_normal((rpb,) + shape[1:]) * 0.01).astype(np.float32)
-            deltas.append(d)
+    for shape, rpb, selected, base, deltas in tile_cases(23):
         base, stored, deltas = stored_with_garbage(base, deltas, selected, rpb, "bf16", 24)
         got = fold_stored("sce", base, selected, stored, {"select_topk": topk}, full=True, rows_per_block=rpb)
         tvs = torch.stack([torch.from_numpy(d) for d in deltas]).reshape(len(deltas), -1)
