@@ -10,8 +10,8 @@ keys' top halves is comparing the values, as long as they are non-negative float
 unsigned integers) and every NaN has the one pattern (NaNs tie with each other and sit above +inf, as in the
 comparison). So the same places end up holding the same indices, the choice among ties included.
 
-What is not reproduced is left to torch (the caller's fallback), each found before any key moves: ``k * 64 <=
-numel`` (torch streams the values through a heap instead), a value with its sign bit set, more than 2^32
+What is not reproduced is left to torch (the caller's fallback), each found before the mask is written: ``k * 64
+<= numel`` (torch streams the values through a heap instead), a value with its sign bit set, more than 2^32
 elements, and the introselect reaching its depth limit (libstdc++ turns to a heap select there: rare, it needs
 pivots that keep missing).
 """
@@ -21,7 +21,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["select_k_largest", "torch_topk_mask"]
+__all__ = ["depth_limit", "select_k_largest", "torch_topk_mask"]
 
 _NAN_KEY = np.uint64(0x7FC00000)  # the one pattern every NaN's key carries
 _INF = np.uint64(0x7F800000)
