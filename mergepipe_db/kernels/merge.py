@@ -1099,26 +1099,15 @@ def sce_masked_square(out: np.ndarray, d: np.ndarray, keep: np.ndarray, masked: 
 
 
 @numba.njit(cache=True, nogil=True)
-def _sce_masked_square_raw_span(out: np.ndarray, base: np.ndarray, raw: np.ndarray, read: np.ndarray,
+def _sce_masked_square_raw_span(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], read: np.ndarray,
                                 keep: np.ndarray, masked: bool, s: int, e: int) -> None:
-    """`sce_masked_square_raw` on elements [s, e) (s a multiple of `RAW_TILE`)."""
-    zero = np.float32(0.0)
+    """`sce_masked_square_raw` on elements [s, e): Δ a tile at a time (`delta_tile`), then `sce_masked_square`'s
+    span on it."""
+    tile = np.empty((1, RAW_TILE), np.float32)
     for t0 in range(s, e, RAW_TILE):
         m = min(RAW_TILE, e - t0)
-        o = out[t0:t0 + m]
-        if not read[t0 // RAW_TILE]:
-            o[:] = zero  # Δ = +0.0: (0·keep)² = +0.0
-            continue
-        b, x = base[t0:t0 + m], raw[t0:t0 + m]
-        if masked:
-            kp = keep[t0:t0 + m]
-            for i in range(m):
-                t = (widen(x[i]) - b[i]) * np.float32(kp[i])
-                o[i] = t * t
-        else:
-            for i in range(m):
-                d = widen(x[i]) - b[i]
-                o[i] = d * d
+        delta_tile(tile, base, raws, read, 1, t0, m)
+        _sce_masked_square_span(out[t0:t0 + m], tile[0, :m], keep[t0:t0 + m] if masked else keep[0:0], masked)
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
@@ -1128,9 +1117,10 @@ def sce_masked_square_raw(out: np.ndarray, base: np.ndarray, raw: np.ndarray, re
     row of `delta_tile`'s)."""
     n = out.shape[0]
     c = n_chunks(n, PAR_CHUNK)
+    raws, rows = (raw,), read.reshape(1, -1)
     for t in numba.prange(c):
         s, e = chunk_span(n, c, t)
-        _sce_masked_square_raw_span(out, base, raw, read, keep, masked, s, e)
+        _sce_masked_square_raw_span(out, base, raws, rows, keep, masked, s, e)
 
 
 @numba.njit(cache=True, nogil=True)

@@ -76,8 +76,7 @@ class Sce(GatherFold):
 
         kern = kernels()
         n, n_experts = base.shape[0], len(ds)
-        stored = read is not None
-        keep = self._keep(ds, (base, read) if stored else None)
+        keep = self._keep(ds, None if read is None else (base, read), n=n)
         masked = keep is not None
         keep_arr = keep if keep is not None else np.zeros(1, np.uint8)
         # w_k: torch's sum of the squares. Expanded to two rows, torch sums each row whole on one thread, as it
@@ -120,7 +119,8 @@ class Sce(GatherFold):
                 out[s - start:e - start] = as_float32(raw[s:e]) - base[s:e]
         return out
 
-    def _keep(self, ds: list[np.ndarray], stored: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray | None:
+    def _keep(self, ds: list[np.ndarray], stored: tuple[np.ndarray, np.ndarray] | None = None, *,
+              n: int | None = None) -> np.ndarray | None:
         """The `select_topk` mask (uint8 per element); None when it is 1 (nothing masked).
 
         torch.topk's k largest |var|: the k-th largest by radix select, and every element at or above it kept
@@ -132,10 +132,10 @@ class Sce(GatherFold):
 
         from mergepipe_db.kernels.topk_select import torch_topk_mask
 
+        n = ds[0].shape[0] if n is None else n  # the caller's n: a stored array may be empty (nothing read)
         density = self.params["select_topk"]
         if density >= 1:
             return None
-        n = stored[0].shape[0] if stored is not None else ds[0].shape[0]  # a stored array may be empty (no read)
         keep = self.scratch("sce_keep", n, np.uint8)
         if density <= 0 or n == 0:
             keep[:] = 0
