@@ -263,9 +263,71 @@ def delta_fused(mixed: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...
                     for i in range(m):
                         mm[i] = mm[i] + (widen(x[i]) - bb[i]) * wk
             if finish:
+                _additive_finish_tile(mm, bb, normalize, divisor, lam)
+
+
+@numba.njit(cache=True, nogil=True)
+def _additive_finish_tile(mm: np.ndarray, bb: np.ndarray, normalize: bool, divisor: np.float32, lam: np.float32
+                          ) -> None:
+    """The additive operators' `_finish` on one tile: θ₀ + (mixed / divisor, where ``normalize``) · λ."""
+    for i in range(mm.shape[0]):
+        v = mm[i] / divisor if normalize else mm[i]
+        mm[i] = v * lam + bb[i]
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def masked_fused(mixed: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], selected: np.ndarray,
+                 bounds: np.ndarray, w: np.ndarray, keeps: tuple[np.ndarray, ...], masked: np.ndarray,
+                 scales: np.ndarray, skip: np.ndarray, start: bool, finish: bool, normalize: bool,
+                 divisor: np.float32, lam: np.float32) -> None:
+    """`delta_fused` for dare_linear and della_linear: every expert k of ``raws`` in order (on the blocks with
+    ``selected[k, b]``) adds T·w, tile by tile, where T = where(keeps[k], Δ · scales[k], 0.0) for an expert
+    with ``masked[k]`` (its drawn mask, bool in the tensor's flat shape; ``scales[k]`` is 1 where the rescale
+    leaves Δ as it is: Δ · 1 = Δ, bit for bit) and T = Δ for the others (density 1: no mask). The bits of
+    `masked_delta_span` (mode 1 or 0) and `delta_add` folded one expert at a time, then `_finish`; ``start``,
+    ``finish`` and ``skip`` as in `delta_fused`. The blocks in contiguous chunks on numba's threads."""
+    nb = bounds.shape[0] - 1
+    c = max(1, min(_PAR_CHUNKS, nb))
+    for t in numba.prange(c):
+        _masked_fused_blocks(mixed, base, raws, selected, bounds, w, keeps, masked, scales, skip, start, finish,
+                             normalize, divisor, lam, nb * t // c, nb * (t + 1) // c)
+
+
+@numba.njit(cache=True, nogil=True)
+def _masked_fused_blocks(mixed: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], selected: np.ndarray,
+                         bounds: np.ndarray, w: np.ndarray, keeps: tuple[np.ndarray, ...], masked: np.ndarray,
+                         scales: np.ndarray, skip: np.ndarray, start: bool, finish: bool, normalize: bool,
+                         divisor: np.float32, lam: np.float32, b0: int, b1: int) -> None:
+    """`masked_fused` on blocks [b0, b1)."""
+    zero = np.float32(0.0)
+    for b in range(b0, b1):
+        if skip[b]:
+            continue
+        for t0 in range(bounds[b], bounds[b + 1], _TILE):
+            m = min(_TILE, bounds[b + 1] - t0)
+            mm, bb = mixed[t0:t0 + m], base[t0:t0 + m]
+            if start:
                 for i in range(m):
-                    v = mm[i] / divisor if normalize else mm[i]
-                    mm[i] = v * lam + bb[i]
+                    mm[i] = zero
+            for k in range(selected.shape[0]):
+                if not selected[k, b]:
+                    continue
+                x, wk = raws[k][t0:t0 + m], w[k]
+                if masked[k]:
+                    kk, sk = keeps[k][t0:t0 + m], scales[k]
+                    if sk != np.float32(1.0):
+                        for i in range(m):
+                            q = (widen(x[i]) - bb[i]) * sk
+                            mm[i] = mm[i] + (q if kk[i] else zero) * wk
+                    else:
+                        for i in range(m):
+                            q = widen(x[i]) - bb[i]
+                            mm[i] = mm[i] + (q if kk[i] else zero) * wk
+                else:
+                    for i in range(m):
+                        mm[i] = mm[i] + (widen(x[i]) - bb[i]) * wk
+            if finish:
+                _additive_finish_tile(mm, bb, normalize, divisor, lam)
 
 
 @numba.njit(cache=True, nogil=True)

@@ -30,6 +30,7 @@ class AdditiveFold(DeltaFold):
         self._started = False
         self._stash = Stash()
         self._bands: dict[int, tuple[float | None, float]] = {}  # a kept breadcrumbs input's (lo, hi): `_fold_band`
+        self._masks: dict[int, tuple[np.ndarray, float]] = {}  # a kept random drop's (mask, scale): `_keep_mask`
 
     def _fold_stash(self, finish: bool = False) -> None:
         """Fold the kept inputs (in order) in one fused pass, which starts the sum if nothing has yet; with
@@ -39,6 +40,17 @@ class AdditiveFold(DeltaFold):
         assert self._mixed is not None and self._ctx is not None and self._bflat is not None
         items, raws, selected = self._stash.take(self._ctx.n_blocks)
         w = np.array([self.weights[x.index] for _src, x in items], np.float32)
+        masks = [self._masks.pop(x.index, None) for _src, x in items]
+        if any(mask is not None for mask in masks):  # dare_linear, della_linear (density 1: no mask)
+            no_mask = np.empty(0, np.bool_)
+            kernels().masked_fused(self._mixed, self._bflat, raws, selected, block_bounds(self._ctx), w,
+                                   kernels().pack([no_mask if mask is None else mask[0] for mask in masks]),
+                                   np.array([mask is not None for mask in masks], np.bool_),
+                                   np.array([1.0 if mask is None else mask[1] for mask in masks], np.float32),
+                                   self._skip, not self._started, finish, self.normalize,
+                                   np.float32(self.weight_sum), np.float32(self.lam))
+            self._started = True
+            return
         inf = np.float32(np.inf)
         bands = [self._bands.get(x.index) for _src, x in items]
         bounds = np.array([(-inf, inf) if b is None else band_bounds(*b) for b in bands], np.float32).reshape(-1, 2)
@@ -79,6 +91,24 @@ class AdditiveFold(DeltaFold):
         self._settle()
         kernels().masked_delta_span_par(self._mixed[s0:e0], bb, xb, keep, p, step, mode, np.float32(scale),
                                     np.float32(w))
+
+    def _mask_buffer(self, x: ExpertInput) -> np.ndarray | None:
+        """dare_linear and della_linear: the mask is kept for the fused pass (`kernels.merge.masked_fused`) while
+        the expert's stored values and the mask (a byte an element) fit a group, the kept inputs folded first
+        when they would not fit beside it; a buffer per place in the group, reused from tensor to tensor."""
+        src = x.fast_source()
+        ctx = self._ctx
+        if (src is None or ctx is None or self._mixed is None or self._bflat is None
+                or not self._stash.make_room(src, self._fold_stash, ctx.numel)):
+            return None
+        return self.scratch(f"additive_keep{len(self._stash.items)}", ctx.numel, np.bool_)
+
+    def _keep_mask(self, x: ExpertInput, keep: np.ndarray, mode: int, scale: float) -> None:
+        src = x.fast_source()
+        assert src is not None
+        self._masks[x.index] = (keep, scale if mode == 1 else 1.0)
+        kept = self._stash.offer(src, x, self._fold_stash, keep.nbytes)
+        assert kept, "_mask_buffer made room for it"
 
     def _fold_band(self, x: ExpertInput, lo: float | None, hi: float) -> bool:
         """breadcrumbs: keep the input for the fused pass with its band lo < |Δ| < hi (`delta_fused`)."""
@@ -126,6 +156,7 @@ class AdditiveFold(DeltaFold):
     def _end(self) -> None:
         self._mixed = None
         self._stash = Stash()
+        self._masks = {}
 
 
 @register("task_arithmetic")

@@ -65,19 +65,27 @@ class Stash:
     def __iter__(self) -> Iterator[tuple[np.ndarray, ExpertInput]]:
         return iter(self.items)
 
-    def full_for(self, src: np.ndarray) -> bool:
-        """Whether `src` cannot join the kept inputs (their pass must run first)."""
-        return bool(self.items) and (self.nbytes + src.nbytes > GROUP_BYTES or self.items[0][0].dtype != src.dtype)
+    def full_for(self, src: np.ndarray, extra: int = 0) -> bool:
+        """Whether `src` (with `extra` bytes kept beside it) cannot join the kept inputs (their pass must run
+        first)."""
+        return bool(self.items) and (self.nbytes + src.nbytes + extra > GROUP_BYTES
+                                     or self.items[0][0].dtype != src.dtype)
 
-    def offer(self, src: np.ndarray, x: ExpertInput, fold: Callable[[], None]) -> bool:
-        """Keep `src` for the next fused pass, running `fold` first when it cannot join the kept inputs;
-        False (nothing kept) when `src` alone exceeds a group: the caller folds it by itself."""
-        if self.full_for(src):
+    def make_room(self, src: np.ndarray, fold: Callable[[], None], extra: int = 0) -> bool:
+        """Whether `src` (with `extra` bytes kept beside it) can be kept, running `fold` first when it cannot
+        join the kept inputs; False when it alone exceeds a group."""
+        if self.full_for(src, extra):
             fold()
-        if src.nbytes > GROUP_BYTES:
+        return src.nbytes + extra <= GROUP_BYTES
+
+    def offer(self, src: np.ndarray, x: ExpertInput, fold: Callable[[], None], extra: int = 0) -> bool:
+        """Keep `src` (and count `extra` bytes kept beside it, as a mask) for the next fused pass, running
+        `fold` first when it cannot join the kept inputs; False (nothing kept) when it alone exceeds a group:
+        the caller folds it by itself."""
+        if not self.make_room(src, fold, extra):
             return False
         self.items.append((src, x))
-        self.nbytes += src.nbytes
+        self.nbytes += src.nbytes + extra
         return True
 
     def take(self, n_blocks: int) -> tuple[list[tuple[np.ndarray, ExpertInput]], Any, np.ndarray]:
@@ -337,7 +345,8 @@ class DeltaFold(MergeOperator):
         exactly rounded sums: `kernels.exact_sum`), s = 1 ("none"), or where(keep, Δ_k / p, 0.0) ("classic",
         DELLA). Fused kernels: one pass per block forms the mask (and the sums), a second folds T_k
         (`_masked_block`); "none" and "classic" fold each block at once, "l1" once the sums are known. A family
-        with a fused pass over all experts may instead keep a DELLA mask and its scale for it (`_mask_buffer`)."""
+        with a fused pass over all experts may instead keep the mask ("l1", "none") and its scale for it
+        (`_mask_buffer`, `_keep_mask`)."""
         from mergepipe_db.kernels.exact_sum import ExactSum
 
         ctx = self._ctx
@@ -349,7 +358,7 @@ class DeltaFold(MergeOperator):
         della = self.sparsification == "della"
         src = x.fast_source() if self._bflat is not None else None
         sums = (ExactSum(), ExactSum())  # the kept |Δ|, the dropped |Δ|
-        kept = self._mask_buffer(x) if della and mode != "classic" and src is not None else None
+        kept = self._mask_buffer(x) if mode != "classic" and src is not None else None
         keep_all = kept if kept is not None else self.scratch("keep", ctx.numel, np.bool_) if l1 else None
         d32 = np.array([self.densities[k]], np.float32)  # u < d, the Python float cast to float32 (NEP 50)
         if kept is None:  # a kept mask is folded later, with the others
@@ -358,7 +367,10 @@ class DeltaFold(MergeOperator):
             assert keep_all is not None
             spans = self._block_spans(x)
             scale = self._dare_keep_l1(x, src, keep_all, spans)
-            self._fold_mask(x, src, spans, keep_all, 1 if scale != 1.0 else 0, scale, w)
+            if kept is not None:
+                self._keep_mask(x, kept, 1 if scale != 1.0 else 0, scale)
+            else:
+                self._fold_mask(x, src, spans, keep_all, 1 if scale != 1.0 else 0, scale, w)
             return
         later: list[tuple[int, int, int]] = []
         for b, s0, e0, u in self._block_uniforms(x):
@@ -394,8 +406,9 @@ class DeltaFold(MergeOperator):
             self._masked_block(b, s0, e0, bb, xb, keep[s0:e0], d32, 0, mode, scale, w)
 
     def _mask_buffer(self, x: ExpertInput) -> np.ndarray | None:
-        """Where to draw expert x's DELLA mask (bool, the tensor's flat shape) when it is to be kept for a fused
-        pass over all experts (`_keep_mask`) instead of folded block by block; None: no family here has one."""
+        """Where to draw expert x's random drop mask (bool, the tensor's flat shape; rescale l1 or none) when it
+        is to be kept for a fused pass over all experts (`_keep_mask`) instead of folded block by block; None:
+        folded block by block (this default: no fused pass)."""
         return None
 
     def _keep_mask(self, x: ExpertInput, keep: np.ndarray, mode: int, scale: float) -> None:

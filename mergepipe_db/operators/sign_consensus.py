@@ -198,10 +198,11 @@ class TiesFold(DeltaFold):
     def _mask_buffer(self, x: ExpertInput) -> np.ndarray | None:
         """della: its mask is kept for the fused pass (`kernels.merge.dare_ties_fused` reads it a tile at a time)
         while its stored values and the mask (a byte an element) fit: a buffer of its own per place in the
-        stash, reused from tensor to tensor."""
+        stash, reused from tensor to tensor. dare_ties draws its masks again in its fused pass (`_fold_dare`):
+        None."""
         src = x.fast_source()
-        if (src is None or self._P is None or self._bflat is None or self._ctx is None or self._stash is None
-                or not self._fits_stash(src, self._ctx.numel)):
+        if (self.sparsification != "della" or src is None or self._P is None or self._bflat is None
+                or self._ctx is None or self._stash is None or not self._fits_stash(src, self._ctx.numel)):
             return None
         return self.scratch(f"della_keep{len(self._stash)}", self._ctx.numel, np.bool_)
 

@@ -255,3 +255,22 @@ def test_dare_ties_fused_streamed_and_partly_fused(monkeypatch, fuse_bytes, mode
         check("dare_ties", mode, (40, 33), 7, supply, "partial")
         check("dare_ties", mode, (40, 33), 7, supply, "full", special=supply == "f32")
         check("dare_ties", mode, (9, 4, 5), 2, supply, "full", normalize=True, lam=0.8)
+
+
+@pytest.mark.parametrize("method", ["dare_linear", "della_linear"])
+@pytest.mark.parametrize("group_bytes", [0, 4_000, 9_000, 1 << 30])
+@pytest.mark.parametrize("mode", ["l1", "none"])
+def test_additive_masks_fused_streamed_and_partly_fused(monkeypatch, method, group_bytes, mode) -> None:
+    """dare_linear and della_linear keep each expert's drawn mask (the L1 scale found with it) for one fused
+    pass (`kernels.merge.masked_fused`) while its stored values and the mask fit `fold.GROUP_BYTES`, else fold
+    it block by block: the plain formula's bits either way, with rows read in part, normalized, and with inf
+    and NaN. On the (40, 33) tensor, 4,000 bytes make groups of one BF16 expert (F32 ones streamed) and 9,000
+    groups of two BF16 or one F32; the expert of density 1 is kept unmasked, or folded alone by `delta_fused`
+    between two groups; the small tensor is one group from 4,000 on."""
+    from mergepipe_db.operators import fold
+
+    monkeypatch.setattr(fold, "GROUP_BYTES", group_bytes)
+    for supply in ("bf16", "f32"):
+        check(method, mode, (40, 33), 7, supply, "partial")
+        check(method, mode, (40, 33), 7, supply, "full", special=supply == "f32")
+        check(method, mode, (9, 4, 5), 2, supply, "full", normalize=True, lam=0.8)
