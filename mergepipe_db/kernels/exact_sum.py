@@ -27,7 +27,7 @@ import numpy as np
 
 from mergepipe_db.kernels.float_bits import f32_to_bits
 
-__all__ = ["BINS", "LANES", "SIZE", "TILE", "ExactSum", "accumulate", "add", "add_split", "value"]
+__all__ = ["BINS", "LANES", "SIZE", "TILE", "ExactSum", "accumulate", "add", "add_split", "add_split_top", "value"]
 
 BINS = 288  #: exponent steps: a float32's (0..254) and those of a tile total's upper pieces (up to 274)
 LANES = 1  #: copies of the bins (`add`'s lane): the tile path needs no more
@@ -96,10 +96,17 @@ def add_split(acc_in: np.ndarray, acc_out: np.ndarray, a: np.ndarray, flag: np.n
     their float64 sum is exact in any order (`_tile_sums`), and is deposited as that integer. The smaller ones
     (rare) are added one by one; zeros (common: BF16 elements a fine-tune left unchanged) add nothing and are
     skipped."""
-    n = a.shape[0]
     top = np.uint32(0)
-    for i in range(n):
+    for i in range(a.shape[0]):
         top = max(top, f32_to_bits(a[i]) & np.uint32(0x7FFFFFFF))
+    add_split_top(acc_in, acc_out, a, flag, top)
+
+
+@numba.njit(cache=True, nogil=True)
+def add_split_top(acc_in: np.ndarray, acc_out: np.ndarray, a: np.ndarray, flag: np.ndarray, top: np.uint32) -> None:
+    """`add_split` given ``top``, the largest magnitude bit pattern of `a` (a kernel that makes `a` finds it in
+    the same loop)."""
+    n = a.shape[0]
     e_top = np.int64(top >> np.uint32(23))
     if e_top == 255:  # an inf or NaN: one by one
         for i in range(n):

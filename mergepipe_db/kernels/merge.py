@@ -506,9 +506,12 @@ def random_keep(keep: np.ndarray, b: np.ndarray, x: np.ndarray, u: np.ndarray, p
     for t0 in range(0, n, T):
         m = min(T, n - t0)
         xs, bs = x[t0:t0 + m], b[t0:t0 + m]
+        top = np.uint32(0)
         for i in range(m):
-            a[i] = abs(widen(xs[i]) - bs[i])
-        exact_sum.add_split(acc_kept, acc_dropped, a[:m], keep[t0:t0 + m])
+            v = abs(widen(xs[i]) - bs[i])
+            a[i] = v
+            top = max(top, f32_to_bits(v) & np.uint32(0x7FFFFFFF))
+        exact_sum.add_split_top(acc_kept, acc_dropped, a[:m], keep[t0:t0 + m], top)
 
 
 @numba.njit(inline="always", nogil=True)
@@ -1559,6 +1562,10 @@ def kth_largest_abs_deltas(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray
     return out
 
 
+#: `dare_keep_blocks`' tile: three MT19937 twists of uniforms, tempered straight into it (at most `exact_sum.TILE`)
+_KEEP_TILE = 3 * mt19937.STATE_WORDS
+
+
 @numba.njit(cache=True, nogil=True, parallel=True)
 def dare_keep_blocks(keep: np.ndarray, b: np.ndarray, x: np.ndarray, spans: np.ndarray, seeds: np.ndarray,
                      d: np.float32, acc_kept: np.ndarray, acc_dropped: np.ndarray) -> None:
@@ -1571,23 +1578,25 @@ def dare_keep_blocks(keep: np.ndarray, b: np.ndarray, x: np.ndarray, spans: np.n
     nbk = spans.shape[0]
     c = max(1, min(_PAR_CHUNKS, nbk))
     parts = np.zeros((c, 2, acc_kept.shape[0]), np.int64)
-    T = exact_sum.TILE
+    T = _KEEP_TILE
     for t in numba.prange(c):
         state = np.empty(mt19937.STATE_WORDS, np.uint32)
-        buf = np.empty(mt19937.STATE_WORDS, np.float32)
         u = np.empty(T, np.float32)
         a = np.empty(T, np.float32)
         for j in range(nbk * t // c, nbk * (t + 1) // c):
-            pos = mt19937.stream_start(state, seeds[j])
+            mt19937.stream_start(state, seeds[j])
             for t0 in range(spans[j, 0], spans[j, 1], T):
                 m = min(T, spans[j, 1] - t0)
-                pos = mt19937.stream_fill(u[:m], state, buf, pos)
+                mt19937.stream_fill_words(u[:m], state)  # whole tiles of words: only a block's last tile is short
                 kp = keep[t0:t0 + m]
                 xs, bs = x[t0:t0 + m], b[t0:t0 + m]
+                top = np.uint32(0)
                 for i in range(m):
                     kp[i] = u[i] < d
-                    a[i] = abs(widen(xs[i]) - bs[i])
-                exact_sum.add_split(parts[t, 0], parts[t, 1], a[:m], kp)
+                    v = abs(widen(xs[i]) - bs[i])
+                    a[i] = v
+                    top = max(top, f32_to_bits(v) & np.uint32(0x7FFFFFFF))
+                exact_sum.add_split_top(parts[t, 0], parts[t, 1], a[:m], kp, top)
     for t in range(c):
         acc_kept += parts[t, 0]
         acc_dropped += parts[t, 1]

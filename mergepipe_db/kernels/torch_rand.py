@@ -109,6 +109,17 @@ def stream_fill(out: np.ndarray, state: np.ndarray, buf: np.ndarray, pos: int) -
     return pos
 
 
+@numba.njit(cache=True, nogil=True)
+def stream_fill_words(out: np.ndarray, state: np.ndarray) -> None:
+    """The next out.shape[0] uniforms of a stream whose drawn words are all used (just started, or drawn only
+    by this in multiples of `STATE_WORDS`), tempered straight into `out`, `STATE_WORDS` at a time: `stream_fill`
+    without its buffer. The words of the last twist left unused are lost: a count that is not a multiple of
+    `STATE_WORDS` may only end a stream."""
+    for pos in range(0, out.shape[0], _N):
+        _twist(state)
+        _temper_into(state, out[pos:pos + _N])
+
+
 STATE_WORDS = _N
 
 
