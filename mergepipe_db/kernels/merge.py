@@ -154,6 +154,9 @@ def near_identity(table: np.ndarray, lut: np.ndarray, max_exceptions: int = 4) -
 
 
 _TILE = 2048  # elements per tile of `_catch_up`: the accumulator tile stays in L1 across the experts
+#: elements per tile of the kernels that draw DARE's uniforms: three MT19937 twists, tempered straight into the
+#: tile (`torch_rand.stream_fill_words`); at most `exact_sum.TILE`, and `_TILE`
+_MT_TILE = 3 * mt19937.STATE_WORDS
 
 
 @numba.njit(cache=True, nogil=True)
@@ -754,7 +757,7 @@ def _dare_ties_fused_blocks(out: np.ndarray, base: np.ndarray, raws: tuple[np.nd
                             lam: np.float32, skip: np.ndarray, modes: np.ndarray, scales: np.ndarray,
                             keeps: tuple[np.ndarray, ...], masked: np.ndarray, b0: int, b1: int) -> None:
     """`dare_ties_fused` on blocks [b0, b1)."""
-    T = _TILE
+    T = _TILE  # the sums' rows in `acc` (`_ties_tile`); a tile takes whole twists of uniforms (`_MT_TILE`)
     K = selected.shape[0]
     zero = np.float32(0.0)
     inf = np.float32(np.inf)
@@ -763,16 +766,14 @@ def _dare_ties_fused_blocks(out: np.ndarray, base: np.ndarray, raws: tuple[np.nd
     u = np.empty(T, np.float32)
     z = np.zeros(T, np.float32)
     states = np.empty((K, mt19937.STATE_WORDS), np.uint32)
-    bufs = np.empty((K, mt19937.STATE_WORDS), np.float32)
-    pos = np.zeros(K, np.int64)
     for b in range(b0, b1):
         if skip[b]:
             continue
         for k in range(K):
             if selected[k, b] and dens[k] < np.float32(1.0) and not masked[k]:
-                pos[k] = mt19937.stream_start(states[k], seeds[k, b])
-        for t0 in range(bounds[b], bounds[b + 1], T):
-            m = min(T, bounds[b + 1] - t0)
+                mt19937.stream_start(states[k], seeds[k, b])
+        for t0 in range(bounds[b], bounds[b + 1], _MT_TILE):
+            m = min(_MT_TILE, bounds[b + 1] - t0)
             bb = base[t0:t0 + m]
             fresh = True
             for k in range(K):
@@ -793,7 +794,7 @@ def _dare_ties_fused_blocks(out: np.ndarray, base: np.ndarray, raws: tuple[np.nd
                             t[i] = q if kk[i] else zero
                     _ties_tile(acc, z[:m], t[:m], False, inf, inf, w[k], weights, fresh)
                 elif d < np.float32(1.0):
-                    pos[k] = mt19937.stream_fill(u[:m], states[k], bufs[k], pos[k])
+                    mt19937.stream_fill_words(u[:m], states[k])
                     if modes[k] == 2:
                         for i in range(m):
                             q = (widen(xk[i]) - bb[i]) / d
@@ -1562,10 +1563,6 @@ def kth_largest_abs_deltas(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray
     return out
 
 
-#: `dare_keep_blocks`' tile: three MT19937 twists of uniforms, tempered straight into it (at most `exact_sum.TILE`)
-_KEEP_TILE = 3 * mt19937.STATE_WORDS
-
-
 @numba.njit(cache=True, nogil=True, parallel=True)
 def dare_keep_blocks(keep: np.ndarray, b: np.ndarray, x: np.ndarray, spans: np.ndarray, seeds: np.ndarray,
                      d: np.float32, acc_kept: np.ndarray, acc_dropped: np.ndarray) -> None:
@@ -1578,7 +1575,7 @@ def dare_keep_blocks(keep: np.ndarray, b: np.ndarray, x: np.ndarray, spans: np.n
     nbk = spans.shape[0]
     c = max(1, min(_PAR_CHUNKS, nbk))
     parts = np.zeros((c, 2, acc_kept.shape[0]), np.int64)
-    T = _KEEP_TILE
+    T = _MT_TILE
     for t in numba.prange(c):
         state = np.empty(mt19937.STATE_WORDS, np.uint32)
         u = np.empty(T, np.float32)

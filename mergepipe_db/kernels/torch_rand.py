@@ -79,42 +79,22 @@ def _uniforms_blocks(seeds: np.ndarray, bounds: np.ndarray, out: np.ndarray) -> 
         _uniforms(seeds[b], out[bounds[b]:bounds[b + 1]])
 
 
-# A stream drawn piecewise (the fused DARE-TIES kernel draws each expert's uniforms one tile at a time): the
-# state, the uniforms of its current words (`buf`, 624) and how many of them are used. numba compiles these
-# into `merge_kernels.dare_ties_fused`, whose on-disk cache does not notice edits here: after changing this
-# file, delete mergepipe_db/__pycache__/merge_kernels.*.nb* (a fresh install has no cache).
+# A stream drawn piecewise (the DARE kernels of `kernels.merge` draw each block's uniforms a tile at a time, the
+# tile a whole number of twists, `merge._MT_TILE`): its state only. numba compiles these into those kernels,
+# whose on-disk cache does not notice edits here: after changing this file, delete
+# mergepipe_db/kernels/__pycache__/merge.*.nb* (a fresh install has no cache).
 
 @numba.njit(cache=True, nogil=True)
-def stream_start(state: np.ndarray, seed: np.int64) -> int:
-    """Seed a stream as ``manual_seed(seed)`` does (0 <= seed < 2^63); returns its position (every word of
-    `buf` used)."""
+def stream_start(state: np.ndarray, seed: np.int64) -> None:
+    """Seed a stream as ``manual_seed(seed)`` does (0 <= seed < 2^63)."""
     _seed_state(state, np.uint32(seed & np.int64(0xFFFFFFFF)))
-    return _N
-
-
-@numba.njit(cache=True, nogil=True)
-def stream_fill(out: np.ndarray, state: np.ndarray, buf: np.ndarray, pos: int) -> int:
-    """The stream's next out.shape[0] uniforms into `out`; returns the new position."""
-    i = 0
-    n = out.shape[0]
-    while i < n:
-        if pos == _N:
-            _twist(state)
-            _temper_into(state, buf)
-            pos = 0
-        take = min(_N - pos, n - i)
-        out[i:i + take] = buf[pos:pos + take]
-        i += take
-        pos += take
-    return pos
 
 
 @numba.njit(cache=True, nogil=True)
 def stream_fill_words(out: np.ndarray, state: np.ndarray) -> None:
-    """The next out.shape[0] uniforms of a stream whose drawn words are all used (just started, or drawn only
-    by this in multiples of `STATE_WORDS`), tempered straight into `out`, `STATE_WORDS` at a time: `stream_fill`
-    without its buffer. The words of the last twist left unused are lost: a count that is not a multiple of
-    `STATE_WORDS` may only end a stream."""
+    """The stream's next out.shape[0] uniforms, tempered straight into `out`, `STATE_WORDS` (one twist) at a
+    time. The words of a last twist that `out` does not take whole are lost: only a stream's last draw may
+    take a count that is not a multiple of `STATE_WORDS`."""
     for pos in range(0, out.shape[0], _N):
         _twist(state)
         _temper_into(state, out[pos:pos + _N])

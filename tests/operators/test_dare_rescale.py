@@ -277,11 +277,12 @@ def test_additive_masks_fused_streamed_and_partly_fused(monkeypatch, method, gro
 
 
 @pytest.mark.parametrize("method", ["dare_linear", "dare_ties"])
-@pytest.mark.parametrize("supply", ["bf16", "f32"])
-def test_dare_l1_blocks_of_several_tiles(method, supply) -> None:
-    """DARE's L1 pass draws each block's uniforms three MT19937 twists (1,872) at a time
-    (`kernels.merge.dare_keep_blocks`): blocks of several tiles, a partial last one (6,400 elements), whole ones
-    only (7,488) and a 1-D tensor of one block, against torch.rand block by block."""
-    for shape, rpb in (((300, 64), 100), ((234, 64), 117), ((5000,), 5000)):
-        check(method, "l1", shape, rpb, supply, "full")
-        check(method, "l1", shape, rpb, supply, "partial")
+@pytest.mark.parametrize("mode", ["l1", "none", "classic"])
+def test_dare_blocks_of_several_tiles(method, mode) -> None:
+    """DARE's L1 pass (`kernels.merge.dare_keep_blocks`) and dare_ties' fused pass (`dare_ties_fused`) draw each
+    block's uniforms three MT19937 twists (1,872) at a time: blocks of several tiles, a partial last one (6,400
+    elements), whole ones only (7,488) and a 1-D tensor of one block, against torch.rand block by block."""
+    for supply in ("bf16", "f32"):
+        for shape, rpb in (((300, 64), 100), ((234, 64), 117), ((5000,), 5000)):
+            check(method, mode, shape, rpb, supply, "full")
+            check(method, mode, shape, rpb, supply, "partial")
