@@ -62,20 +62,21 @@ def _sorted(keys: np.ndarray, idx: np.ndarray, keys2: np.ndarray, idx2: np.ndarr
     return src_k, src_i
 
 
-_SLOTS = 256  # the hash table of `_ranks_by_value`: at most half of it used
+_SLOTS = 256  # the hash table of `_deal_by_value`: at most half of it used
 _HASH = np.uint32(0x9E3779B1)  # Fibonacci hashing: a key's slot is the top 8 bits of key · _HASH
 
 
 @numba.njit(cache=True, nogil=True)
-def _ranks_by_value(keys: np.ndarray, m: int, start: np.uint64, rank: np.ndarray, slot: np.ndarray,
-                    value: np.ndarray, count: np.ndarray, by_key: np.ndarray) -> bool:
-    """The ranks of the m packed nonzero keys (index order) without sorting them, when they take few values
-    (a BF16 fine-tune's |Δ| in a row: multiples of a few units in the last place): rank[i] = `start` + the
-    rank of keys[i] among them, ties in index order. Each distinct key gets a slot of a small hash table
-    (`value`, `count`: `_SLOTS` each, zero on entry and on return; `slot`: m), the used slots are sorted by key
-    (in `by_key`, `_SLOTS`: key · 256 + slot, the keys distinct), each slot's first rank follows the count of
-    the smaller keys, and the ranks are dealt in index order.
-    False, with nothing written to `rank`, when the keys take more than a quarter of m values (or `_SLOTS` / 2):
+def _deal_by_value(keys: np.ndarray, idx: np.ndarray, m: int, start: int, table: np.ndarray, out: np.ndarray,
+                   slot: np.ndarray, value: np.ndarray, count: np.ndarray, by_key: np.ndarray) -> bool:
+    """out[idx[i]] = table[rank] for the m packed nonzero keys (index order) without sorting them, when they
+    take few values (a BF16 fine-tune's |Δ| in a row: multiples of a few units in the last place), rank =
+    `start` + the rank of keys[i] among them, ties in index order. Each distinct key gets a slot of a small
+    hash table (`value`, `count`: `_SLOTS` each, zero on entry and on return; `slot`: m) and, as it is first
+    seen, a place in `by_key` (`_SLOTS`: key · 256 + slot, the keys distinct); those are sorted by key (an
+    insertion sort: a few dozen of them), each slot's first rank follows the count of the smaller keys, and
+    the ranks are dealt in index order.
+    False, with nothing written to `out`, when the keys take more than a quarter of m values (or `_SLOTS` / 2):
     sorting them all is then cheaper."""
     mask = np.uint32(_SLOTS - 1)
     one = np.uint64(1)
@@ -90,6 +91,7 @@ def _ranks_by_value(keys: np.ndarray, m: int, start: np.uint64, rank: np.ndarray
             h = (h + np.uint32(1)) & mask
         if value[h] == empty:
             value[h] = k
+            by_key[distinct] = (np.uint64(k) << np.uint64(8)) | np.uint64(h)
             distinct += 1
             if distinct > most:
                 ok = False
@@ -97,15 +99,16 @@ def _ranks_by_value(keys: np.ndarray, m: int, start: np.uint64, rank: np.ndarray
         slot[i] = h
         count[h] += one
     used = by_key[:distinct]
-    d = 0
-    for h in range(_SLOTS):
-        if value[h] != empty:
-            used[d] = (np.uint64(value[h]) << np.uint64(8)) | np.uint64(h)
-            d += 1
     low = np.uint64(_SLOTS - 1)
     if ok:
-        used.sort()  # ascending key order
-        below = start
+        for a in range(1, distinct):  # ascending key order
+            v = used[a]
+            j = a - 1
+            while j >= 0 and used[j] > v:
+                used[j + 1] = used[j]
+                j -= 1
+            used[j + 1] = v
+        below = np.uint64(start)
         for a in range(distinct):  # count[h] becomes the slot's next rank
             h = used[a] & low
             t = count[h]
@@ -113,9 +116,9 @@ def _ranks_by_value(keys: np.ndarray, m: int, start: np.uint64, rank: np.ndarray
             below += t
         for i in range(m):
             h = slot[i]
-            rank[i] = count[h]
+            out[idx[i]] = table[count[h]]
             count[h] += one
-    for a in range(d):
+    for a in range(distinct):
         h = used[a] & low
         value[h] = empty
         count[h] = 0
@@ -127,9 +130,9 @@ def _work(n: int) -> tuple[np.ndarray, ...]:
     """One thread's work arrays for columns of n elements (`_column`)."""
     # unsigned indices and ranks: numba wraps a signed index that may be negative, a compare and a select per access
     return (np.empty(n, np.uint32), np.empty(n + SLACK, np.uint32), np.empty(n + SLACK, np.uint32),
-            np.empty(n, np.float32), np.empty(n, np.uint32), np.empty(n, np.uint32), np.empty(n, np.uint64),
-            np.empty(n, np.uint32), np.zeros(_SLOTS, np.uint32), np.zeros(_SLOTS, np.uint64),
-            np.empty((4, 256), np.int32), np.empty(_SLOTS, np.uint64))
+            np.empty(n, np.float32), np.empty(n, np.uint32), np.empty(n, np.uint32), np.empty(n, np.uint32),
+            np.zeros(_SLOTS, np.uint32), np.zeros(_SLOTS, np.uint64), np.empty((4, 256), np.int32),
+            np.empty(_SLOTS, np.uint64))
 
 
 @numba.njit(cache=True, nogil=True)
@@ -141,8 +144,8 @@ def _column(out: np.ndarray, b: np.ndarray, x: np.ndarray, n: int, table: np.nda
     Every key first (a loop that vectorizes), then split into the zero and the nonzero ones (`compress`). The
     zero keys (Δ = ±0, often most of a column of a BF16 fine-tune) rank first in index order: their p are
     dealt as they are split (into a row of the thread's own where `out` is strided). The m nonzero keys are
-    ranked by value when they take few (`_ranks_by_value`), else sorted (`_sorted`)."""
-    full, keys, idx, dealt, keys2, idx2, rank, slot, value, slot_count, count, by_key = work
+    ranked by value when they take few (`_deal_by_value`), else sorted (`_sorted`)."""
+    full, keys, idx, dealt, keys2, idx2, slot, value, slot_count, count, by_key = work
     for j in range(n):
         bits = f32_to_bits(widen(x[j]) - b[j]) & _ABS
         full[j] = _NAN_KEY if bits > _INF else bits
@@ -154,9 +157,7 @@ def _column(out: np.ndarray, b: np.ndarray, x: np.ndarray, n: int, table: np.nda
             out[j] = dealt[j]
     if m == 0:
         return
-    if _ranks_by_value(keys, m, np.uint64(zeros), rank, slot, value, slot_count, by_key):
-        for i in range(m):
-            out[idx[i]] = table[rank[i]]
+    if _deal_by_value(keys, idx, m, zeros, table, out, slot, value, slot_count, by_key):
         return
     src_k, src_i = _sorted(keys, idx, keys2, idx2, m, count)
     for pos in range(m):
