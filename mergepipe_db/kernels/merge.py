@@ -242,40 +242,10 @@ def delta_fused(mixed: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...
     with ``finish`` (the last pass) each element then ends as the additive operators' `_finish` makes it:
     θ₀ + (mixed / divisor, where ``normalize``) · λ, in that order. One pass instead of a zeroing pass before
     and three after."""
-    zero = np.float32(0.0)
-    for b in range(bounds.shape[0] - 1):
-        if skip[b]:
-            continue
-        for t0 in range(bounds[b], bounds[b + 1], _TILE):
-            m = min(_TILE, bounds[b + 1] - t0)
-            mm, bb = mixed[t0:t0 + m], base[t0:t0 + m]
-            if start:
-                for i in range(m):
-                    mm[i] = zero
-            for k in range(selected.shape[0]):
-                if not selected[k, b]:
-                    continue
-                x, wk = raws[k][t0:t0 + m], w[k]
-                if trim[k]:
-                    lk, hk = lo[k], hi[k]
-                    for i in range(m):
-                        d = widen(x[i]) - bb[i]
-                        a = abs(d)
-                        mm[i] = mm[i] + (d if (a >= lk) & (a <= hk) else zero) * wk
-                else:
-                    for i in range(m):
-                        mm[i] = mm[i] + (widen(x[i]) - bb[i]) * wk
-            if finish:
-                _additive_finish_tile(mm, bb, normalize, divisor, lam)
-
-
-@numba.njit(cache=True, nogil=True)
-def _additive_finish_tile(mm: np.ndarray, bb: np.ndarray, normalize: bool, divisor: np.float32, lam: np.float32
-                          ) -> None:
-    """The additive operators' `_finish` on one tile: θ₀ + (mixed / divisor, where ``normalize``) · λ."""
-    for i in range(mm.shape[0]):
-        v = mm[i] / divisor if normalize else mm[i]
-        mm[i] = v * lam + bb[i]
+    K = selected.shape[0]
+    _additive_fused_blocks(mixed, base, raws, selected, bounds, w, trim, lo, hi, (np.empty(0, np.bool_),),
+                           np.zeros(K, np.bool_), np.ones(K, np.float32), skip, start, finish, normalize, divisor,
+                           lam, 0, bounds.shape[0] - 1)
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
@@ -289,19 +259,23 @@ def masked_fused(mixed: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ..
     leaves Δ as it is: Δ · 1 = Δ, bit for bit) and T = Δ for the others (density 1: no mask). The bits of
     `masked_delta_span` (mode 1 or 0) and `delta_add` folded one expert at a time, then `_finish`; ``start``,
     ``finish`` and ``skip`` as in `delta_fused`. The blocks in contiguous chunks on numba's threads."""
+    K = selected.shape[0]
+    no_trim, no_bound = np.zeros(K, np.bool_), np.zeros(K, np.float32)
     nb = bounds.shape[0] - 1
     c = max(1, min(_PAR_CHUNKS, nb))
     for t in numba.prange(c):
-        _masked_fused_blocks(mixed, base, raws, selected, bounds, w, keeps, masked, scales, skip, start, finish,
-                             normalize, divisor, lam, nb * t // c, nb * (t + 1) // c)
+        _additive_fused_blocks(mixed, base, raws, selected, bounds, w, no_trim, no_bound, no_bound, keeps, masked,
+                               scales, skip, start, finish, normalize, divisor, lam, nb * t // c, nb * (t + 1) // c)
 
 
 @numba.njit(cache=True, nogil=True)
-def _masked_fused_blocks(mixed: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], selected: np.ndarray,
-                         bounds: np.ndarray, w: np.ndarray, keeps: tuple[np.ndarray, ...], masked: np.ndarray,
-                         scales: np.ndarray, skip: np.ndarray, start: bool, finish: bool, normalize: bool,
-                         divisor: np.float32, lam: np.float32, b0: int, b1: int) -> None:
-    """`masked_fused` on blocks [b0, b1)."""
+def _additive_fused_blocks(mixed: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...], selected: np.ndarray,
+                           bounds: np.ndarray, w: np.ndarray, trim: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+                           keeps: tuple[np.ndarray, ...], masked: np.ndarray, scales: np.ndarray, skip: np.ndarray,
+                           start: bool, finish: bool, normalize: bool, divisor: np.float32, lam: np.float32,
+                           b0: int, b1: int) -> None:
+    """`delta_fused` (breadcrumbs' bands: ``trim``) and `masked_fused` (kept masks: ``masked``) on blocks
+    [b0, b1)."""
     zero = np.float32(0.0)
     for b in range(b0, b1):
         if skip[b]:
@@ -326,11 +300,19 @@ def _masked_fused_blocks(mixed: np.ndarray, base: np.ndarray, raws: tuple[np.nda
                         for i in range(m):
                             q = widen(x[i]) - bb[i]
                             mm[i] = mm[i] + (q if kk[i] else zero) * wk
+                elif trim[k]:
+                    lk, hk = lo[k], hi[k]
+                    for i in range(m):
+                        d = widen(x[i]) - bb[i]
+                        a = abs(d)
+                        mm[i] = mm[i] + (d if (a >= lk) & (a <= hk) else zero) * wk
                 else:
                     for i in range(m):
                         mm[i] = mm[i] + (widen(x[i]) - bb[i]) * wk
             if finish:
-                _additive_finish_tile(mm, bb, normalize, divisor, lam)
+                for i in range(m):
+                    v = mm[i] / divisor if normalize else mm[i]
+                    mm[i] = v * lam + bb[i]
 
 
 @numba.njit(cache=True, nogil=True)
