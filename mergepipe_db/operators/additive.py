@@ -33,8 +33,9 @@ class AdditiveFold(DeltaFold):
         self._masks: dict[int, tuple[np.ndarray, float]] = {}  # a kept random drop's (mask, scale): `_keep_mask`
 
     def _fold_stash(self, finish: bool = False) -> None:
-        """Fold the kept inputs (in order) in one fused pass, which starts the sum if nothing has yet; with
-        `finish`, it also ends each element as `_finish` does."""
+        """Fold the kept inputs (in order) in one fused pass (`kernels.merge.delta_fused`, or `masked_fused` when
+        some keep a drawn mask), which starts the sum if nothing has yet; with `finish`, it also ends each element
+        as `_finish` does."""
         if not self._stash:
             return
         assert self._mixed is not None and self._ctx is not None and self._bflat is not None
