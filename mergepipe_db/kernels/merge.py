@@ -290,16 +290,11 @@ def _additive_fused_blocks(mixed: np.ndarray, base: np.ndarray, raws: tuple[np.n
                 if not selected[k, b]:
                     continue
                 x, wk = raws[k][t0:t0 + m], w[k]
-                if masked[k]:
+                if masked[k]:  # Δ · 1 = Δ, bit for bit: one loop whether or not the rescale scales
                     kk, sk = keeps[k][t0:t0 + m], scales[k]
-                    if sk != np.float32(1.0):
-                        for i in range(m):
-                            q = (widen(x[i]) - bb[i]) * sk
-                            mm[i] = mm[i] + (q if kk[i] else zero) * wk
-                    else:
-                        for i in range(m):
-                            q = widen(x[i]) - bb[i]
-                            mm[i] = mm[i] + (q if kk[i] else zero) * wk
+                    for i in range(m):
+                        q = (widen(x[i]) - bb[i]) * sk
+                        mm[i] = mm[i] + (q if kk[i] else zero) * wk
                 elif trim[k]:
                     lk, hk = lo[k], hi[k]
                     for i in range(m):
@@ -471,6 +466,18 @@ def dare_delta_span(mixed: np.ndarray, b: np.ndarray, x: np.ndarray, u: np.ndarr
 
 
 @numba.njit(cache=True, nogil=True)
+def _absdelta_top(a: np.ndarray, x: np.ndarray, b: np.ndarray) -> np.uint32:
+    """a[:m] = |widen(x) − b| for the m = len(x) elements of a tile; returns their largest magnitude bit pattern
+    (`exact_sum.add_split_top`'s ``top``)."""
+    top = np.uint32(0)
+    for i in range(x.shape[0]):
+        v = abs(widen(x[i]) - b[i])
+        a[i] = v
+        top = max(top, f32_to_bits(v) & np.uint32(0x7FFFFFFF))
+    return top
+
+
+@numba.njit(cache=True, nogil=True)
 def random_keep(keep: np.ndarray, b: np.ndarray, x: np.ndarray, u: np.ndarray, p: np.ndarray, p_step: int,
                 l1: bool, acc_kept: np.ndarray, acc_dropped: np.ndarray) -> None:
     """A random drop's mask on one block: keep = u < p[i * p_step] (``p_step`` 0: one probability, DARE's
@@ -490,12 +497,7 @@ def random_keep(keep: np.ndarray, b: np.ndarray, x: np.ndarray, u: np.ndarray, p
     a = np.empty(T, np.float32)
     for t0 in range(0, n, T):
         m = min(T, n - t0)
-        xs, bs = x[t0:t0 + m], b[t0:t0 + m]
-        top = np.uint32(0)
-        for i in range(m):
-            v = abs(widen(xs[i]) - bs[i])
-            a[i] = v
-            top = max(top, f32_to_bits(v) & np.uint32(0x7FFFFFFF))
+        top = _absdelta_top(a, x[t0:t0 + m], b[t0:t0 + m])
         exact_sum.add_split_top(acc_kept, acc_dropped, a[:m], keep[t0:t0 + m], top)
 
 
@@ -1568,13 +1570,9 @@ def dare_keep_blocks(keep: np.ndarray, b: np.ndarray, x: np.ndarray, spans: np.n
                 m = min(T, spans[j, 1] - t0)
                 mt19937.stream_fill_words(u[:m], state)  # whole tiles of words: only a block's last tile is short
                 kp = keep[t0:t0 + m]
-                xs, bs = x[t0:t0 + m], b[t0:t0 + m]
-                top = np.uint32(0)
                 for i in range(m):
                     kp[i] = u[i] < d
-                    v = abs(widen(xs[i]) - bs[i])
-                    a[i] = v
-                    top = max(top, f32_to_bits(v) & np.uint32(0x7FFFFFFF))
+                top = _absdelta_top(a, x[t0:t0 + m], b[t0:t0 + m])
                 exact_sum.add_split_top(parts[t, 0], parts[t, 1], a[:m], kp, top)
     for t in range(c):
         acc_kept += parts[t, 0]

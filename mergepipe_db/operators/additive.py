@@ -107,7 +107,7 @@ class AdditiveFold(DeltaFold):
     def _keep_mask(self, x: ExpertInput, keep: np.ndarray, mode: int, scale: float) -> None:
         src = x.fast_source()
         assert src is not None
-        self._masks[x.index] = (keep, scale if mode == 1 else 1.0)
+        self._masks[x.index] = (keep, scale)  # mode 0 is scale 1: Δ · 1 = Δ in `masked_fused`
         kept = self._stash.offer(src, x, self._fold_stash, keep.nbytes)
         assert kept, "_mask_buffer made room for it"
 
