@@ -159,6 +159,46 @@ _TILE = 2048  # elements per tile of `_catch_up`: the accumulator tile stays in 
 _MT_TILE = 3 * mt19937.STATE_WORDS
 
 
+_BYTE_LANES = np.uint64(0x0101010101010101)  # 1 in each byte of a word
+_PACK_MUL = np.uint64(0x0102040810204080)  # (eight 0/1 bytes · this) >> 56: byte q of the word in bit q
+_LANE_BITS = np.uint64(0x8040201008040201)  # bit q of byte q
+_LANE_CARRY = np.uint64(0x7F7F7F7F7F7F7F7F)  # + this: a byte's bit 7 set where the byte was not 0
+
+
+@numba.njit(nogil=True, inline="always")
+def pack_bits(bits: np.ndarray, o: int, words: np.ndarray, m: int) -> None:
+    """The m flags of `words` (uint64 words whose bytes are 0 or 1: a bool tile seen as words) into bits[o:]
+    (uint8), eight to a byte, flag i in bit i % 8 of byte o + i // 8 (a last partial byte's high bits 0). A
+    block's mask is packed from its own byte offset (`mask_block_offset`), so blocks on different threads
+    never share a byte."""
+    for j in range(m // 8):
+        bits[o + j] = np.uint8((words[j] * _PACK_MUL) >> np.uint64(56))
+    if m % 8:  # the last, partial byte: only its first m % 8 flags
+        w = words[m // 8] & ((np.uint64(1) << np.uint64(8 * (m % 8))) - np.uint64(1))
+        bits[o + m // 8] = np.uint8((w * _PACK_MUL) >> np.uint64(56))
+
+
+@numba.njit(nogil=True, inline="always")
+def unpack_bits(words: np.ndarray, bits: np.ndarray, o: int, m: int) -> None:
+    """`pack_bits` undone: the m flags from bits[o:] into the bytes of `words` (0 or 1 each)."""
+    for j in range((m + 7) // 8):
+        w = (np.uint64(bits[o + j]) * _BYTE_LANES) & _LANE_BITS
+        words[j] = ((w + _LANE_CARRY) >> np.uint64(7)) & _BYTE_LANES
+
+
+def mask_bytes(bounds: np.ndarray) -> int:
+    """The bytes of a packed mask (`pack_bits`) over a tensor whose blocks span elements bounds[b] to
+    bounds[b + 1]."""
+    return int(bounds[-1]) // 8 + bounds.shape[0]
+
+
+@numba.njit(nogil=True, inline="always")
+def mask_block_offset(bounds: np.ndarray, b: int) -> int:
+    """Block b's first byte in a packed mask: bounds[b] // 8 + b (a spare byte a block: a block that ends
+    inside a byte leaves it to itself)."""
+    return bounds[b] // 8 + b
+
+
 @numba.njit(cache=True, nogil=True)
 def _catch_up(acc: np.ndarray, base: np.ndarray, weights: np.ndarray, first: bool) -> None:
     """acc = acc + θ₀ * w for each w of `weights` in order (``first``: acc starts at +0.0), tile by tile, so
@@ -725,8 +765,9 @@ def dare_ties_fused(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, .
     order: the same bits as folding the experts one by one with `ties_dare_span`, without a block of uniforms
     and five tensor-sized sums per expert. ``modes[k]`` says how a kept Δ is rescaled (`_masked`): 2 (DARE's
     classic Δ / d_k, above), 1 (Δ * scales[k]: the L1 rescale, known beforehand) or 0 (Δ). An expert with
-    ``masked[k]`` (della) takes its mask from keeps[k] (bool, the tensor's flat shape) instead of drawing one,
-    with mode 1 or 0: the bits of `ties_masked_span`. Runs on numba's threads, the blocks in contiguous chunks
+    ``masked[k]`` takes its mask from keeps[k] (uint8) instead of drawing one, with mode 1 or 0: a byte an
+    element (the tensor's flat shape; della's, ``masked[k]`` 1: the bits of `ties_masked_span`) or packed
+    eight to a byte (``masked[k]`` 2: DARE's, as `dare_keep_blocks` packs them: the same mask as drawn). Runs on numba's threads, the blocks in contiguous chunks
     (each block's streams start at its own seed, so no block depends on another)."""
     nb = bounds.shape[0] - 1
     c = max(1, min(_PAR_CHUNKS, nb))
@@ -749,12 +790,14 @@ def _dare_ties_fused_blocks(out: np.ndarray, base: np.ndarray, raws: tuple[np.nd
     t = np.empty(T, np.float32)
     u = np.empty(T, np.float32)
     z = np.zeros(T, np.float32)
+    words = np.empty(_MT_TILE // 8 + 1, np.uint64)
+    unpacked = words.view(np.uint8)  # a packed mask's tile, a byte a flag
     states = np.empty((K, mt19937.STATE_WORDS), np.uint32)
     for b in range(b0, b1):
         if skip[b]:
             continue
         for k in range(K):
-            if selected[k, b] and dens[k] < np.float32(1.0) and not masked[k]:
+            if selected[k, b] and dens[k] < np.float32(1.0) and masked[k] == 0:
                 mt19937.stream_start(states[k], seeds[k, b])
         for t0 in range(bounds[b], bounds[b + 1], _MT_TILE):
             m = min(_MT_TILE, bounds[b + 1] - t0)
@@ -765,8 +808,12 @@ def _dare_ties_fused_blocks(out: np.ndarray, base: np.ndarray, raws: tuple[np.nd
                     continue
                 xk = raws[k][t0:t0 + m]
                 d = dens[k]
-                if masked[k]:  # della: T = where(keep, Δ · s | Δ, 0.0)
-                    kk = keeps[k][t0:t0 + m]
+                if masked[k]:  # della's mask or a packed DARE mask: T = where(keep, Δ · s | Δ, 0.0)
+                    if masked[k] == 2:
+                        unpack_bits(words, keeps[k], mask_block_offset(bounds, b) + (t0 - bounds[b]) // 8, m)
+                        kk = unpacked[:m]
+                    else:
+                        kk = keeps[k][t0:t0 + m]
                     if modes[k] == 1:
                         sk = scales[k]
                         for i in range(m):
@@ -1548,14 +1595,17 @@ def kth_largest_abs_deltas(base: np.ndarray, raw: np.ndarray, ranges: np.ndarray
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
-def dare_keep_blocks(keep: np.ndarray, b: np.ndarray, x: np.ndarray, spans: np.ndarray, seeds: np.ndarray,
-                     d: np.float32, acc_kept: np.ndarray, acc_dropped: np.ndarray) -> None:
+def dare_keep_blocks(keep: np.ndarray, bits: np.ndarray, offsets: np.ndarray, b: np.ndarray, x: np.ndarray,
+                     spans: np.ndarray, seeds: np.ndarray, d: np.float32, acc_kept: np.ndarray,
+                     acc_dropped: np.ndarray) -> None:
     """DARE's mask of several blocks, drawn and used in one pass: block j (elements spans[j] = [start, end) of
     the flat tensor) gets keep = u < d with u its own stream (seed ``seeds[j]``, `mt19937`), a tile at a time,
     and the exact sums (`exact_sum`) of the kept and of the dropped |Δ| of that tile while it is in cache. The
-    same mask and sums as `random_keep` on each block's ``torch.rand`` uniforms, without the uniforms in memory;
-    blocks in contiguous chunks on numba's threads, each chunk's sums in its own accumulators, added after
-    (exact: the same for any thread count)."""
+    mask goes into `keep` (bool, indexed by element) or, where `bits` is not empty, packed into `bits` instead
+    (`pack_bits`: block j's from byte offsets[j]; `keep` is then not written). The same mask and sums as
+    `random_keep` on each block's ``torch.rand`` uniforms, without the uniforms in memory; blocks in contiguous
+    chunks on numba's threads, each chunk's sums in its own accumulators, added after (exact: the same for any
+    thread count)."""
     nbk = spans.shape[0]
     c = max(1, min(_PAR_CHUNKS, nbk))
     parts = np.zeros((c, 2, acc_kept.shape[0]), np.int64)
@@ -1564,14 +1614,19 @@ def dare_keep_blocks(keep: np.ndarray, b: np.ndarray, x: np.ndarray, spans: np.n
         state = np.empty(mt19937.STATE_WORDS, np.uint32)
         u = np.empty(T, np.float32)
         a = np.empty(T, np.float32)
+        words = np.empty(T // 8 + 1, np.uint64)
+        tile = words.view(np.bool_)
+        packed = bits.shape[0] > 0
         for j in range(nbk * t // c, nbk * (t + 1) // c):
             mt19937.stream_start(state, seeds[j])
             for t0 in range(spans[j, 0], spans[j, 1], T):
                 m = min(T, spans[j, 1] - t0)
                 mt19937.stream_fill_words(u[:m], state)  # whole tiles of words: only a block's last tile is short
-                kp = keep[t0:t0 + m]
+                kp = tile[:m] if packed else keep[t0:t0 + m]
                 for i in range(m):
                     kp[i] = u[i] < d
+                if packed:
+                    pack_bits(bits, offsets[j] + (t0 - spans[j, 0]) // 8, words, m)
                 top = _absdelta_top(a, x[t0:t0 + m], b[t0:t0 + m])
                 exact_sum.add_split_top(parts[t, 0], parts[t, 1], a[:m], kp, top)
     for t in range(c):

@@ -59,7 +59,9 @@ def _temper_into(state: np.ndarray, out: np.ndarray) -> None:
     """The uniforms of the first out.shape[0] words of a freshly twisted state: MT19937's tempering, then the
     low 24 bits times 2^-24."""
     for i in range(out.shape[0]):
-        out[i] = np.float32(_temper(state[i]) & _LOW24) * _SCALE
+        # below 2^24: as a signed int32 it converts exactly and in one vector instruction on any x86 (an
+        # unsigned one has none before AVX-512, and numba's is slower even there): 0.39 -> 0.22 ns a uniform
+        out[i] = np.float32(np.int32(_temper(state[i]) & _LOW24)) * _SCALE
 
 
 @numba.njit(cache=True, nogil=True)

@@ -309,11 +309,12 @@ class DeltaFold(MergeOperator):
         return [(b, rs * rn, re * rn) for b in x.selected_blocks for rs, re in [ctx.block_rows(b)]
                 if re * rn > rs * rn]
 
-    def _dare_keep_l1(self, x: ExpertInput, src: np.ndarray, keep: np.ndarray, spans: list[tuple[int, int, int]]
-                      ) -> float:
-        """DARE's mask of expert k on its selected blocks into `keep` (indexed by element) and its L1 scale
-        s = ‖Δ_k‖₁ / ‖kept Δ_k‖₁ over them, in one pass from the stored values `src`: each block's uniforms
-        drawn a tile at a time and used at once (`kernels.merge.dare_keep_blocks`), blocks on numba's threads."""
+    def _dare_keep_l1(self, x: ExpertInput, src: np.ndarray, keep: np.ndarray, spans: list[tuple[int, int, int]],
+                      bits: np.ndarray | None = None) -> float:
+        """DARE's mask of expert k on its selected blocks into `keep` (indexed by element; or packed into
+        `bits` instead, `kernels.merge.pack_bits`) and its L1 scale s = ‖Δ_k‖₁ / ‖kept Δ_k‖₁ over them, in one
+        pass from the stored values `src`: each block's uniforms drawn a tile at a time and used at once
+        (`kernels.merge.dare_keep_blocks`), blocks on numba's threads."""
         from mergepipe_db.kernels.exact_sum import ExactSum
 
         ctx = self._ctx
@@ -324,7 +325,9 @@ class DeltaFold(MergeOperator):
         n = sum(e0 - s0 for _b, s0, e0 in spans)
         sums = (ExactSum(), ExactSum())  # the kept |Δ|, the dropped |Δ|
         d32 = np.float32(self.densities[x.index])  # u < d, the Python float cast to float32 (NEP 50)
-        kernels().dare_keep_blocks(keep, self._bflat, src, bounds, seeds, d32, sums[0].reserve(n), sums[1].reserve(n))
+        offsets = np.array([s0 // 8 + b for b, s0, _e0 in spans], np.int64)  # `merge.mask_block_offset`
+        kernels().dare_keep_blocks(keep, np.empty(0, np.uint8) if bits is None else bits, offsets, self._bflat,
+                                   src, bounds, seeds, d32, sums[0].reserve(n), sums[1].reserve(n))
         return _l1_ratio(sums[0].value_with(sums[1]), sums[0].value())
 
     def _block_uniforms(self, x: ExpertInput) -> Iterator[tuple[int, int, int, np.ndarray]]:
@@ -416,13 +419,13 @@ class DeltaFold(MergeOperator):
         (`kernels.merge._masked` mode 0 or 1, and s) for the fused pass."""
         raise NotImplementedError
 
-    def _l1_scale(self, x: ExpertInput, src: np.ndarray) -> float:
+    def _l1_scale(self, x: ExpertInput, src: np.ndarray, bits: np.ndarray) -> float:
         """DARE's L1 scale s of expert k over its selected blocks, as `_fold_random` finds it, from the stored
-        values `src` (one pass: the uniforms, the mask and the two sums), for a fused pass that draws the mask
-        again (`sign_consensus.TiesFold`)."""
+        values `src` (one pass: the uniforms, the mask and the two sums), the mask packed into `bits` for a
+        fused pass (`sign_consensus.TiesFold`)."""
         ctx = self._ctx
         assert ctx is not None and self._bflat is not None and self.sparsification == "random"
-        return self._dare_keep_l1(x, src, self.scratch("keep", ctx.numel, np.bool_), self._block_spans(x))
+        return self._dare_keep_l1(x, src, np.empty(0, np.bool_), self._block_spans(x), bits)
 
     def _block_operands(self, x: ExpertInput, src: np.ndarray | None, s0: int, e0: int
                         ) -> tuple[np.ndarray, np.ndarray]:

@@ -21,7 +21,9 @@ from mergepipe_db.operators.registry import register
 __all__ = ["FUSE_BYTES", "BreadcrumbsTies", "DareTies", "Della", "Ties", "TiesFold"]
 
 #: TIES keeps the experts' stored bytes of a tensor for one fused pass while they add up to at most this
-#: (beyond it, it folds them one by one): memory stays bounded whatever K
+#: (beyond it, it folds them one by one): memory stays bounded whatever K. della's masks (a byte an element)
+#: count towards it; dare_ties' packed masks (an eighth of a byte an element, a sixteenth of BF16 values)
+#: come on top
 FUSE_BYTES = 1 << 30
 _NO_F32 = np.empty(0, np.float32)
 
@@ -57,7 +59,9 @@ class TiesFold(DeltaFold):
         self._stash_bytes = 0
         self._dare_modes: dict[int, tuple[int, float]] = {}  # a kept DARE input's (mode, scale): `dare_ties_fused`
         self._bands: dict[int, tuple[float | None, float]] = {}  # a kept breadcrumbs input's (lo, hi): `_fold_band`
-        self._masks: dict[int, tuple[np.ndarray, int, float]] = {}  # a kept DELLA input's (mask, mode, s): `_keep_mask`
+        #: a kept input's mask (uint8), its mode and s, and how it is held (1: a byte an element, della's
+        #: `_keep_mask`; 2: packed, dare_ties' `_fold_dare`)
+        self._masks: dict[int, tuple[np.ndarray, int, float, int]] = {}
 
     def _fits_stash(self, src: np.ndarray, extra: int = 0) -> bool:
         return (self._stash is not None and self._stash_bytes + src.nbytes + extra <= FUSE_BYTES
@@ -161,8 +165,9 @@ class TiesFold(DeltaFold):
         if x.index in self._bands:  # breadcrumbs_ties: its band's streaming form
             self._fold_masked(x, x.element_ranges(self._ctx), None, *self._bands[x.index])
             return
-        if x.index in self._masks:  # della: its kept mask, block by block
-            self._fold_mask(x, src, self._block_spans(x), *self._masks.pop(x.index), w)
+        mask = self._masks.pop(x.index, None)
+        if mask is not None and mask[3] == 1:  # della: its kept mask, block by block
+            self._fold_mask(x, src, self._block_spans(x), mask[0].view(np.bool_), mask[1], mask[2], w)
             return
         if self._draws_mask(x):
             super()._fold_dare(x)
@@ -179,7 +184,9 @@ class TiesFold(DeltaFold):
     def _fold_dare(self, x: ExpertInput) -> None:
         """dare_ties: keep the input for the fused pass (`kernels.merge.dare_ties_fused`, which draws each
         block's uniforms a tile at a time) while it fits, else fold it block by block. With the L1 rescale its
-        scale is found first (`DeltaFold._l1_scale`: the mask and the sums, one pass over the blocks)."""
+        scale is found first (`DeltaFold._l1_scale`: the mask and the sums, one pass over the blocks), and the
+        mask it draws is kept, packed eight to a byte (a buffer per place in the stash, reused from tensor to
+        tensor), so the fused pass does not draw it again."""
         src = x.fast_source()
         if (self.sparsification == "random" and src is not None
                 and self._P is not None and self._bflat is not None and self._fits_stash(src)):
@@ -187,9 +194,12 @@ class TiesFold(DeltaFold):
             mode = self.rescale_mode
             if mode == "classic":
                 self._dare_modes[x.index] = (2, 1.0)
+            elif mode == "l1":
+                packed = self.scratch(f"dare_bits{len(self._stash)}", kernels().mask_bytes(self._bounds), np.uint8)
+                scale = self._l1_scale(x, src, packed)
+                self._masks[x.index] = (packed, 1 if scale != 1.0 else 0, scale, 2)
             else:
-                scale = self._l1_scale(x, src) if mode == "l1" else 1.0
-                self._dare_modes[x.index] = (1 if scale != 1.0 else 0, scale)
+                self._dare_modes[x.index] = (0, 1.0)
             self._stash.append((src, x, False, math.inf, self.weights[x.index], 0))
             self._stash_bytes += src.nbytes
             return
@@ -209,7 +219,7 @@ class TiesFold(DeltaFold):
     def _keep_mask(self, x: ExpertInput, keep: np.ndarray, mode: int, scale: float) -> None:
         src = x.fast_source()
         assert src is not None and self._stash is not None
-        self._masks[x.index] = (keep, mode, scale)
+        self._masks[x.index] = (keep.view(np.uint8), mode, scale, 1)
         self._stash.append((src, x, False, math.inf, self.weights[x.index], 0))
         self._stash_bytes += src.nbytes + keep.nbytes
 
@@ -334,27 +344,27 @@ class TiesFold(DeltaFold):
 
     def _finish_dare_fused(self, P: np.ndarray, stash: list[Any], raws: tuple[np.ndarray, ...],
                            selected: np.ndarray) -> None:
-        """dare_ties's and della's fused pass: each input's density (>= 1: no mask) and its blocks' generator
-        seeds, or della's kept mask."""
+        """dare_ties's and della's fused pass: each input's density (>= 1: no mask) and its kept mask, or its
+        blocks' generator seeds."""
         ctx = self._ctx
         assert ctx is not None and self._bflat is not None
         dens = np.array([self.densities[x.index] for _src, x, *_rest in stash], np.float32)
+        masks = [self._masks.pop(x.index, None) for _src, x, *_rest in stash]
         seeds = np.zeros(selected.shape, np.int64)
         for k, (_src, x, *_rest) in enumerate(stash):
-            if self._draws_mask(x):
+            if self._draws_mask(x) and masks[k] is None:
                 key = self.experts[x.index].key
                 for b in x.selected_blocks:
                     seeds[k, b] = block_seed(ctx.seed, key, ctx.name, b)
-        masks = [self._masks.pop(x.index, None) for _src, x, *_rest in stash]
-        modes = [self._dare_modes.get(x.index, (0, 1.0)) if mask is None else mask[1:]
+        modes = [self._dare_modes.get(x.index, (0, 1.0)) if mask is None else mask[1:3]
                  for (_src, x, *_rest), mask in zip(stash, masks)]
-        no_mask = np.empty(0, np.bool_)
+        no_mask = np.empty(0, np.uint8)
         kernels().dare_ties_fused(P, self._bflat, raws, selected, self._bounds, dens, seeds,
                                   np.array([item[4] for item in stash], np.float32), self.normalize,
                                   np.float32(self.lam), self._skip, np.array([m for m, _s in modes], np.int64),
                                   np.array([sc for _m, sc in modes], np.float32),
                                   kernels().pack([no_mask if mask is None else mask[0] for mask in masks]),
-                                  np.array([mask is not None for mask in masks], np.bool_))
+                                  np.array([0 if mask is None else mask[3] for mask in masks], np.int64))
 
     def _end(self) -> None:
         self._P = None
