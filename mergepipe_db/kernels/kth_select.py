@@ -29,6 +29,7 @@ SELECT_MIN = 1 << 20  #: elements read from which the sampled bracket runs (belo
 _PIECE = 1 << 20  # elements per piece of the counting pass: each piece counts and keeps into its own slots
 _TILE = 1024  # |Δ| patterns formed a tile at a time (a loop that vectorizes), then compared
 _NONFINITE = np.uint32(0x7F800000)  # +inf's pattern; every NaN's |Δ| pattern is above it
+_RANK_BINS = 4096  # `_rank_between`'s histogram
 _MARGIN_SIGMAS = 4.0  # the bracket's margin, in standard deviations of the k-th's rank in the sample
 _ABOVE, _EQ_HI, _BETWEEN, _EQ_LO, _SPILLED = 0, 1, 2, 3, 4  # the counts of one piece and cut
 _MISSED = object()  # `_select`'s answer where the bracket missed a cut point or had no room for what it held
@@ -70,23 +71,28 @@ def _bracket_counts(base: np.ndarray, raw: np.ndarray, pieces: np.ndarray, lo: n
             m = min(_TILE, pieces[p, 1] - t0)
             v = tile[:m]
             absdelta_bits_tile(v, base[t0:t0 + m], raw[t0:t0 + m])
+            top = np.uint32(0)
             for i in range(m):
-                bad += v[i] >= _NONFINITE
+                top = max(top, v[i])
+            bad += top >= _NONFINITE
             for j in range(nk):
                 h, lw = hi[j], lo[j]
-                above = 0
-                eq_hi = 0
-                for i in range(m):
-                    above += v[i] > h
-                    eq_hi += v[i] == h
+                # a tile's counts in uint32 (m <= _TILE), one loop for all of them: the loop vectorizes
+                above, eq_hi, eq_lo = np.uint32(0), np.uint32(0), np.uint32(0)
+                if lw == h:
+                    for i in range(m):
+                        above += np.uint32(1) if v[i] > h else np.uint32(0)
+                        eq_hi += np.uint32(1) if v[i] == h else np.uint32(0)
+                else:
+                    for i in range(m):
+                        above += np.uint32(1) if v[i] > h else np.uint32(0)
+                        eq_hi += np.uint32(1) if v[i] == h else np.uint32(0)
+                        eq_lo += np.uint32(1) if v[i] == lw else np.uint32(0)
                 counts[p, j, _ABOVE] += above
                 counts[p, j, _EQ_HI] += eq_hi
+                counts[p, j, _EQ_LO] += eq_lo
                 if lw == h:
                     continue
-                eq_lo = 0
-                for i in range(m):
-                    eq_lo += v[i] == lw
-                counts[p, j, _EQ_LO] += eq_lo
                 if h - lw < 2:
                     continue  # no pattern lies strictly between
                 n = counts[p, j, _BETWEEN]
@@ -98,6 +104,38 @@ def _bracket_counts(base: np.ndarray, raw: np.ndarray, pieces: np.ndarray, lo: n
                         n += (v[i] > lw) & (v[i] < h)
                 counts[p, j, _BETWEEN] = n
         nonfinite[p] = bad
+
+
+@numba.njit(cache=True, nogil=True)
+def _rank_between(kept: np.ndarray, stride: int, counts: np.ndarray, lo: np.uint32, hi: np.uint32, r: int
+                  ) -> np.uint32:
+    """The r-th smallest (0-based) of the patterns kept between lo and hi: piece p's counts[p] of them at
+    kept[p·stride:]. A histogram of (v − lo − 1)'s top bits (`_RANK_BINS` bins) finds the r-th's bin; only
+    that bin's patterns are then collected and sorted."""
+    span = np.int64(hi) - np.int64(lo) - 1  # the patterns lie in [lo + 1, lo + span]
+    shift = 0
+    while (span - 1) >> shift >= _RANK_BINS:
+        shift += 1
+    hist = np.zeros(_RANK_BINS, np.int64)
+    low = np.int64(lo) + 1
+    for p in range(counts.shape[0]):
+        for i in range(p * stride, p * stride + counts[p]):
+            hist[(np.int64(kept[i]) - low) >> shift] += 1
+    below = 0
+    target = 0
+    for target in range(_RANK_BINS):
+        if below + hist[target] > r:
+            break
+        below += hist[target]
+    chosen = np.empty(hist[target], np.uint32)
+    n = 0
+    for p in range(counts.shape[0]):
+        for i in range(p * stride, p * stride + counts[p]):
+            if (np.int64(kept[i]) - low) >> shift == target:
+                chosen[n] = kept[i]
+                n += 1
+    chosen.sort()
+    return chosen[r - below]
 
 
 def sampled_bracket(sorted_sample: np.ndarray, n_read: int, k: int) -> tuple[int, int]:
@@ -164,10 +202,8 @@ def _select(base: np.ndarray, raw: np.ndarray, spans: np.ndarray, n_read: int, k
         elif k <= above + eq_hi + between_n:
             if counts[:, j, _SPILLED].any():
                 return _MISSED
-            kept_j = np.concatenate([kept[j, p * (room + SLACK):p * (room + SLACK) + counts[p, j, _BETWEEN]]
-                                     for p in range(pieces.shape[0])])
-            r = kept_j.shape[0] - (k - above - eq_hi)  # its place in ascending order
-            found[k] = int(np.partition(kept_j, r)[r])
+            r = between_n - (k - above - eq_hi)  # its place in ascending order
+            found[k] = int(_rank_between(kept[j], room + SLACK, counts[:, j, _BETWEEN].copy(), lo[j], hi[j], r))
         elif k <= above + eq_hi + between_n + eq_lo:
             found[k] = int(lo[j])
         else:
