@@ -506,7 +506,7 @@ def dare_delta_span(mixed: np.ndarray, b: np.ndarray, x: np.ndarray, u: np.ndarr
 
 
 @numba.njit(cache=True, nogil=True)
-def _absdelta_top(a: np.ndarray, x: np.ndarray, b: np.ndarray) -> np.uint32:
+def absdelta_top(a: np.ndarray, x: np.ndarray, b: np.ndarray) -> np.uint32:
     """a[:m] = |widen(x) − b| for the m = len(x) elements of a tile; returns their largest magnitude bit pattern
     (`exact_sum.add_split_top`'s ``top``)."""
     top = np.uint32(0)
@@ -537,7 +537,7 @@ def random_keep(keep: np.ndarray, b: np.ndarray, x: np.ndarray, u: np.ndarray, p
     a = np.empty(T, np.float32)
     for t0 in range(0, n, T):
         m = min(T, n - t0)
-        top = _absdelta_top(a, x[t0:t0 + m], b[t0:t0 + m])
+        top = absdelta_top(a, x[t0:t0 + m], b[t0:t0 + m])
         exact_sum.add_split_top(acc_kept, acc_dropped, a[:m], keep[t0:t0 + m], top)
 
 
@@ -1627,7 +1627,7 @@ def dare_keep_blocks(keep: np.ndarray, bits: np.ndarray, offsets: np.ndarray, b:
                     kp[i] = u[i] < d
                 if packed:
                     pack_bits(bits, offsets[j] + (t0 - spans[j, 0]) // 8, words, m)
-                top = _absdelta_top(a, x[t0:t0 + m], b[t0:t0 + m])
+                top = absdelta_top(a, x[t0:t0 + m], b[t0:t0 + m])
                 exact_sum.add_split_top(parts[t, 0], parts[t, 1], a[:m], kp, top)
     for t in range(c):
         acc_kept += parts[t, 0]

@@ -330,6 +330,27 @@ class DeltaFold(MergeOperator):
                                    src, bounds, seeds, d32, sums[0].reserve(n), sums[1].reserve(n))
         return _l1_ratio(sums[0].value_with(sums[1]), sums[0].value())
 
+    def _della_keep(self, x: ExpertInput, src: np.ndarray, keep: np.ndarray, spans: list[tuple[int, int, int]],
+                    l1: bool) -> float:
+        """DELLA's mask of expert k (a 2-D tensor) on its selected blocks into `keep` (indexed by element) and,
+        with `l1`, its L1 scale s = ‖Δ_k‖₁ / ‖kept Δ_k‖₁ over them (else 1.0), in one pass from the stored
+        values `src`: a row's probabilities, uniforms, mask and sums at a time (`kernels.row_ranks
+        .della_keep_blocks`), blocks on numba's threads."""
+        from mergepipe_db.kernels.exact_sum import ExactSum
+        from mergepipe_db.kernels.row_ranks import della_keep_blocks
+
+        ctx = self._ctx
+        assert ctx is not None and self._bflat is not None
+        key = self.experts[x.index].key
+        seeds = np.array([block_seed(ctx.seed, key, ctx.name, b) for b, _s0, _e0 in spans], np.int64)
+        bounds = np.array([(s0, e0) for _b, s0, e0 in spans], np.int64).reshape(-1, 2)
+        n = sum(e0 - s0 for _b, s0, e0 in spans)
+        sums = (ExactSum(), ExactSum())  # the kept |Δ|, the dropped |Δ|
+        d, eps = self.densities[x.index], self.epsilon(x.index)
+        della_keep_blocks(keep, self._bflat, src, bounds, seeds, ctx.row_numel, np.float32(eps), np.float32(d - eps),
+                          l1, sums[0].reserve(n if l1 else 0), sums[1].reserve(n if l1 else 0))
+        return _l1_ratio(sums[0].value_with(sums[1]), sums[0].value()) if l1 else 1.0
+
     def _block_uniforms(self, x: ExpertInput) -> Iterator[tuple[int, int, int, np.ndarray]]:
         """(block, first element, end element, its DARE uniforms) of each selected block with elements, in order;
         every block's uniforms are drawn first, the blocks' generators on numba's threads."""
@@ -366,10 +387,12 @@ class DeltaFold(MergeOperator):
         d32 = np.array([self.densities[k]], np.float32)  # u < d, the Python float cast to float32 (NEP 50)
         if kept is None:  # a kept mask is folded later, with the others
             self._set_expert(w)
-        if l1 and not della and src is not None:  # DARE from the stored values: mask and sums in one pass
-            assert keep_all is not None
+        rowwise = della and src is not None and keep_all is not None and len(ctx.shape) == 2
+        if (l1 and not della and src is not None) or rowwise:  # from the stored values: mask and sums in one pass
+            assert keep_all is not None and src is not None
             spans = self._block_spans(x)
-            scale = self._dare_keep_l1(x, src, keep_all, spans)
+            scale = self._della_keep(x, src, keep_all, spans, l1) if della else self._dare_keep_l1(x, src, keep_all,
+                                                                                                   spans)
             if kept is not None:
                 self._keep_mask(x, kept, 1 if scale != 1.0 else 0, scale)
             else:

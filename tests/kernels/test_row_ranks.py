@@ -124,3 +124,48 @@ def test_rows_of_few_or_many_values(values, shape, rows) -> None:
     got = della_probabilities(np.zeros_like(flat), flat, shape, rows, 0.5, 0.15)
     want = numpy_probabilities(flat, shape, rows, 0.5, 0.15)
     assert np.array_equal(got.view(np.int32), want.view(np.int32))
+
+
+@pytest.mark.parametrize("width,rows_per_block,n_rows", [(1000, 3, 7), (7, 50, 200), (624, 2, 5), (64, 40, 90)])
+@pytest.mark.parametrize("l1", [True, False])
+def test_della_keep_blocks_is_the_block_by_block_mask_and_sums(width, rows_per_block, n_rows, l1) -> None:
+    """`della_keep_blocks` (a row at a time: probabilities, uniforms handed out from whole twists, mask, sums) is
+    the plain path: numpy's probabilities of each block, ``torch.rand`` of the block's generator, u < p, and
+    the kept and dropped |Δ| summed in float64 (exact here: few values, all multiples of 2^-24). Rows longer and
+    shorter than a twist (624 uniforms), a row that is exactly one, blocks of a selection with gaps."""
+    import torch
+
+    from mergepipe_db.kernels.exact_sum import ExactSum
+    from mergepipe_db.kernels.row_ranks import della_keep_blocks
+
+    rng = np.random.default_rng(width)
+    shape = (n_rows, width)
+    base = (rng.integers(-64, 64, shape) / 64.0).astype(np.float32).reshape(-1)
+    delta = (rng.integers(-8, 9, shape) / 4096.0).astype(np.float32).reshape(-1)
+    x = base + delta  # float32 stored values, exactly base + Δ
+    blocks = [(s, min(s + rows_per_block, n_rows)) for s in range(0, n_rows, rows_per_block)]
+    chosen = blocks[::2] + blocks[-1:] if len(blocks) > 2 else blocks  # a selection with gaps, in order
+    chosen = sorted(set(chosen))
+    spans = np.array([(s * width, e * width) for s, e in chosen], np.int64)
+    seeds = np.array([1000 + 7 * i for i in range(len(chosen))], np.int64)
+    d, eps = 0.6, 0.2
+    keep = np.zeros(base.size, np.bool_)
+    sums = (ExactSum(), ExactSum())
+    della_keep_blocks(keep, base, x, spans, seeds, width, np.float32(eps), np.float32(d - eps), l1,
+                      sums[0].reserve(base.size), sums[1].reserve(base.size))
+    want = np.zeros(base.size, np.bool_)
+    for (s0, e0), seed in zip(spans, seeds):
+        p = numpy_probabilities(x[s0:e0] - base[s0:e0], shape, (e0 - s0) // width, d, eps)
+        g = torch.Generator().manual_seed(int(seed))
+        u = torch.rand(int(e0 - s0), generator=g).numpy()
+        want[s0:e0] = u < p
+    assert np.array_equal(keep, want)
+    a = np.abs(delta.astype(np.float64))
+    read = np.zeros(base.size, np.bool_)
+    for s0, e0 in spans:
+        read[s0:e0] = True
+    if l1:
+        assert sums[0].value() == a[read & want].sum()
+        assert sums[1].value() == a[read & ~want].sum()
+    else:
+        assert sums[0].value() == 0.0 and sums[1].value() == 0.0
