@@ -186,6 +186,16 @@ def unpack_bits(words: np.ndarray, bits: np.ndarray, o: int, m: int) -> None:
         words[j] = ((w + _LANE_CARRY) >> np.uint64(7)) & _BYTE_LANES
 
 
+@numba.njit(cache=True, nogil=True)
+def unpack_mask(keep: np.ndarray, bits: np.ndarray, bounds: np.ndarray, blocks: np.ndarray) -> None:
+    """keep (bool, indexed by element) on the listed blocks from their packed mask (`pack_bits`, block b's from
+    `mask_block_offset`)."""
+    for b in blocks:
+        o = mask_block_offset(bounds, b)
+        for i in range(bounds[b + 1] - bounds[b]):
+            keep[bounds[b] + i] = (bits[o + i // 8] >> np.uint8(i % 8)) & np.uint8(1)
+
+
 def mask_bytes(bounds: np.ndarray) -> int:
     """The bytes of a packed mask (`pack_bits`) over a tensor whose blocks span elements bounds[b] to
     bounds[b + 1]."""

@@ -20,7 +20,7 @@ from mergepipe_db.kernels import exact_sum
 from mergepipe_db.kernels import torch_rand as mt19937
 from mergepipe_db.kernels.compress import SLACK, split_nonzero_ranks
 from mergepipe_db.kernels.float_bits import f32_to_bits, widen
-from mergepipe_db.kernels.merge import absdelta_top
+from mergepipe_db.kernels.merge import absdelta_top, pack_bits
 
 __all__ = ["della_keep_blocks", "della_probabilities"]
 
@@ -225,23 +225,27 @@ def della_probabilities(base: np.ndarray, raw: np.ndarray, shape: tuple[int, ...
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
-def della_keep_blocks(keep: np.ndarray, b: np.ndarray, x: np.ndarray, spans: np.ndarray, seeds: np.ndarray, n: int,
-                      eps: np.float32, low: np.float32, l1: bool, acc_kept: np.ndarray, acc_dropped: np.ndarray
-                      ) -> None:
+def della_keep_blocks(keep: np.ndarray, bits: np.ndarray, offsets: np.ndarray, b: np.ndarray, x: np.ndarray,
+                      spans: np.ndarray, seeds: np.ndarray, n: int, eps: np.float32, low: np.float32, l1: bool,
+                      acc_kept: np.ndarray, acc_dropped: np.ndarray) -> None:
     """DELLA's mask of several blocks of a 2-D tensor (rows of n elements), a row at a time: block j (elements
     spans[j] = [start, end) of the flat tensor, whole rows) gets keep = u < p, p each element's keep probability
     by the rank of its |Δ| in its row (`_column`, the table of `_rank_table(n, eps, low)`), u the block's own
     stream (seed ``seeds[j]``, `mt19937`, drawn a twist at a time and handed out row by row), and with ``l1``
-    the exact sums (`exact_sum`) of the kept and of the dropped |Δ| while the row is in cache. The same mask
-    and sums as `della_probabilities`, then ``torch.rand`` of the block and `merge.random_keep`, without the
-    probabilities or the uniforms in memory; blocks in contiguous chunks on numba's threads, each chunk's sums
-    in its own accumulators, added after (exact: the same for any thread count)."""
+    the exact sums (`exact_sum`) of the kept and of the dropped |Δ| while the row is in cache. The mask goes
+    into `keep` (bool, indexed by element) or, where `bits` is not empty, packed into `bits` instead
+    (`merge.pack_bits`, block j's from byte offsets[j]: a row's last flags wait for the next row's to fill
+    their byte). The same mask and sums as `della_probabilities`, then ``torch.rand`` of the block and
+    `merge.random_keep`, without the probabilities or the uniforms in memory; blocks in contiguous chunks on
+    numba's threads, each chunk's sums in its own accumulators, added after (exact: the same for any thread
+    count)."""
     nbk = spans.shape[0]
     c = max(1, min(_BLOCK_CHUNKS, nbk))
     parts = np.zeros((c, 2, acc_kept.shape[0]), np.int64)
     table = _rank_table(n, eps, low)
     W = mt19937.STATE_WORDS
     T = exact_sum.TILE
+    packed = bits.shape[0] > 0
     for t in numba.prange(c):
         work = _work(n)
         state = np.empty(W, np.uint32)
@@ -249,9 +253,13 @@ def della_keep_blocks(keep: np.ndarray, b: np.ndarray, x: np.ndarray, spans: np.
         p = np.empty(n, np.float32)
         u = np.empty(n, np.float32)
         a = np.empty(T, np.float32)
+        words = np.empty(n // 8 + 2, np.uint64)  # packing: the flags not yet packed, then a row's
+        flags = words.view(np.bool_)
         for j in range(nbk * t // c, nbk * (t + 1) // c):
             mt19937.stream_start(state, seeds[j])
             pos = W
+            o = offsets[j] if packed else 0  # the next byte of the block's packed mask
+            waiting = 0  # flags waiting for a whole byte
             for s0 in range(spans[j, 0], spans[j, 1], n):
                 _column(p, b[s0:s0 + n], x[s0:s0 + n], n, table, work)
                 i = 0
@@ -263,15 +271,24 @@ def della_keep_blocks(keep: np.ndarray, b: np.ndarray, x: np.ndarray, spans: np.
                     u[i:i + take] = twist[pos:pos + take]
                     i += take
                     pos += take
-                kp = keep[s0:s0 + n]
+                kp = flags[waiting:waiting + n] if packed else keep[s0:s0 + n]
                 for i in range(n):
                     kp[i] = u[i] < p[i]
-                if not l1:
-                    continue
-                for t0 in range(0, n, T):
-                    m = min(T, n - t0)
-                    top = absdelta_top(a, x[s0 + t0:s0 + t0 + m], b[s0 + t0:s0 + t0 + m])
-                    exact_sum.add_split_top(parts[t, 0], parts[t, 1], a[:m], kp[t0:t0 + m], top)
+                if l1:
+                    for t0 in range(0, n, T):
+                        m = min(T, n - t0)
+                        top = absdelta_top(a, x[s0 + t0:s0 + t0 + m], b[s0 + t0:s0 + t0 + m])
+                        exact_sum.add_split_top(parts[t, 0], parts[t, 1], a[:m], kp[t0:t0 + m], top)
+                if packed:
+                    whole = (waiting + n) // 8
+                    pack_bits(bits, o, words, 8 * whole)
+                    o += whole
+                    rest = waiting + n - 8 * whole
+                    for i in range(rest):
+                        flags[i] = flags[8 * whole + i]
+                    waiting = rest
+            if waiting:
+                pack_bits(bits, o, words, waiting)
     for t in range(c):
         acc_kept += parts[t, 0]
         acc_dropped += parts[t, 1]

@@ -332,10 +332,10 @@ class DeltaFold(MergeOperator):
 
     def _della_keep(self, x: ExpertInput, src: np.ndarray, keep: np.ndarray, spans: list[tuple[int, int, int]],
                     l1: bool) -> float:
-        """DELLA's mask of expert k (a 2-D tensor) on its selected blocks into `keep` (indexed by element) and,
-        with `l1`, its L1 scale s = ‖Δ_k‖₁ / ‖kept Δ_k‖₁ over them (else 1.0), in one pass from the stored
-        values `src`: a row's probabilities, uniforms, mask and sums at a time (`kernels.row_ranks
-        .della_keep_blocks`), blocks on numba's threads."""
+        """DELLA's mask of expert k (a 2-D tensor) on its selected blocks into `keep` (bool, indexed by element;
+        uint8: packed, `kernels.merge.pack_bits`) and, with `l1`, its L1 scale s = ‖Δ_k‖₁ / ‖kept Δ_k‖₁ over
+        them (else 1.0), in one pass from the stored values `src`: a row's probabilities, uniforms, mask and
+        sums at a time (`kernels.row_ranks.della_keep_blocks`), blocks on numba's threads."""
         from mergepipe_db.kernels.exact_sum import ExactSum
         from mergepipe_db.kernels.row_ranks import della_keep_blocks
 
@@ -347,8 +347,11 @@ class DeltaFold(MergeOperator):
         n = sum(e0 - s0 for _b, s0, e0 in spans)
         sums = (ExactSum(), ExactSum())  # the kept |Δ|, the dropped |Δ|
         d, eps = self.densities[x.index], self.epsilon(x.index)
-        della_keep_blocks(keep, self._bflat, src, bounds, seeds, ctx.row_numel, np.float32(eps), np.float32(d - eps),
-                          l1, sums[0].reserve(n if l1 else 0), sums[1].reserve(n if l1 else 0))
+        packed = keep.dtype == np.uint8
+        offsets = np.array([s0 // 8 + b for b, s0, _e0 in spans], np.int64)  # `merge.mask_block_offset`
+        della_keep_blocks(np.empty(0, np.bool_) if packed else keep, keep if packed else np.empty(0, np.uint8),
+                          offsets, self._bflat, src, bounds, seeds, ctx.row_numel, np.float32(eps),
+                          np.float32(d - eps), l1, sums[0].reserve(n if l1 else 0), sums[1].reserve(n if l1 else 0))
         return _l1_ratio(sums[0].value_with(sums[1]), sums[0].value()) if l1 else 1.0
 
     def _block_uniforms(self, x: ExpertInput) -> Iterator[tuple[int, int, int, np.ndarray]]:
@@ -432,9 +435,10 @@ class DeltaFold(MergeOperator):
             self._masked_block(b, s0, e0, bb, xb, keep[s0:e0], d32, 0, mode, scale, w)
 
     def _mask_buffer(self, x: ExpertInput) -> np.ndarray | None:
-        """Where to draw expert x's random drop mask (bool, the tensor's flat shape; rescale l1 or none) when it
-        is to be kept for a fused pass over all experts (`_keep_mask`) instead of folded block by block; None:
-        folded block by block (this default: no fused pass)."""
+        """Where to draw expert x's random drop mask (bool, the tensor's flat shape; or uint8, packed, for DELLA
+        on a 2-D tensor: `_della_keep`; rescale l1 or none) when it is to be kept for a fused pass over all
+        experts (`_keep_mask`) instead of folded block by block; None: folded block by block (this default: no
+        fused pass)."""
         return None
 
     def _keep_mask(self, x: ExpertInput, keep: np.ndarray, mode: int, scale: float) -> None:

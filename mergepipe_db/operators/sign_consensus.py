@@ -21,9 +21,9 @@ from mergepipe_db.operators.registry import register
 __all__ = ["FUSE_BYTES", "BreadcrumbsTies", "DareTies", "Della", "Ties", "TiesFold"]
 
 #: TIES keeps the experts' stored bytes of a tensor for one fused pass while they add up to at most this
-#: (beyond it, it folds them one by one): memory stays bounded whatever K. della's masks (a byte an element)
-#: count towards it; dare_ties' packed masks (an eighth of a byte an element, a sixteenth of BF16 values)
-#: come on top
+#: (beyond it, it folds them one by one): memory stays bounded whatever K. Their packed masks (dare_ties';
+#: della's on a 2-D tensor: an eighth of a byte an element, a sixteenth of BF16 values) come on top; della's
+#: masks of a byte an element (other shapes) count towards it
 FUSE_BYTES = 1 << 30
 _NO_F32 = np.empty(0, np.float32)
 
@@ -166,8 +166,13 @@ class TiesFold(DeltaFold):
             self._fold_masked(x, x.element_ranges(self._ctx), None, *self._bands[x.index])
             return
         mask = self._masks.pop(x.index, None)
-        if mask is not None and mask[3] == 1:  # della: its kept mask, block by block
-            self._fold_mask(x, src, self._block_spans(x), mask[0].view(np.bool_), mask[1], mask[2], w)
+        if mask is not None and self.sparsification == "della":  # its kept mask, block by block
+            keep = mask[0].view(np.bool_)
+            if mask[3] == 2:  # packed
+                assert self._ctx is not None
+                keep = self.scratch("della_unpacked", self._ctx.numel, np.bool_)
+                kernels().unpack_mask(keep, mask[0], self._bounds, np.array(x.selected_blocks, np.int64))
+            self._fold_mask(x, src, self._block_spans(x), keep, mask[1], mask[2], w)
             return
         if self._draws_mask(x):
             super()._fold_dare(x)
@@ -207,21 +212,29 @@ class TiesFold(DeltaFold):
 
     def _mask_buffer(self, x: ExpertInput) -> np.ndarray | None:
         """della: its mask is kept for the fused pass (`kernels.merge.dare_ties_fused` reads it a tile at a time)
-        while its stored values and the mask (a byte an element) fit: a buffer of its own per place in the
-        stash, reused from tensor to tensor. dare_ties draws its masks again in its fused pass (`_fold_dare`):
-        None."""
+        while its stored values fit: a buffer of its own per place in the stash, reused from tensor to tensor;
+        packed eight to a byte on a 2-D tensor (`DeltaFold._della_keep`; not counted towards `FUSE_BYTES`, as
+        dare_ties' are not), else a byte an element (counted). dare_ties keeps the mask its L1 pass draws
+        (`_fold_dare`): None."""
         src = x.fast_source()
-        if (self.sparsification != "della" or src is None or self._P is None or self._bflat is None
-                or self._ctx is None or self._stash is None or not self._fits_stash(src, self._ctx.numel)):
+        ctx = self._ctx
+        if self.sparsification != "della" or src is None or self._P is None or self._bflat is None or ctx is None:
             return None
-        return self.scratch(f"della_keep{len(self._stash)}", self._ctx.numel, np.bool_)
+        if len(ctx.shape) == 2:
+            if not self._fits_stash(src):
+                return None
+            return self.scratch(f"della_bits{len(self._stash or ())}", kernels().mask_bytes(self._bounds), np.uint8)
+        if not self._fits_stash(src, ctx.numel):
+            return None
+        return self.scratch(f"della_keep{len(self._stash or ())}", ctx.numel, np.bool_)
 
     def _keep_mask(self, x: ExpertInput, keep: np.ndarray, mode: int, scale: float) -> None:
         src = x.fast_source()
         assert src is not None and self._stash is not None
-        self._masks[x.index] = (keep.view(np.uint8), mode, scale, 1)
+        packed = keep.dtype == np.uint8
+        self._masks[x.index] = (keep.view(np.uint8), mode, scale, 2 if packed else 1)
         self._stash.append((src, x, False, math.inf, self.weights[x.index], 0))
-        self._stash_bytes += src.nbytes + keep.nbytes
+        self._stash_bytes += src.nbytes + (0 if packed else keep.nbytes)
 
     def _dare_block_fast(self, src: np.ndarray, b: int, s0: int, e0: int, u: np.ndarray, d: float,
                          w: float) -> bool:

@@ -126,15 +126,20 @@ def test_rows_of_few_or_many_values(values, shape, rows) -> None:
     assert np.array_equal(got.view(np.int32), want.view(np.int32))
 
 
-@pytest.mark.parametrize("width,rows_per_block,n_rows", [(1000, 3, 7), (7, 50, 200), (624, 2, 5), (64, 40, 90)])
+@pytest.mark.parametrize("width,rows_per_block,n_rows", [(1000, 3, 7), (7, 50, 200), (624, 2, 5), (64, 40, 90),
+                                                         (13, 5, 23)])
 @pytest.mark.parametrize("l1", [True, False])
-def test_della_keep_blocks_is_the_block_by_block_mask_and_sums(width, rows_per_block, n_rows, l1) -> None:
+@pytest.mark.parametrize("packed", [False, True])
+def test_della_keep_blocks_is_the_block_by_block_mask_and_sums(width, rows_per_block, n_rows, l1, packed) -> None:
     """`della_keep_blocks` (a row at a time: probabilities, uniforms handed out from whole twists, mask, sums) is
     the plain path: numpy's probabilities of each block, ``torch.rand`` of the block's generator, u < p, and
     the kept and dropped |Δ| summed in float64 (exact here: few values, all multiples of 2^-24). Rows longer and
-    shorter than a twist (624 uniforms), a row that is exactly one, blocks of a selection with gaps."""
+    shorter than a twist (624 uniforms), a row that is exactly one, blocks of a selection with gaps; the mask
+    as bools or packed eight to a byte (rows and blocks that end inside a byte), unpacked by
+    `merge.unpack_mask`."""
     import torch
 
+    from mergepipe_db.kernels import merge
     from mergepipe_db.kernels.exact_sum import ExactSum
     from mergepipe_db.kernels.row_ranks import della_keep_blocks
 
@@ -151,8 +156,14 @@ def test_della_keep_blocks_is_the_block_by_block_mask_and_sums(width, rows_per_b
     d, eps = 0.6, 0.2
     keep = np.zeros(base.size, np.bool_)
     sums = (ExactSum(), ExactSum())
-    della_keep_blocks(keep, base, x, spans, seeds, width, np.float32(eps), np.float32(d - eps), l1,
-                      sums[0].reserve(base.size), sums[1].reserve(base.size))
+    bounds = np.array([s * width for s, _e in blocks] + [n_rows * width], np.int64)
+    chosen_ids = np.array([blocks.index(blk) for blk in chosen], np.int64)
+    offsets = np.array([bounds[b] // 8 + b for b in chosen_ids], np.int64)
+    bits = np.full(merge.mask_bytes(bounds), 0xAA, np.uint8) if packed else np.empty(0, np.uint8)
+    della_keep_blocks(np.empty(0, np.bool_) if packed else keep, bits, offsets, base, x, spans, seeds, width,
+                      np.float32(eps), np.float32(d - eps), l1, sums[0].reserve(base.size), sums[1].reserve(base.size))
+    if packed:
+        merge.unpack_mask(keep, bits, bounds, chosen_ids)
     want = np.zeros(base.size, np.bool_)
     for (s0, e0), seed in zip(spans, seeds):
         p = numpy_probabilities(x[s0:e0] - base[s0:e0], shape, (e0 - s0) // width, d, eps)

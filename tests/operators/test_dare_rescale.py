@@ -231,9 +231,10 @@ def test_ties_family_normalized_and_lambda(method) -> None:
 @pytest.mark.parametrize("mode", ["l1", "none", "classic"])
 def test_della_fused_streamed_and_partly_fused(monkeypatch, fuse_bytes, mode) -> None:
     """della keeps each expert's mask (drawn against its row-rank probabilities, the L1 scale found with it)
-    for dare_ties' fused pass while its stored values and the mask fit `sign_consensus.FUSE_BYTES`, else folds
-    it block by block; classic (Δ / p) always block by block: the plain formula's bits either way, with rows
-    read in part, normalized, and with inf and NaN."""
+    for dare_ties' fused pass while its stored values fit `sign_consensus.FUSE_BYTES` (on the 2-D tensor the mask
+    packed beside them, on the 3-D one a byte an element counted with them), else folds it block by block
+    (9,000 bytes: the kept ones then too, their packed masks unpacked); classic (Δ / p) always block by block:
+    the plain formula's bits either way, with rows read in part, normalized, and with inf and NaN."""
     from mergepipe_db.operators import sign_consensus
 
     monkeypatch.setattr(sign_consensus, "FUSE_BYTES", fuse_bytes)
