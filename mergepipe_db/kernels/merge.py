@@ -293,8 +293,8 @@ def delta_fused(mixed: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...
     θ₀ + (mixed / divisor, where ``normalize``) · λ, in that order. One pass instead of a zeroing pass before
     and three after."""
     K = selected.shape[0]
-    _additive_fused_blocks(mixed, base, raws, selected, bounds, w, trim, lo, hi, (np.empty(0, np.bool_),),
-                           np.zeros(K, np.bool_), np.ones(K, np.float32), skip, start, finish, normalize, divisor,
+    _additive_fused_blocks(mixed, base, raws, selected, bounds, w, trim, lo, hi, (np.empty(0, np.uint8),),
+                           np.zeros(K, np.int64), np.ones(K, np.float32), skip, start, finish, normalize, divisor,
                            lam, 0, bounds.shape[0] - 1)
 
 
@@ -304,9 +304,10 @@ def masked_fused(mixed: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ..
                  scales: np.ndarray, skip: np.ndarray, start: bool, finish: bool, normalize: bool,
                  divisor: np.float32, lam: np.float32) -> None:
     """`delta_fused` for dare_linear and della_linear: every expert k of ``raws`` in order (on the blocks with
-    ``selected[k, b]``) adds T·w, tile by tile, where T = where(keeps[k], Δ · scales[k], 0.0) for an expert
-    with ``masked[k]`` (its drawn mask, bool in the tensor's flat shape; ``scales[k]`` is 1 where the rescale
-    leaves Δ as it is: Δ · 1 = Δ, bit for bit) and T = Δ for the others (density 1: no mask). The bits of
+    ``selected[k, b]``) adds T·w, tile by tile, where T = where(keep_k, Δ · scales[k], 0.0) for an expert
+    with ``masked[k]`` (its drawn mask keeps[k], uint8: ``masked[k]`` 1, a byte an element in the tensor's flat
+    shape; 2, packed eight to a byte, `pack_bits`; ``scales[k]`` is 1 where the rescale leaves Δ as it is:
+    Δ · 1 = Δ, bit for bit) and T = Δ for the others (density 1: no mask). The bits of
     `masked_delta_span` (mode 1 or 0) and `delta_add` folded one expert at a time, then `_finish`; ``start``,
     ``finish`` and ``skip`` as in `delta_fused`. The blocks in contiguous chunks on numba's threads."""
     K = selected.shape[0]
@@ -327,10 +328,12 @@ def _additive_fused_blocks(mixed: np.ndarray, base: np.ndarray, raws: tuple[np.n
     """`delta_fused` (breadcrumbs' bands: ``trim``) and `masked_fused` (kept masks: ``masked``) on blocks
     [b0, b1)."""
     zero = np.float32(0.0)
+    words = np.empty(_TILE // 8 + 1, np.uint64)
+    unpacked = words.view(np.uint8)  # a packed mask's tile, a byte a flag
     for b in range(b0, b1):
         if skip[b]:
             continue
-        for t0 in range(bounds[b], bounds[b + 1], _TILE):
+        for t0 in range(bounds[b], bounds[b + 1], _TILE):  # a tile starts on a whole byte of a packed mask
             m = min(_TILE, bounds[b + 1] - t0)
             mm, bb = mixed[t0:t0 + m], base[t0:t0 + m]
             if start:
@@ -341,7 +344,12 @@ def _additive_fused_blocks(mixed: np.ndarray, base: np.ndarray, raws: tuple[np.n
                     continue
                 x, wk = raws[k][t0:t0 + m], w[k]
                 if masked[k]:  # Δ · 1 = Δ, bit for bit: one loop whether or not the rescale scales
-                    kk, sk = keeps[k][t0:t0 + m], scales[k]
+                    if masked[k] == 2:
+                        unpack_bits(words, keeps[k], mask_block_offset(bounds, b) + (t0 - bounds[b]) // 8, m)
+                        kk = unpacked[:m]
+                    else:
+                        kk = keeps[k][t0:t0 + m]
+                    sk = scales[k]
                     for i in range(m):
                         q = (widen(x[i]) - bb[i]) * sk
                         mm[i] = mm[i] + (q if kk[i] else zero) * wk

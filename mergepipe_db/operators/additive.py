@@ -43,10 +43,12 @@ class AdditiveFold(DeltaFold):
         w = np.array([self.weights[x.index] for _src, x in items], np.float32)
         masks = [self._masks.pop(x.index, None) for _src, x in items]
         if any(mask is not None for mask in masks):  # dare_linear, della_linear (density 1: no mask)
-            no_mask = np.empty(0, np.bool_)
+            no_mask = np.empty(0, np.uint8)
             kernels().masked_fused(self._mixed, self._bflat, raws, selected, block_bounds(self._ctx), w,
-                                   kernels().pack([no_mask if mask is None else mask[0] for mask in masks]),
-                                   np.array([mask is not None for mask in masks], np.bool_),
+                                   kernels().pack([no_mask if mask is None else mask[0].view(np.uint8)
+                                                   for mask in masks]),
+                                   np.array([0 if mask is None else 2 if mask[0].dtype == np.uint8 else 1
+                                             for mask in masks], np.int64),
                                    np.array([1.0 if mask is None else mask[1] for mask in masks], np.float32),
                                    self._skip, not self._started, finish, self.normalize,
                                    np.float32(self.weight_sum), np.float32(self.lam))
@@ -95,14 +97,20 @@ class AdditiveFold(DeltaFold):
 
     def _mask_buffer(self, x: ExpertInput) -> np.ndarray | None:
         """dare_linear and della_linear: the mask is kept for the fused pass (`kernels.merge.masked_fused`) while
-        the expert's stored values and the mask (a byte an element) fit a group, the kept inputs folded first
-        when they would not fit beside it; a buffer per place in the group, reused from tensor to tensor."""
+        the expert's stored values and the mask fit a group, the kept inputs folded first when they would not
+        fit beside it; a buffer per place in the group, reused from tensor to tensor. The mask is packed eight
+        to a byte where its pass packs it (DARE's L1 pass, `DeltaFold._dare_keep_l1`; DELLA's on a 2-D tensor,
+        `DeltaFold._della_keep`), else a byte an element."""
         src = x.fast_source()
         ctx = self._ctx
-        if (src is None or ctx is None or self._mixed is None or self._bflat is None
-                or not self._stash.make_room(src, self._fold_stash, ctx.numel)):
+        if src is None or ctx is None or self._mixed is None or self._bflat is None:
             return None
-        return self.scratch(f"additive_keep{len(self._stash.items)}", ctx.numel, np.bool_)
+        packed = len(ctx.shape) == 2 if self.sparsification == "della" else self.rescale_mode == "l1"
+        size = kernels().mask_bytes(block_bounds(ctx)) if packed else ctx.numel
+        if not self._stash.make_room(src, self._fold_stash, size):
+            return None
+        return self.scratch(f"additive_{'bits' if packed else 'keep'}{len(self._stash.items)}", size,
+                            np.uint8 if packed else np.bool_)
 
     def _keep_mask(self, x: ExpertInput, keep: np.ndarray, mode: int, scale: float) -> None:
         src = x.fast_source()

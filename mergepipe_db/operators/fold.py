@@ -394,8 +394,12 @@ class DeltaFold(MergeOperator):
         if (l1 and not della and src is not None) or rowwise:  # from the stored values: mask and sums in one pass
             assert keep_all is not None and src is not None
             spans = self._block_spans(x)
-            scale = self._della_keep(x, src, keep_all, spans, l1) if della else self._dare_keep_l1(x, src, keep_all,
-                                                                                                   spans)
+            if della:
+                scale = self._della_keep(x, src, keep_all, spans, l1)
+            elif keep_all.dtype == np.uint8:  # packed (`_mask_buffer`)
+                scale = self._dare_keep_l1(x, src, np.empty(0, np.bool_), spans, keep_all)
+            else:
+                scale = self._dare_keep_l1(x, src, keep_all, spans)
             if kept is not None:
                 self._keep_mask(x, kept, 1 if scale != 1.0 else 0, scale)
             else:
@@ -442,8 +446,9 @@ class DeltaFold(MergeOperator):
         return None
 
     def _keep_mask(self, x: ExpertInput, keep: np.ndarray, mode: int, scale: float) -> None:
-        """Keep expert x's mask (bool, the tensor's flat shape: its selected blocks drawn) with its rescale
-        (`kernels.merge._masked` mode 0 or 1, and s) for the fused pass."""
+        """Keep expert x's mask (bool, the tensor's flat shape: its selected blocks drawn; or uint8, packed, as
+        `_mask_buffer` gave it) with its rescale (`kernels.merge._masked` mode 0 or 1, and s) for the fused
+        pass."""
         raise NotImplementedError
 
     def _l1_scale(self, x: ExpertInput, src: np.ndarray, bits: np.ndarray) -> float:

@@ -277,12 +277,13 @@ def test_additive_masks_fused_streamed_and_partly_fused(monkeypatch, method, gro
         check(method, mode, (9, 4, 5), 2, supply, "full", normalize=True, lam=0.8)
 
 
-@pytest.mark.parametrize("method", ["dare_linear", "dare_ties"])
+@pytest.mark.parametrize("method", ["dare_linear", "dare_ties", "della_linear", "della"])
 @pytest.mark.parametrize("mode", ["l1", "none", "classic"])
 def test_dare_blocks_of_several_tiles(method, mode) -> None:
     """DARE's L1 pass (`kernels.merge.dare_keep_blocks`) and dare_ties' fused pass (`dare_ties_fused`) draw each
-    block's uniforms three MT19937 twists (1,872) at a time: blocks of several tiles, a partial last one (6,400
-    elements), whole ones only (7,488) and a 1-D tensor of one block, against torch.rand block by block."""
+    block's uniforms three MT19937 twists (1,872) at a time, and the fused passes read packed masks a tile
+    (2,048 or 1,872 elements) at a time: blocks of several tiles, a partial last one (6,400 elements), whole
+    ones only (7,488) and a 1-D tensor of one block, against torch.rand block by block."""
     for supply in ("bf16", "f32"):
         for shape, rpb in (((300, 64), 100), ((234, 64), 117), ((5000,), 5000)):
             check(method, mode, shape, rpb, supply, "full")
