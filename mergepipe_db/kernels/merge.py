@@ -784,9 +784,10 @@ def dare_ties_fused(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, .
     and five tensor-sized sums per expert. ``modes[k]`` says how a kept Δ is rescaled (`_masked`): 2 (DARE's
     classic Δ / d_k, above), 1 (Δ * scales[k]: the L1 rescale, known beforehand) or 0 (Δ). An expert with
     ``masked[k]`` takes its mask from keeps[k] (uint8) instead of drawing one, with mode 1 or 0: a byte an
-    element (the tensor's flat shape; della's, ``masked[k]`` 1: the bits of `ties_masked_span`) or packed
-    eight to a byte (``masked[k]`` 2: DARE's, as `dare_keep_blocks` packs them: the same mask as drawn). Runs on numba's threads, the blocks in contiguous chunks
-    (each block's streams start at its own seed, so no block depends on another)."""
+    element (``masked[k]`` 1, the tensor's flat shape: the bits of `ties_masked_span`) or packed eight to a
+    byte (``masked[k]`` 2, as `dare_keep_blocks` and `row_ranks.della_keep_blocks` pack them: the same mask as
+    drawn). Runs on numba's threads, the blocks in contiguous chunks (each block's streams start at its own
+    seed, so no block depends on another)."""
     nb = bounds.shape[0] - 1
     c = max(1, min(_PAR_CHUNKS, nb))
     for t in numba.prange(c):
