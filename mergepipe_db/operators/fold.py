@@ -309,6 +309,19 @@ class DeltaFold(MergeOperator):
         return [(b, rs * rn, re * rn) for b in x.selected_blocks for rs, re in [ctx.block_rows(b)]
                 if re * rn > rs * rn]
 
+    def _mask_blocks(self, x: ExpertInput, spans: list[tuple[int, int, int]]
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """What a mask kernel takes of expert x's blocks `spans` ((block, start, end)): each block's generator
+        seed, its [start, end) elements, its first byte in a packed mask (`kernels.merge.mask_block_offset`), and
+        how many elements they hold."""
+        ctx = self._ctx
+        assert ctx is not None
+        key = self.experts[x.index].key
+        seeds = np.array([block_seed(ctx.seed, key, ctx.name, b) for b, _s0, _e0 in spans], np.int64)
+        bounds = np.array([(s0, e0) for _b, s0, e0 in spans], np.int64).reshape(-1, 2)
+        offsets = np.array([s0 // 8 + b for b, s0, _e0 in spans], np.int64)
+        return seeds, bounds, offsets, sum(e0 - s0 for _b, s0, e0 in spans)
+
     def _dare_keep_l1(self, x: ExpertInput, src: np.ndarray, keep: np.ndarray, spans: list[tuple[int, int, int]],
                       bits: np.ndarray | None = None) -> float:
         """DARE's mask of expert k on its selected blocks into `keep` (indexed by element; or packed into
@@ -317,15 +330,10 @@ class DeltaFold(MergeOperator):
         (`kernels.merge.dare_keep_blocks`), blocks on numba's threads."""
         from mergepipe_db.kernels.exact_sum import ExactSum
 
-        ctx = self._ctx
-        assert ctx is not None and self._bflat is not None
-        key = self.experts[x.index].key
-        seeds = np.array([block_seed(ctx.seed, key, ctx.name, b) for b, _s0, _e0 in spans], np.int64)
-        bounds = np.array([(s0, e0) for _b, s0, e0 in spans], np.int64).reshape(-1, 2)
-        n = sum(e0 - s0 for _b, s0, e0 in spans)
+        assert self._bflat is not None
+        seeds, bounds, offsets, n = self._mask_blocks(x, spans)
         sums = (ExactSum(), ExactSum())  # the kept |Δ|, the dropped |Δ|
         d32 = np.float32(self.densities[x.index])  # u < d, the Python float cast to float32 (NEP 50)
-        offsets = np.array([s0 // 8 + b for b, s0, _e0 in spans], np.int64)  # `merge.mask_block_offset`
         kernels().dare_keep_blocks(keep, np.empty(0, np.uint8) if bits is None else bits, offsets, self._bflat,
                                    src, bounds, seeds, d32, sums[0].reserve(n), sums[1].reserve(n))
         return _l1_ratio(sums[0].value_with(sums[1]), sums[0].value())
@@ -341,14 +349,10 @@ class DeltaFold(MergeOperator):
 
         ctx = self._ctx
         assert ctx is not None and self._bflat is not None
-        key = self.experts[x.index].key
-        seeds = np.array([block_seed(ctx.seed, key, ctx.name, b) for b, _s0, _e0 in spans], np.int64)
-        bounds = np.array([(s0, e0) for _b, s0, e0 in spans], np.int64).reshape(-1, 2)
-        n = sum(e0 - s0 for _b, s0, e0 in spans)
+        seeds, bounds, offsets, n = self._mask_blocks(x, spans)
         sums = (ExactSum(), ExactSum())  # the kept |Δ|, the dropped |Δ|
         d, eps = self.densities[x.index], self.epsilon(x.index)
         packed = keep.dtype == np.uint8
-        offsets = np.array([s0 // 8 + b for b, s0, _e0 in spans], np.int64)  # `merge.mask_block_offset`
         della_keep_blocks(np.empty(0, np.bool_) if packed else keep, keep if packed else np.empty(0, np.uint8),
                           offsets, self._bflat, src, bounds, seeds, ctx.row_numel, np.float32(eps),
                           np.float32(d - eps), l1, sums[0].reserve(n if l1 else 0), sums[1].reserve(n if l1 else 0))
