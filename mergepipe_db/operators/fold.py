@@ -443,10 +443,10 @@ class DeltaFold(MergeOperator):
             self._masked_block(b, s0, e0, bb, xb, keep[s0:e0], d32, 0, mode, scale, w)
 
     def _mask_buffer(self, x: ExpertInput) -> np.ndarray | None:
-        """Where to draw expert x's random drop mask (bool, the tensor's flat shape; or uint8, packed, for DELLA
-        on a 2-D tensor: `_della_keep`; rescale l1 or none) when it is to be kept for a fused pass over all
-        experts (`_keep_mask`) instead of folded block by block; None: folded block by block (this default: no
-        fused pass)."""
+        """Where to draw expert x's random drop mask (bool, the tensor's flat shape; or uint8, packed, where the
+        pass that draws it packs it: `_dare_keep_l1`, `_della_keep` on a 2-D tensor; rescale l1 or none) when it
+        is to be kept for a fused pass over all experts (`_keep_mask`) instead of folded block by block; None:
+        folded block by block (this default: no fused pass)."""
         return None
 
     def _keep_mask(self, x: ExpertInput, keep: np.ndarray, mode: int, scale: float) -> None:

@@ -59,8 +59,8 @@ class TiesFold(DeltaFold):
         self._stash_bytes = 0
         self._dare_modes: dict[int, tuple[int, float]] = {}  # a kept DARE input's (mode, scale): `dare_ties_fused`
         self._bands: dict[int, tuple[float | None, float]] = {}  # a kept breadcrumbs input's (lo, hi): `_fold_band`
-        #: a kept input's mask (uint8), its mode and s, and how it is held (1: a byte an element, della's
-        #: `_keep_mask`; 2: packed, dare_ties' `_fold_dare`)
+        #: a kept input's mask (uint8), its mode and s, and how it is held (1: a byte an element; 2: packed
+        #: eight to a byte, dare_ties' from `_fold_dare`, della's from `_keep_mask` on a 2-D tensor)
         self._masks: dict[int, tuple[np.ndarray, int, float, int]] = {}
 
     def _fits_stash(self, src: np.ndarray, extra: int = 0) -> bool:
@@ -165,7 +165,7 @@ class TiesFold(DeltaFold):
         if x.index in self._bands:  # breadcrumbs_ties: its band's streaming form
             self._fold_masked(x, x.element_ranges(self._ctx), None, *self._bands[x.index])
             return
-        mask = self._masks.pop(x.index, None)
+        mask = self._masks.pop(x.index, None)  # dare_ties' is drawn again below (`_fold_dare`)
         if mask is not None and self.sparsification == "della":  # its kept mask, block by block
             keep = mask[0].view(np.bool_)
             if mask[3] == 2:  # packed
@@ -188,10 +188,10 @@ class TiesFold(DeltaFold):
 
     def _fold_dare(self, x: ExpertInput) -> None:
         """dare_ties: keep the input for the fused pass (`kernels.merge.dare_ties_fused`, which draws each
-        block's uniforms a tile at a time) while it fits, else fold it block by block. With the L1 rescale its
-        scale is found first (`DeltaFold._l1_scale`: the mask and the sums, one pass over the blocks), and the
-        mask it draws is kept, packed eight to a byte (a buffer per place in the stash, reused from tensor to
-        tensor), so the fused pass does not draw it again."""
+        block's uniforms a tile at a time, or reads a kept mask) while it fits, else fold it block by block.
+        With the L1 rescale its scale is found first (`DeltaFold._l1_scale`: the mask and the sums, one pass
+        over the blocks), and the mask it draws is kept, packed eight to a byte (a buffer per place in the
+        stash, reused from tensor to tensor), so the fused pass does not draw it again."""
         src = x.fast_source()
         if (self.sparsification == "random" and src is not None
                 and self._P is not None and self._bflat is not None and self._fits_stash(src)):
