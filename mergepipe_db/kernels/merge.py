@@ -196,10 +196,10 @@ def unpack_mask(keep: np.ndarray, bits: np.ndarray, bounds: np.ndarray, blocks: 
             keep[bounds[b] + i] = (bits[o + i // 8] >> np.uint8(i % 8)) & np.uint8(1)
 
 
-def mask_bytes(bounds: np.ndarray) -> int:
-    """The bytes of a packed mask (`pack_bits`) over a tensor whose blocks span elements bounds[b] to
-    bounds[b + 1]."""
-    return int(bounds[-1]) // 8 + bounds.shape[0]
+def mask_bytes(numel: int, n_blocks: int) -> int:
+    """The bytes of a packed mask (`pack_bits`) over a tensor of `numel` elements in `n_blocks` blocks: its
+    flags, and a spare byte a block (`mask_block_offset`)."""
+    return numel // 8 + n_blocks + 1
 
 
 @numba.njit(nogil=True, inline="always")
@@ -783,7 +783,8 @@ def dare_ties_fused(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, .
     order: the same bits as folding the experts one by one with `ties_dare_span`, without a block of uniforms
     and five tensor-sized sums per expert. ``modes[k]`` says how a kept Δ is rescaled (`_masked`): 2 (DARE's
     classic Δ / d_k, above), 1 (Δ * scales[k]: the L1 rescale, known beforehand) or 0 (Δ). An expert with
-    ``masked[k]`` takes its mask from keeps[k] (uint8) instead of drawing one, with mode 1 or 0: a byte an
+    ``masked[k]`` takes its mask from keeps[k] (uint8) instead of drawing one, Δ times scales[k] (1 in mode 0:
+    Δ · 1 = Δ, bit for bit), the mask a byte an
     element (``masked[k]`` 1, the tensor's flat shape: the bits of `ties_masked_span`) or packed eight to a
     byte (``masked[k]`` 2, as `dare_keep_blocks` and `row_ranks.della_keep_blocks` pack them: the same mask as
     drawn). Runs on numba's threads, the blocks in contiguous chunks (each block's streams start at its own
@@ -827,21 +828,16 @@ def _dare_ties_fused_blocks(out: np.ndarray, base: np.ndarray, raws: tuple[np.nd
                     continue
                 xk = raws[k][t0:t0 + m]
                 d = dens[k]
-                if masked[k]:  # della's mask or a packed DARE mask: T = where(keep, Δ · s | Δ, 0.0)
+                if masked[k]:  # a kept mask: T = where(keep, Δ · s, 0.0); Δ · 1 = Δ, bit for bit (mode 0)
                     if masked[k] == 2:
                         unpack_bits(words, keeps[k], mask_block_offset(bounds, b) + (t0 - bounds[b]) // 8, m)
                         kk = unpacked[:m]
                     else:
                         kk = keeps[k][t0:t0 + m]
-                    if modes[k] == 1:
-                        sk = scales[k]
-                        for i in range(m):
-                            q = (widen(xk[i]) - bb[i]) * sk
-                            t[i] = q if kk[i] else zero
-                    else:
-                        for i in range(m):
-                            q = widen(xk[i]) - bb[i]
-                            t[i] = q if kk[i] else zero
+                    sk = scales[k]
+                    for i in range(m):
+                        q = (widen(xk[i]) - bb[i]) * sk
+                        t[i] = q if kk[i] else zero
                     _ties_tile(acc, z[:m], t[:m], False, inf, inf, w[k], weights, fresh)
                 elif d < np.float32(1.0):
                     mt19937.stream_fill_words(u[:m], states[k])
@@ -1629,13 +1625,13 @@ def dare_keep_blocks(keep: np.ndarray, bits: np.ndarray, offsets: np.ndarray, b:
     c = max(1, min(_PAR_CHUNKS, nbk))
     parts = np.zeros((c, 2, acc_kept.shape[0]), np.int64)
     T = _MT_TILE
+    packed = bits.shape[0] > 0
     for t in numba.prange(c):
         state = np.empty(mt19937.STATE_WORDS, np.uint32)
         u = np.empty(T, np.float32)
         a = np.empty(T, np.float32)
         words = np.empty(T // 8 + 1, np.uint64)
         tile = words.view(np.bool_)
-        packed = bits.shape[0] > 0
         for j in range(nbk * t // c, nbk * (t + 1) // c):
             mt19937.stream_start(state, seeds[j])
             for t0 in range(spans[j, 0], spans[j, 1], T):

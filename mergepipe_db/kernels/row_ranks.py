@@ -262,15 +262,7 @@ def della_keep_blocks(keep: np.ndarray, bits: np.ndarray, offsets: np.ndarray, b
             waiting = 0  # flags waiting for a whole byte
             for s0 in range(spans[j, 0], spans[j, 1], n):
                 _column(p, b[s0:s0 + n], x[s0:s0 + n], n, table, work)
-                i = 0
-                while i < n:
-                    if pos == W:
-                        mt19937.stream_fill_words(twist, state)
-                        pos = 0
-                    take = min(W - pos, n - i)
-                    u[i:i + take] = twist[pos:pos + take]
-                    i += take
-                    pos += take
+                pos = mt19937.stream_fill(u, state, twist, pos)
                 kp = flags[waiting:waiting + n] if packed else keep[s0:s0 + n]
                 for i in range(n):
                     kp[i] = u[i] < p[i]

@@ -81,10 +81,12 @@ def _uniforms_blocks(seeds: np.ndarray, bounds: np.ndarray, out: np.ndarray) -> 
         _uniforms(seeds[b], out[bounds[b]:bounds[b + 1]])
 
 
-# A stream drawn piecewise (the DARE kernels of `kernels.merge` draw each block's uniforms a tile at a time, the
-# tile a whole number of twists, `merge._MT_TILE`): its state only. numba compiles these into those kernels,
-# whose on-disk cache does not notice edits here: after changing this file, delete
-# mergepipe_db/kernels/__pycache__/merge.*.nb* (a fresh install has no cache).
+# A stream drawn piecewise: its state, and where a caller draws counts that are not whole twists, the uniforms of
+# its current twist and how many of them are used (`stream_fill`). The DARE kernels of `kernels.merge` draw a
+# tile of whole twists at a time (`merge._MT_TILE`, `stream_fill_words`); DELLA's draws a row at a time
+# (`row_ranks.della_keep_blocks`). numba compiles these into those kernels, whose on-disk cache does not notice
+# edits here: after changing this file, delete mergepipe_db/kernels/__pycache__/{merge,row_ranks}.*.nb* (a
+# fresh install has no cache).
 
 @numba.njit(cache=True, nogil=True)
 def stream_start(state: np.ndarray, seed: np.int64) -> None:
@@ -100,6 +102,25 @@ def stream_fill_words(out: np.ndarray, state: np.ndarray) -> None:
     for pos in range(0, out.shape[0], _N):
         _twist(state)
         _temper_into(state, out[pos:pos + _N])
+
+
+@numba.njit(nogil=True, inline="always")
+def stream_fill(out: np.ndarray, state: np.ndarray, twist: np.ndarray, pos: int) -> int:
+    """The stream's next out.shape[0] uniforms, any count: taken from `twist` (the uniforms of its current
+    twist, `STATE_WORDS` of them, the first `pos` used; a fresh stream's `pos` is `STATE_WORDS`), twisting
+    again as they run out. Returns the new `pos`."""
+    i = 0
+    n = out.shape[0]
+    while i < n:
+        if pos == _N:
+            _twist(state)
+            _temper_into(state, twist)
+            pos = 0
+        take = min(_N - pos, n - i)
+        out[i:i + take] = twist[pos:pos + take]
+        i += take
+        pos += take
+    return pos
 
 
 STATE_WORDS = _N

@@ -105,12 +105,13 @@ class AdditiveFold(DeltaFold):
         ctx = self._ctx
         if src is None or ctx is None or self._mixed is None or self._bflat is None:
             return None
-        packed = len(ctx.shape) == 2 if self.sparsification == "della" else self.rescale_mode == "l1"
-        size = kernels().mask_bytes(block_bounds(ctx)) if packed else ctx.numel
+        packed = self._packs_mask()
+        size = kernels().mask_bytes(ctx.numel, ctx.n_blocks) if packed else ctx.numel
         if not self._stash.make_room(src, self._fold_stash, size):
             return None
-        return self.scratch(f"additive_{'bits' if packed else 'keep'}{len(self._stash.items)}", size,
-                            np.uint8 if packed else np.bool_)
+        place = len(self._stash.items)
+        return self._packed_mask_buffer(f"additive_bits{place}") if packed else \
+            self.scratch(f"additive_keep{place}", size, np.bool_)
 
     def _keep_mask(self, x: ExpertInput, keep: np.ndarray, mode: int, scale: float) -> None:
         src = x.fast_source()

@@ -442,6 +442,17 @@ class DeltaFold(MergeOperator):
             bb, xb = self._block_operands(x, src, s0, e0)
             self._masked_block(b, s0, e0, bb, xb, keep[s0:e0], d32, 0, mode, scale, w)
 
+    def _packs_mask(self) -> bool:
+        """Whether the pass that draws this tensor's random drop masks can pack them eight to a byte: DARE's L1
+        pass (`_dare_keep_l1`), DELLA's rows on a 2-D tensor (`_della_keep`)."""
+        assert self._ctx is not None
+        return len(self._ctx.shape) == 2 if self.sparsification == "della" else self.rescale_mode == "l1"
+
+    def _packed_mask_buffer(self, name: str) -> np.ndarray:
+        """A reused buffer for one packed mask of this tensor (`kernels.merge.mask_bytes`)."""
+        assert self._ctx is not None
+        return self.scratch(name, kernels().mask_bytes(self._ctx.numel, self._ctx.n_blocks), np.uint8)
+
     def _mask_buffer(self, x: ExpertInput) -> np.ndarray | None:
         """Where to draw expert x's random drop mask (bool, the tensor's flat shape; or uint8, packed, where the
         pass that draws it packs it: `_dare_keep_l1`, `_della_keep` on a 2-D tensor; rescale l1 or none) when it

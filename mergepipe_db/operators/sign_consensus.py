@@ -200,7 +200,7 @@ class TiesFold(DeltaFold):
             if mode == "classic":
                 self._dare_modes[x.index] = (2, 1.0)
             elif mode == "l1":
-                packed = self.scratch(f"dare_bits{len(self._stash)}", kernels().mask_bytes(self._bounds), np.uint8)
+                packed = self._packed_mask_buffer(f"dare_bits{len(self._stash)}")
                 scale = self._l1_scale(x, src, packed)
                 self._masks[x.index] = (packed, 1 if scale != 1.0 else 0, scale, 2)
             else:
@@ -220,13 +220,12 @@ class TiesFold(DeltaFold):
         ctx = self._ctx
         if self.sparsification != "della" or src is None or self._P is None or self._bflat is None or ctx is None:
             return None
-        if len(ctx.shape) == 2:
-            if not self._fits_stash(src):
-                return None
-            return self.scratch(f"della_bits{len(self._stash or ())}", kernels().mask_bytes(self._bounds), np.uint8)
-        if not self._fits_stash(src, ctx.numel):
+        packed = self._packs_mask()
+        if not self._fits_stash(src, 0 if packed else ctx.numel):
             return None
-        return self.scratch(f"della_keep{len(self._stash or ())}", ctx.numel, np.bool_)
+        place = len(self._stash or ())
+        return self._packed_mask_buffer(f"della_bits{place}") if packed else \
+            self.scratch(f"della_keep{place}", ctx.numel, np.bool_)
 
     def _keep_mask(self, x: ExpertInput, keep: np.ndarray, mode: int, scale: float) -> None:
         src = x.fast_source()

@@ -159,7 +159,7 @@ def test_della_keep_blocks_is_the_block_by_block_mask_and_sums(width, rows_per_b
     bounds = np.array([s * width for s, _e in blocks] + [n_rows * width], np.int64)
     chosen_ids = np.array([blocks.index(blk) for blk in chosen], np.int64)
     offsets = np.array([bounds[b] // 8 + b for b in chosen_ids], np.int64)
-    bits = np.full(merge.mask_bytes(bounds), 0xAA, np.uint8) if packed else np.empty(0, np.uint8)
+    bits = np.full(merge.mask_bytes(base.size, len(blocks)), 0xAA, np.uint8) if packed else np.empty(0, np.uint8)
     della_keep_blocks(np.empty(0, np.bool_) if packed else keep, bits, offsets, base, x, spans, seeds, width,
                       np.float32(eps), np.float32(d - eps), l1, sums[0].reserve(base.size), sums[1].reserve(base.size))
     if packed:
