@@ -209,6 +209,17 @@ def mask_block_offset(bounds: np.ndarray, b: int) -> int:
     return bounds[b] // 8 + b
 
 
+@numba.njit(nogil=True, inline="always")
+def kept_tile(words: np.ndarray, keep: np.ndarray, kind: int, bounds: np.ndarray, b: int, t0: int,
+              m: int) -> np.ndarray:
+    """A kept mask's flags for the m elements from t0 (inside block b, t0 - bounds[b] a multiple of 8), a byte
+    each: unpacked into `words` where the mask is packed (``kind`` 2, `pack_bits`), else a slice of it (1)."""
+    if kind == 2:
+        unpack_bits(words, keep, mask_block_offset(bounds, b) + (t0 - bounds[b]) // 8, m)
+        return words.view(np.uint8)[:m]
+    return keep[t0:t0 + m]
+
+
 @numba.njit(cache=True, nogil=True)
 def _catch_up(acc: np.ndarray, base: np.ndarray, weights: np.ndarray, first: bool) -> None:
     """acc = acc + θ₀ * w for each w of `weights` in order (``first``: acc starts at +0.0), tile by tile, so
@@ -328,8 +339,7 @@ def _additive_fused_blocks(mixed: np.ndarray, base: np.ndarray, raws: tuple[np.n
     """`delta_fused` (breadcrumbs' bands: ``trim``) and `masked_fused` (kept masks: ``masked``) on blocks
     [b0, b1)."""
     zero = np.float32(0.0)
-    words = np.empty(_TILE // 8 + 1, np.uint64)
-    unpacked = words.view(np.uint8)  # a packed mask's tile, a byte a flag
+    words = np.empty(_TILE // 8 + 1, np.uint64)  # a packed mask's tile, a byte a flag (`kept_tile`)
     for b in range(b0, b1):
         if skip[b]:
             continue
@@ -344,11 +354,7 @@ def _additive_fused_blocks(mixed: np.ndarray, base: np.ndarray, raws: tuple[np.n
                     continue
                 x, wk = raws[k][t0:t0 + m], w[k]
                 if masked[k]:  # Δ · 1 = Δ, bit for bit: one loop whether or not the rescale scales
-                    if masked[k] == 2:
-                        unpack_bits(words, keeps[k], mask_block_offset(bounds, b) + (t0 - bounds[b]) // 8, m)
-                        kk = unpacked[:m]
-                    else:
-                        kk = keeps[k][t0:t0 + m]
+                    kk = kept_tile(words, keeps[k], masked[k], bounds, b, t0, m)
                     sk = scales[k]
                     for i in range(m):
                         q = (widen(x[i]) - bb[i]) * sk
@@ -810,8 +816,7 @@ def _dare_ties_fused_blocks(out: np.ndarray, base: np.ndarray, raws: tuple[np.nd
     t = np.empty(T, np.float32)
     u = np.empty(T, np.float32)
     z = np.zeros(T, np.float32)
-    words = np.empty(_MT_TILE // 8 + 1, np.uint64)
-    unpacked = words.view(np.uint8)  # a packed mask's tile, a byte a flag
+    words = np.empty(_MT_TILE // 8 + 1, np.uint64)  # a packed mask's tile, a byte a flag (`kept_tile`)
     states = np.empty((K, mt19937.STATE_WORDS), np.uint32)
     for b in range(b0, b1):
         if skip[b]:
@@ -829,11 +834,7 @@ def _dare_ties_fused_blocks(out: np.ndarray, base: np.ndarray, raws: tuple[np.nd
                 xk = raws[k][t0:t0 + m]
                 d = dens[k]
                 if masked[k]:  # a kept mask: T = where(keep, Δ · s, 0.0); Δ · 1 = Δ, bit for bit (mode 0)
-                    if masked[k] == 2:
-                        unpack_bits(words, keeps[k], mask_block_offset(bounds, b) + (t0 - bounds[b]) // 8, m)
-                        kk = unpacked[:m]
-                    else:
-                        kk = keeps[k][t0:t0 + m]
+                    kk = kept_tile(words, keeps[k], masked[k], bounds, b, t0, m)
                     sk = scales[k]
                     for i in range(m):
                         q = (widen(xk[i]) - bb[i]) * sk
