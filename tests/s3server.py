@@ -108,7 +108,9 @@ class S3Server:
         deadline = time.monotonic() + timeout
         while True:
             if proc.poll() is not None:
-                raise _EarlyExit(f"weed mini exited ({proc.returncode}) in {root}: {_last_fatal(log_path)}")
+                free = shutil.disk_usage(root).free / 2**30  # weed refuses to run on a nearly full disk
+                raise _EarlyExit(f"weed mini exited ({proc.returncode}) in {root} ({free:.1f} GiB free): "
+                                 f"{_last_fatal(log_path)}")
             if server._ready(buckets[0]):
                 return server
             if time.monotonic() > deadline:
