@@ -10,7 +10,7 @@ read in place is held, not copied, with a map of the tiles it read (`kernels.gat
 read in part the elements not read are made θ₀'s, where θ₀ is finite and exact in the stored dtype), and the
 method's kernels form Δ_k a tile at a time (`kernels.merge.delta_tile`: +0.0 on a tile not read, whose bytes are
 never touched); a float32 copy is gathered at finish only where that path does not apply (an input not held,
-stored dtypes that differ, rows compacted).
+stored dtypes that differ, rows compacted unless ``raw_covers_partial``).
 
 A method with ``compacts_rows`` may run its formula on the rows read only under a partial selection: the fold
 records which rows any expert read, `_rows_read` gives them (None when the whole tensor must be used) and
@@ -55,6 +55,10 @@ class GatherFold(MergeOperator):
     #: the formula also runs from the stored values of every expert (`_combine_raw`): inputs read in place are
     #: held instead of gathered
     raw_formula: ClassVar[bool] = False
+    #: with ``compacts_rows``: the raw formula over the whole tensor gives, under a partial selection, the bytes
+    #: of the formula on the rows read (an elementwise formula whose counts take an unread row as Δ = 0): it runs
+    #: there too, instead of every input gathered into float32 and compacted
+    raw_covers_partial: ClassVar[bool] = False
 
     def _validate(self) -> None:
         self.params: dict[str, float] = {}
@@ -132,7 +136,7 @@ class GatherFold(MergeOperator):
         compacted."""
         if not self._raws or len(self._raws) + sum(h is None for h in self._held) != self.n_experts:
             return None
-        if self.compacts_rows and self._rows_read() is not None:
+        if self.compacts_rows and not self.raw_covers_partial and self._rows_read() is not None:
             return None
         dtype = next(iter(self._raws.values()))[0].dtype
         out = []

@@ -2,9 +2,11 @@
 experts that change it by more than ε, and kept whole where one expert alone does; ramplus_tl scales each
 expert's unique updates by 1 + r·min(max(ρ_k, 0), α), ρ_k its shared/unique count ratio over the tensor.
 
-Under a partial selection the formula runs on the rows read only (compacted, `GatherFold.compacts_rows`); an
-omitted row has every Δ_k = 0, so its value is θ₀ + 0.0, and it adds to ramplus_tl's counts only when ε < 0
-(|0| > ε: every expert counts it, shared when K > 1, unique when K = 1)."""
+Under a partial selection an omitted row has every Δ_k = 0, so its value is θ₀ + 0.0, and it adds to
+ramplus_tl's counts only when ε < 0 (|0| > ε: every expert counts it, shared when K > 1, unique when K = 1). From
+the experts' stored values (`_combine_raw`) the formula runs on the whole tensor, a tile no expert read giving
+Δ_k = +0.0: those bytes (`GatherFold.raw_covers_partial`). From gathered float32 values it runs on the rows read
+only (compacted, `GatherFold.compacts_rows`) and writes θ₀ + 0.0 on the others."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ class RamFold(GatherFold):
     scaled: ClassVar[bool] = False
     compacts_rows = True
     raw_formula = True
+    raw_covers_partial = True
 
     def _combine_raw(self, base: np.ndarray, raws: list[np.ndarray], read: np.ndarray) -> np.ndarray:
         return self._formula(base.reshape(-1), None, 0, (raws, read))

@@ -134,7 +134,8 @@ def _stored_case(seed: int, eps: float, selected, dtype: str):
 def test_stored_values_held_give_the_gathered_bytes(method, opts, dtype, monkeypatch) -> None:
     """Inputs read in place are held and the formula forms Δ_k from them (`_combine_raw`), their unread rows
     made θ₀'s: the same bytes as the formula on the gathered Δ_k, at full selection (an expert with nothing
-    selected included) and under a partial one (the rows compacted: the held inputs gathered at finish)."""
+    selected included) and under a partial one (a tile no expert read gives Δ_k = +0.0 there, as the compacted
+    formula on gathered values does)."""
     from mergepipe_db.kernels import gather as gk
 
     calls = []
@@ -147,7 +148,7 @@ def test_stored_values_held_give_the_gathered_bytes(method, opts, dtype, monkeyp
     assert calls == [1]
     assert np.array_equal(f32_bits(got), f32_bits(want))
     got = fold_stored(method, base, selected, [s.copy() for s in stored], opts, full=False, rows_per_block=RPB)
-    assert calls == [1]  # compacted rows: the float32 formula
+    assert calls == [1, 1]  # held under a partial selection too: no float32 copy gathered and compacted
     assert np.array_equal(f32_bits(got), f32_bits(want))
 
 
