@@ -14,8 +14,9 @@ stored dtypes that differ, rows compacted unless ``raw_covers_partial``).
 
 A method with ``compacts_rows`` may run its formula on the rows read only under a partial selection: the fold
 records which rows any expert read, `_rows_read` gives them (None when the whole tensor must be used) and
-`_compact` stacks every expert's values there; the method writes the omitted rows itself (its formula's value
-for an all-zero Δ).
+`_compact` stacks every expert's values there (an input held in place, or an expert with nothing selected, is
+formed on those rows only: no whole tensor of it in float32); the method writes the omitted rows itself (its
+formula's value for an all-zero Δ).
 """
 
 from __future__ import annotations
@@ -161,17 +162,24 @@ class GatherFold(MergeOperator):
             if raws is not None:
                 out = self._combine_raw(base, raws, self._read_map)
                 return np.asarray(out, dtype=np.float32).reshape(base.shape)
-            kern = gather_kernels()
-            fill = kern.gather_delta if self.gather == "delta" else kern.gather_theta
-            for k, (src, ranges) in self._raws.items():  # the float32 formula after all: held inputs gathered now
+        # the float32 formula after all. Rows compacted: `_compact` gathers the held inputs and the experts with
+        # nothing selected on the rows read only; otherwise they are gathered here, over the whole tensor
+        compacted = self.compacts_rows and self._rows_read() is not None
+        if self._raws and not compacted:
+            fill = self._gatherer()
+            for k, (src, ranges) in self._raws.items():
                 fill(self._stacked[k], self._bflat, src, ranges)
         vals = []
         for k, v in enumerate(self._held):
-            if v is None:  # Δ_k = 0, θ_k = θ₀
+            if v is None and not compacted:  # Δ_k = 0, θ_k = θ₀
                 v = self._stacked[k].reshape(base.shape)
                 v[...] = 0.0 if self.gather == "delta" else base
-            vals.append(v)
+            vals.append(v if v is not None else self._stacked[k].reshape(base.shape))
         return np.asarray(self._combine_all(base, vals), dtype=np.float32).reshape(base.shape)
+
+    def _gatherer(self):  # noqa: ANN202 - a numba kernel
+        kern = gather_kernels()
+        return kern.gather_delta if self.gather == "delta" else kern.gather_theta
 
     def _rows_read(self) -> np.ndarray | None:
         """The rows some expert read, ascending, under a partial selection that left some row unread; None under a
@@ -181,11 +189,29 @@ class GatherFold(MergeOperator):
         return np.flatnonzero(self._read)
 
     def _compact(self, values: list[np.ndarray], rows: np.ndarray) -> np.ndarray:
-        """Every expert's values on `rows`, stacked: float32 (K, len(rows), row size)."""
+        """Every expert's values on `rows`, stacked: float32 (K, len(rows), row size). An input held in place is
+        gathered from its stored values on those rows only (its element ranges moved to the compacted rows:
+        a range lies in rows some expert read, which are consecutive there too); an expert with nothing
+        selected gives Δ_k = 0 (θ_k = θ₀)."""
         n_rows = self._read.shape[0]
-        out = np.empty((len(values), len(rows), values[0].size // n_rows if values else 0), np.float32)
+        rn = values[0].size // n_rows if values else 0
+        out = np.empty((len(values), len(rows), rn), np.float32)
+        base_rows = None
         for k, v in enumerate(values):
-            np.take(v.reshape(n_rows, -1), rows, axis=0, out=out[k])
+            if k in self._raws or self._held[k] is None:
+                if base_rows is None:
+                    assert self._bflat is not None
+                    base_rows = np.take(self._bflat.reshape(n_rows, rn), rows, axis=0).reshape(-1)
+                if self._held[k] is None:
+                    out[k] = 0.0 if self.gather == "delta" else base_rows.reshape(len(rows), rn)
+                    continue
+                src, ranges = self._raws[k]
+                at = np.searchsorted(rows, ranges[:, 0] // rn) * rn + ranges[:, 0] % rn
+                moved = np.stack([at, at + (ranges[:, 1] - ranges[:, 0])], axis=1).astype(ranges.dtype)
+                src_rows = np.take(src.reshape(n_rows, rn), rows, axis=0).reshape(-1)
+                self._gatherer()(out[k].reshape(-1), base_rows, src_rows, moved)
+            else:
+                np.take(v.reshape(n_rows, -1), rows, axis=0, out=out[k])
         return out
 
     @abc.abstractmethod

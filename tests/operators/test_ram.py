@@ -183,3 +183,20 @@ def test_stored_values_tiles_read_whole_in_part_or_not_at_all(method, opts) -> N
         base, stored, deltas = stored_with_garbage(base, deltas, selected, rpb, "bf16", 22)
         got = fold_stored(method, base, selected, stored, opts, full=True, rows_per_block=rpb)
         assert np.array_equal(f32_bits(got), f32_bits(_want(method, opts, base, deltas)))
+
+
+@pytest.mark.parametrize("method,opts", [CASES[0], CASES[2], CASES[3]])
+def test_held_and_gathered_inputs_mixed_under_a_partial_selection(method, opts, monkeypatch) -> None:
+    """One expert stored in another dtype is gathered at add, the others held in place; under a partial selection
+    the float32 formula then runs on the rows read, the held inputs gathered there only: the formula's bytes."""
+    from mergepipe_db.kernels import gather as gk
+
+    calls = []
+    raw_combine = gk.ram_combine_raw
+    monkeypatch.setattr(gk, "ram_combine_raw", lambda *a: (calls.append(1), raw_combine(*a))[1])
+    selected = SELECTED if opts["epsilon"] >= 0 or method == "ram" else [(0, 2)]
+    base, stored, deltas = _stored_case(13, opts["epsilon"], selected, "bf16")
+    stored[1] = (stored[1].astype(np.uint32) << 16).view(np.float32)
+    got = fold_stored(method, base, selected, stored, opts, full=False, rows_per_block=RPB)
+    assert calls == []
+    assert np.array_equal(f32_bits(got), f32_bits(_want(method, opts, base, deltas)))

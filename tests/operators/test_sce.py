@@ -233,3 +233,33 @@ def test_stored_values_tiles_read_whole_in_part_or_not_at_all(topk) -> None:
         tvs = torch.stack([torch.from_numpy(d) for d in deltas]).reshape(len(deltas), -1)
         want = lit_sce(torch.from_numpy(base).flatten(), tvs, topk, base.size).reshape(shape)
         assert np.array_equal(f32_bits(got), f32_bits(want))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f32"])
+@pytest.mark.parametrize("topk", [0.5, 0.1])
+def test_stored_values_held_under_a_partial_selection_are_gathered_on_the_rows_read(topk, dtype,
+                                                                                   monkeypatch) -> None:
+    """Inputs read in place (garbage on the rows not read) under a partial selection: gathered straight into the
+    compacted rows (never a whole tensor's float32 copy), the bytes of the compacted formula on their Δ_k; an
+    expert with nothing selected gives Δ_k = 0 there. Blocks of 4 rows, and of 2,048 and 24 elements (tiles
+    read in part)."""
+    from mergepipe_db.kernels import gather as gk
+
+    sizes = []
+    gather = gk.gather_delta
+    monkeypatch.setattr(gk, "gather_delta", lambda out, *a: (sizes.append(out.size), gather(out, *a))[1])
+    base, selected, deltas = _case(8)
+    cases = [(SHAPE, RPB, selected, base, deltas), *tile_cases(31)]
+    for shape, rpb, sel, b, ds in cases:
+        b, stored, want_d = stored_with_garbage(b, ds, sel, rpb, dtype, 9)
+        sizes.clear()
+        got = fold_stored("sce", b, sel, stored, {"select_topk": topk}, full=False, rows_per_block=rpb)
+        rows = sorted({r for s in sel for blk in s for r in range(blk * rpb, min(shape[0], (blk + 1) * rpb))})
+        bt, tvs = torch.from_numpy(b), torch.stack([torch.from_numpy(d) for d in want_d])
+        want = bt + 0.0
+        want[rows] = lit_sce(bt[rows].flatten(), tvs[:, rows].reshape(len(want_d), -1), topk,
+                             b.size).reshape(len(rows), *shape[1:])
+        assert np.array_equal(f32_bits(got), f32_bits(want))
+        if len(rows) < shape[0]:  # compacted: each held input gathered on the rows read only
+            row = b.size // shape[0]
+            assert sizes and all(n == len(rows) * row for n in sizes), (sizes, len(rows) * row)
