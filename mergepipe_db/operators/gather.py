@@ -178,6 +178,7 @@ class GatherFold(MergeOperator):
         return np.asarray(self._combine_all(base, vals), dtype=np.float32).reshape(base.shape)
 
     def _gatherer(self):  # noqa: ANN202 - a numba kernel
+        """The kernel that fills Δ_k (or θ_k) from stored values on element ranges: `gather_delta`/`gather_theta`."""
         kern = gather_kernels()
         return kern.gather_delta if self.gather == "delta" else kern.gather_theta
 
@@ -216,7 +217,9 @@ class GatherFold(MergeOperator):
 
     @abc.abstractmethod
     def _combine_all(self, base: np.ndarray, values: list[np.ndarray]) -> Any:
-        """The merged tensor from θ₀ and every expert's Δ_k or θ_k (float32, the tensor's shape)."""
+        """The merged tensor from θ₀ and every expert's Δ_k or θ_k (float32, the tensor's shape). Where the rows
+        are compacted (``compacts_rows`` and `_rows_read` not None) the values of an input held in place or of an
+        expert with nothing selected are not filled: take every expert's values from `_compact`."""
 
     def _end(self) -> None:
         self._held = []
