@@ -97,8 +97,9 @@ class S3Server:
             p = _free_port(used)
             used |= {p, p + 10000}
             ports[name] = p
+        # -volume.max fixed: weed mini otherwise allows (free disk space) / 128 MB volumes, none on a nearly full disk
         args = [weed, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-bucket={','.join(buckets)}",
-                "-metricsPort=0", *(f"-{k}={v}" for k, v in ports.items())]
+                "-metricsPort=0", "-volume.max=32", *(f"-{k}={v}" for k, v in ports.items())]
         env = dict(os.environ, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
         log_path = root / "weed.log"
         log = open(log_path, "ab")  # noqa: SIM115 - the server's, kept open for its life
