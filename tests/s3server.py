@@ -106,18 +106,14 @@ class S3Server:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root,
                                 start_new_session=True)
         server = cls(f"http://127.0.0.1:{ports['s3.port']}", proc.pid, str(root))
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                free = shutil.disk_usage(root).free / 2**30  # weed refuses to run on a nearly full disk
-                raise _EarlyExit(f"weed mini exited ({proc.returncode}) in {root} ({free:.1f} GiB free): "
-                                 f"{_last_fatal(log_path)}")
-            if server._ready(buckets[0]):
-                return server
-            if time.monotonic() > deadline:
-                server.stop()
-                raise RuntimeError(f"weed mini did not answer within {timeout}s; see {log_path}")
-            time.sleep(0.2)
+        if server.wait_ready(timeout, buckets[0]):
+            return server
+        if proc.poll() is not None:
+            free = shutil.disk_usage(root).free / 2**30  # weed refuses to run on a nearly full disk
+            raise _EarlyExit(f"weed mini exited ({proc.returncode}) in {root} ({free:.1f} GiB free): "
+                             f"{_last_fatal(log_path)}")
+        server.stop()
+        raise RuntimeError(f"weed mini did not answer within {timeout}s; see {log_path}")
 
     def _ready(self, bucket: str) -> bool:
         """A signed LIST of `bucket` succeeds (the S3 gateway, filer and its credentials are up)."""
@@ -168,16 +164,17 @@ class S3Server:
                 return False
         return True
 
-    def wait_ready(self, timeout: float = 60.0) -> bool:
-        """Answers a signed request within `timeout` seconds. A busy machine (two test workers, a merge on
-        each) can keep one request waiting for seconds; that is not a dead server."""
+    def wait_ready(self, timeout: float = 60.0, bucket: str = BUCKET) -> bool:
+        """Answers a signed request on `bucket` within `timeout` seconds; False at once if its process ends. A
+        busy machine (two test workers, a merge on each) can keep one request waiting for seconds; that is not a
+        dead server."""
         deadline = time.monotonic() + timeout
         while self.running():
-            if self._ready(BUCKET):
+            if self._ready(bucket):
                 return True
             if time.monotonic() > deadline:
                 return False
-            time.sleep(0.5)
+            time.sleep(0.2)
         return False
 
 

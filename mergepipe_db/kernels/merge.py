@@ -35,6 +35,15 @@ def pack(arrays: list[np.ndarray]) -> tuple[np.ndarray, ...]:
     return tuple(np.ascontiguousarray(a).reshape(-1) for a in arrays) + (pad,) * (n - len(arrays))
 
 
+def kept_masks(masks: list[np.ndarray | None]) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
+    """The kept masks of a fused pass's inputs (None: no mask; bool: a byte an element; uint8: packed eight to
+    a byte, `pack_bits`) as `masked_fused` and `dare_ties_fused` take them: their bytes (`pack`) and each one's
+    kind (0, 1 or 2 in that order)."""
+    none = np.empty(0, np.uint8)
+    kinds = np.array([0 if m is None else 2 if m.dtype == np.uint8 else 1 for m in masks], np.int64)
+    return pack([none if m is None else m.view(np.uint8) for m in masks]), kinds
+
+
 @numba.njit(cache=True, nogil=True)
 def _linear_span(acc: np.ndarray, src: np.ndarray, w: np.float32, first: bool) -> None:
     zero = np.float32(0.0)
@@ -191,7 +200,7 @@ def unpack_mask(keep: np.ndarray, bits: np.ndarray, bounds: np.ndarray, blocks: 
     """keep (bool, indexed by element) on the listed blocks from their packed mask (`pack_bits`, block b's from
     `mask_block_offset`)."""
     for b in blocks:
-        o = mask_block_offset(bounds, b)
+        o = mask_block_offset(bounds[b], b)
         for i in range(bounds[b + 1] - bounds[b]):
             keep[bounds[b] + i] = (bits[o + i // 8] >> np.uint8(i % 8)) & np.uint8(1)
 
@@ -203,10 +212,11 @@ def mask_bytes(numel: int, n_blocks: int) -> int:
 
 
 @numba.njit(nogil=True, inline="always")
-def mask_block_offset(bounds: np.ndarray, b: int) -> int:
-    """Block b's first byte in a packed mask: bounds[b] // 8 + b (a spare byte a block: a block that ends
-    inside a byte leaves it to itself)."""
-    return bounds[b] // 8 + b
+def mask_block_offset(start: int, b: int) -> int:
+    """Block b's first byte in a packed mask, `start` its first element: start // 8 + b (a spare byte a block:
+    a block that ends inside a byte leaves it to itself). From Python, ``mask_block_offset.py_func`` takes
+    arrays of starts and blocks."""
+    return start // 8 + b
 
 
 @numba.njit(nogil=True, inline="always")
@@ -215,7 +225,7 @@ def kept_tile(words: np.ndarray, keep: np.ndarray, kind: int, bounds: np.ndarray
     """A kept mask's flags for the m elements from t0 (inside block b, t0 - bounds[b] a multiple of 8), a byte
     each: unpacked into `words` where the mask is packed (``kind`` 2, `pack_bits`), else a slice of it (1)."""
     if kind == 2:
-        unpack_bits(words, keep, mask_block_offset(bounds, b) + (t0 - bounds[b]) // 8, m)
+        unpack_bits(words, keep, mask_block_offset(bounds[b], b) + (t0 - bounds[b]) // 8, m)
         return words.view(np.uint8)[:m]
     return keep[t0:t0 + m]
 

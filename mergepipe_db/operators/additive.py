@@ -43,12 +43,8 @@ class AdditiveFold(DeltaFold):
         w = np.array([self.weights[x.index] for _src, x in items], np.float32)
         masks = [self._masks.pop(x.index, None) for _src, x in items]
         if any(mask is not None for mask in masks):  # dare_linear, della_linear (density 1: no mask)
-            no_mask = np.empty(0, np.uint8)
             kernels().masked_fused(self._mixed, self._bflat, raws, selected, block_bounds(self._ctx), w,
-                                   kernels().pack([no_mask if mask is None else mask[0].view(np.uint8)
-                                                   for mask in masks]),
-                                   np.array([0 if mask is None else 2 if mask[0].dtype == np.uint8 else 1
-                                             for mask in masks], np.int64),
+                                   *kernels().kept_masks([None if mask is None else mask[0] for mask in masks]),
                                    np.array([1.0 if mask is None else mask[1] for mask in masks], np.float32),
                                    self._skip, not self._started, finish, self.normalize,
                                    np.float32(self.weight_sum), np.float32(self.lam))
@@ -109,9 +105,7 @@ class AdditiveFold(DeltaFold):
         size = kernels().mask_bytes(ctx.numel, ctx.n_blocks) if packed else ctx.numel
         if not self._stash.make_room(src, self._fold_stash, size):
             return None
-        place = len(self._stash.items)
-        return self._packed_mask_buffer(f"additive_bits{place}") if packed else \
-            self.scratch(f"additive_keep{place}", size, np.bool_)
+        return self._kept_mask_buffer("additive", len(self._stash.items), packed)
 
     def _keep_mask(self, x: ExpertInput, keep: np.ndarray, mode: int, scale: float) -> None:
         src = x.fast_source()

@@ -319,14 +319,22 @@ class DeltaFold(MergeOperator):
         key = self.experts[x.index].key
         seeds = np.array([block_seed(ctx.seed, key, ctx.name, b) for b, _s0, _e0 in spans], np.int64)
         bounds = np.array([(s0, e0) for _b, s0, e0 in spans], np.int64).reshape(-1, 2)
-        offsets = np.array([s0 // 8 + b for b, s0, _e0 in spans], np.int64)
-        return seeds, bounds, offsets, sum(e0 - s0 for _b, s0, e0 in spans)
+        offsets = kernels().mask_block_offset.py_func(bounds[:, 0], np.array([b for b, _s0, _e0 in spans], np.int64))
+        return seeds, bounds, offsets, int(np.sum(bounds[:, 1] - bounds[:, 0]))
 
-    def _dare_keep_l1(self, x: ExpertInput, src: np.ndarray, keep: np.ndarray, spans: list[tuple[int, int, int]],
-                      bits: np.ndarray | None = None) -> float:
-        """DARE's mask of expert k on its selected blocks into `keep` (indexed by element; or packed into
-        `bits` instead, `kernels.merge.pack_bits`) and its L1 scale s = ‖Δ_k‖₁ / ‖kept Δ_k‖₁ over them, in one
-        pass from the stored values `src`: each block's uniforms drawn a tile at a time and used at once
+    @staticmethod
+    def _mask_out(keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A mask kernel's two outputs for `keep`: (keep, no bits) where it is bool, a byte an element; (no keep,
+        keep) where it is uint8, to be packed eight to a byte (`kernels.merge.pack_bits`)."""
+        if keep.dtype == np.uint8:
+            return np.empty(0, np.bool_), keep
+        return keep, np.empty(0, np.uint8)
+
+    def _dare_keep_l1(self, x: ExpertInput, src: np.ndarray, keep: np.ndarray, spans: list[tuple[int, int, int]]
+                      ) -> float:
+        """DARE's mask of expert k on its selected blocks into `keep` (bool, indexed by element; uint8: packed,
+        `kernels.merge.pack_bits`) and its L1 scale s = ‖Δ_k‖₁ / ‖kept Δ_k‖₁ over them, in one pass from the
+        stored values `src`: each block's uniforms drawn a tile at a time and used at once
         (`kernels.merge.dare_keep_blocks`), blocks on numba's threads."""
         from mergepipe_db.kernels.exact_sum import ExactSum
 
@@ -334,8 +342,8 @@ class DeltaFold(MergeOperator):
         seeds, bounds, offsets, n = self._mask_blocks(x, spans)
         sums = (ExactSum(), ExactSum())  # the kept |Δ|, the dropped |Δ|
         d32 = np.float32(self.densities[x.index])  # u < d, the Python float cast to float32 (NEP 50)
-        kernels().dare_keep_blocks(keep, np.empty(0, np.uint8) if bits is None else bits, offsets, self._bflat,
-                                   src, bounds, seeds, d32, sums[0].reserve(n), sums[1].reserve(n))
+        kernels().dare_keep_blocks(*self._mask_out(keep), offsets, self._bflat, src, bounds, seeds, d32,
+                                   sums[0].reserve(n), sums[1].reserve(n))
         return _l1_ratio(sums[0].value_with(sums[1]), sums[0].value())
 
     def _della_keep(self, x: ExpertInput, src: np.ndarray, keep: np.ndarray, spans: list[tuple[int, int, int]],
@@ -352,10 +360,9 @@ class DeltaFold(MergeOperator):
         seeds, bounds, offsets, n = self._mask_blocks(x, spans)
         sums = (ExactSum(), ExactSum())  # the kept |Δ|, the dropped |Δ|
         d, eps = self.densities[x.index], self.epsilon(x.index)
-        packed = keep.dtype == np.uint8
-        della_keep_blocks(np.empty(0, np.bool_) if packed else keep, keep if packed else np.empty(0, np.uint8),
-                          offsets, self._bflat, src, bounds, seeds, ctx.row_numel, np.float32(eps),
-                          np.float32(d - eps), l1, sums[0].reserve(n if l1 else 0), sums[1].reserve(n if l1 else 0))
+        della_keep_blocks(*self._mask_out(keep), offsets, self._bflat, src, bounds, seeds, ctx.row_numel,
+                          np.float32(eps), np.float32(d - eps), l1, sums[0].reserve(n if l1 else 0),
+                          sums[1].reserve(n if l1 else 0))
         return _l1_ratio(sums[0].value_with(sums[1]), sums[0].value()) if l1 else 1.0
 
     def _block_uniforms(self, x: ExpertInput) -> Iterator[tuple[int, int, int, np.ndarray]]:
@@ -398,12 +405,8 @@ class DeltaFold(MergeOperator):
         if (l1 and not della and src is not None) or rowwise:  # from the stored values: mask and sums in one pass
             assert keep_all is not None and src is not None
             spans = self._block_spans(x)
-            if della:
-                scale = self._della_keep(x, src, keep_all, spans, l1)
-            elif keep_all.dtype == np.uint8:  # packed (`_mask_buffer`)
-                scale = self._dare_keep_l1(x, src, np.empty(0, np.bool_), spans, keep_all)
-            else:
-                scale = self._dare_keep_l1(x, src, keep_all, spans)
+            scale = self._della_keep(x, src, keep_all, spans, l1) if della else \
+                self._dare_keep_l1(x, src, keep_all, spans)
             if kept is not None:
                 self._keep_mask(x, kept, 1 if scale != 1.0 else 0, scale)
             else:
@@ -448,10 +451,14 @@ class DeltaFold(MergeOperator):
         assert self._ctx is not None
         return len(self._ctx.shape) == 2 if self.sparsification == "della" else self.rescale_mode == "l1"
 
-    def _packed_mask_buffer(self, name: str) -> np.ndarray:
-        """A reused buffer for one packed mask of this tensor (`kernels.merge.mask_bytes`)."""
+    def _kept_mask_buffer(self, family: str, place: int, packed: bool) -> np.ndarray:
+        """The reused buffer of the mask kept at `place` of a family's fused pass: uint8, packed eight to a
+        byte (`kernels.merge.mask_bytes`), or bool, a byte an element."""
         assert self._ctx is not None
-        return self.scratch(name, kernels().mask_bytes(self._ctx.numel, self._ctx.n_blocks), np.uint8)
+        if packed:
+            return self.scratch(f"{family}_bits{place}", kernels().mask_bytes(self._ctx.numel, self._ctx.n_blocks),
+                                np.uint8)
+        return self.scratch(f"{family}_keep{place}", self._ctx.numel, np.bool_)
 
     def _mask_buffer(self, x: ExpertInput) -> np.ndarray | None:
         """Where to draw expert x's random drop mask (bool, the tensor's flat shape; or uint8, packed, where the
@@ -472,7 +479,7 @@ class DeltaFold(MergeOperator):
         fused pass (`sign_consensus.TiesFold`)."""
         ctx = self._ctx
         assert ctx is not None and self._bflat is not None and self.sparsification == "random"
-        return self._dare_keep_l1(x, src, np.empty(0, np.bool_), self._block_spans(x), bits)
+        return self._dare_keep_l1(x, src, bits, self._block_spans(x))
 
     def _block_operands(self, x: ExpertInput, src: np.ndarray | None, s0: int, e0: int
                         ) -> tuple[np.ndarray, np.ndarray]:

@@ -59,9 +59,9 @@ class TiesFold(DeltaFold):
         self._stash_bytes = 0
         self._dare_modes: dict[int, tuple[int, float]] = {}  # a kept DARE input's (mode, scale): `dare_ties_fused`
         self._bands: dict[int, tuple[float | None, float]] = {}  # a kept breadcrumbs input's (lo, hi): `_fold_band`
-        #: a kept input's mask (uint8), its mode and s, and how it is held (1: a byte an element; 2: packed
-        #: eight to a byte, dare_ties' from `_fold_dare`, della's from `_keep_mask` on a 2-D tensor)
-        self._masks: dict[int, tuple[np.ndarray, int, float, int]] = {}
+        #: a kept input's mask (bool, a byte an element; uint8, packed eight to a byte: dare_ties' L1 pass, della's
+        #: on a 2-D tensor), its mode and s: `_keep_mask`
+        self._masks: dict[int, tuple[np.ndarray, int, float]] = {}
 
     def _fits_stash(self, src: np.ndarray, extra: int = 0) -> bool:
         return (self._stash is not None and self._stash_bytes + src.nbytes + extra <= FUSE_BYTES
@@ -167,9 +167,8 @@ class TiesFold(DeltaFold):
             return
         mask = self._masks.pop(x.index, None)  # dare_ties' is drawn again below (`_fold_dare`)
         if mask is not None and self.sparsification == "della":  # its kept mask, block by block
-            keep = mask[0].view(np.bool_)
-            if mask[3] == 2:  # packed
-                assert self._ctx is not None
+            keep = mask[0]
+            if keep.dtype == np.uint8:  # packed
                 keep = self.scratch("della_unpacked", self._ctx.numel, np.bool_)
                 kernels().unpack_mask(keep, mask[0], self._bounds, np.array(x.selected_blocks, np.int64))
             self._fold_mask(x, src, self._block_spans(x), keep, mask[1], mask[2], w)
@@ -196,15 +195,12 @@ class TiesFold(DeltaFold):
         if (self.sparsification == "random" and src is not None
                 and self._P is not None and self._bflat is not None and self._fits_stash(src)):
             assert self._stash is not None
-            mode = self.rescale_mode
-            if mode == "classic":
-                self._dare_modes[x.index] = (2, 1.0)
-            elif mode == "l1":
-                packed = self._packed_mask_buffer(f"dare_bits{len(self._stash)}")
+            if self.rescale_mode == "l1":
+                packed = self._kept_mask_buffer("dare", len(self._stash), True)
                 scale = self._l1_scale(x, src, packed)
-                self._masks[x.index] = (packed, 1 if scale != 1.0 else 0, scale, 2)
-            else:
-                self._dare_modes[x.index] = (0, 1.0)
+                self._keep_mask(x, packed, 1 if scale != 1.0 else 0, scale)
+                return
+            self._dare_modes[x.index] = (2, 1.0) if self.rescale_mode == "classic" else (0, 1.0)
             self._stash.append((src, x, False, math.inf, self.weights[x.index], 0))
             self._stash_bytes += src.nbytes
             return
@@ -223,17 +219,14 @@ class TiesFold(DeltaFold):
         packed = self._packs_mask()
         if not self._fits_stash(src, 0 if packed else ctx.numel):
             return None
-        place = len(self._stash or ())
-        return self._packed_mask_buffer(f"della_bits{place}") if packed else \
-            self.scratch(f"della_keep{place}", ctx.numel, np.bool_)
+        return self._kept_mask_buffer("della", len(self._stash or ()), packed)
 
     def _keep_mask(self, x: ExpertInput, keep: np.ndarray, mode: int, scale: float) -> None:
         src = x.fast_source()
         assert src is not None and self._stash is not None
-        packed = keep.dtype == np.uint8
-        self._masks[x.index] = (keep.view(np.uint8), mode, scale, 2 if packed else 1)
+        self._masks[x.index] = (keep, mode, scale)
         self._stash.append((src, x, False, math.inf, self.weights[x.index], 0))
-        self._stash_bytes += src.nbytes + (0 if packed else keep.nbytes)
+        self._stash_bytes += src.nbytes + (0 if keep.dtype == np.uint8 else keep.nbytes)  # packed: not counted
 
     def _dare_block_fast(self, src: np.ndarray, b: int, s0: int, e0: int, u: np.ndarray, d: float,
                          w: float) -> bool:
@@ -368,15 +361,13 @@ class TiesFold(DeltaFold):
                 key = self.experts[x.index].key
                 for b in x.selected_blocks:
                     seeds[k, b] = block_seed(ctx.seed, key, ctx.name, b)
-        modes = [self._dare_modes.get(x.index, (0, 1.0)) if mask is None else mask[1:3]
+        modes = [self._dare_modes.get(x.index, (0, 1.0)) if mask is None else mask[1:]
                  for (_src, x, *_rest), mask in zip(stash, masks)]
-        no_mask = np.empty(0, np.uint8)
         kernels().dare_ties_fused(P, self._bflat, raws, selected, self._bounds, dens, seeds,
                                   np.array([item[4] for item in stash], np.float32), self.normalize,
                                   np.float32(self.lam), self._skip, np.array([m for m, _s in modes], np.int64),
                                   np.array([sc for _m, sc in modes], np.float32),
-                                  kernels().pack([no_mask if mask is None else mask[0] for mask in masks]),
-                                  np.array([0 if mask is None else mask[3] for mask in masks], np.int64))
+                                  *kernels().kept_masks([None if mask is None else mask[0] for mask in masks]))
 
     def _end(self) -> None:
         self._P = None
