@@ -121,6 +121,39 @@ def cold_or_skip(path: Path) -> None:
         pytest.skip("this file system keeps the file's pages in memory (tmpfs?)")
 
 
+def pages_kept(path: Path, page: int = 4096) -> list[bool] | None:
+    """For each page of `path`: whether it is in the page cache or was taken out by the kernel's own reclaim
+    since it was last cached; None where the kernel cannot tell (no cachestat). A page that the code under test
+    dropped (POSIX_FADV_DONTNEED) is neither. Reclaim leaves a shadow entry in the file's mapping, which
+    cachestat counts as evicted; an explicit drop removes the page outright. Tests that check that pages stay
+    cached need this where the machine reclaims on its own: these VMs run DAMON proactive reclaim, which pages
+    out page cache left alone for a few seconds, with no memory pressure at all. Asks the kernel directly, not
+    through mergepipe's `page_cached`."""
+    import ctypes
+
+    class Range(ctypes.Structure):
+        _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+    class Stat(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_uint64) for name in
+                    ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")]
+
+    syscall = ctypes.CDLL(None, use_errno=True).syscall
+    syscall.restype = ctypes.c_long
+    size = path.stat().st_size
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        kept = []
+        for off in range(0, size, page):
+            rng, stat = Range(off, page), Stat()
+            if syscall(451, ctypes.c_uint(fd), ctypes.byref(rng), ctypes.byref(stat), ctypes.c_uint(0)):
+                return None  # cachestat (451 on every architecture) is missing or forbidden
+            kept.append(stat.nr_cache + stat.nr_evicted == 1)
+        return kept
+    finally:
+        os.close(fd)
+
+
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory, worker_id: str):
     """A SeaweedFS S3 server (`tests/s3server.py`) for the whole run, shared by the xdist workers: the first

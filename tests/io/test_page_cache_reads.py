@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import cold_or_skip
+from conftest import cold_or_skip, pages_kept
 
 from mergepipe_db.io import local as storage
 
@@ -131,7 +131,7 @@ def test_sha256_file_leaves_the_page_cache_as_it_found_it(tmp_path: Path) -> Non
         else:  # the precondition is the machine's, not the code's: other work's memory pressure evicts pages
             pytest.skip("256 MiB just read did not stay in the page cache (memory pressure from other work)")
         assert storage.sha256_file(path) == hashlib.sha256(data).hexdigest()
-        assert storage.page_cached(fd, 0, len(data))
+        assert all(pages_kept(path, PAGE))  # cached, or reclaimed by the kernel itself; never dropped
     finally:
         os.close(fd)
 
@@ -152,8 +152,9 @@ def test_drop_behind_drops_only_the_granules_not_cached_before(tmp_path: Path) -
             os.pread(fd, 3 * PAGE, pos)
             dropper.advance(min(pos + 3 * PAGE, len(data)))
         dropper.close()
-        cached = [storage.page_cached(fd, g * granule, granule) for g in range(8)]
-        assert cached == [True, True, False, False, True, False, False, True]
+        kept = pages_kept(path, PAGE)  # cached, or reclaimed by the kernel itself (these VMs reclaim on their own)
+        assert [all(kept[g * 16:(g + 1) * 16]) for g in range(8)] == [True, True, False, False, True, False, False,
+                                                                       True]
         assert not any(storage.page_cached(fd, off, PAGE) for g in (2, 3, 5, 6)
                        for off in range(g * granule, (g + 1) * granule, PAGE))
     finally:
