@@ -62,6 +62,7 @@ class S3Server:
     endpoint: str
     pid: int
     root: str
+    ports: tuple[int, ...] = ()  # every port it was given (each gRPC port is the port + 10000)
 
     def env(self) -> dict[str, str]:
         return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY,
@@ -100,15 +101,18 @@ class S3Server:
         # -volume.max fixed: weed mini otherwise allows (free disk space) / 128 MB volumes, none on a nearly full disk
         args = [weed, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-bucket={','.join(buckets)}",
                 "-metricsPort=0", "-volume.max=32", *(f"-{k}={v}" for k, v in ports.items())]
-        env = dict(os.environ, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
+        scratch = root / "tmp"  # weed's own scratch (volumes of its admin plugin, glog files): not /tmp, where
+        scratch.mkdir(exist_ok=True)  # each start would leave ~1 MB for good
+        env = dict(os.environ, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY, TMPDIR=str(scratch))
         log_path = root / "weed.log"
         log = open(log_path, "ab")  # noqa: SIM115 - the server's, kept open for its life
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root,
                                 start_new_session=True)
-        server = cls(f"http://127.0.0.1:{ports['s3.port']}", proc.pid, str(root))
+        server = cls(f"http://127.0.0.1:{ports['s3.port']}", proc.pid, str(root), tuple(ports.values()))
         if server.wait_ready(timeout, buckets[0]):
             return server
         if proc.poll() is not None:
+            server.remove_sockets()
             free = shutil.disk_usage(root).free / 2**30  # weed refuses to run on a nearly full disk
             raise _EarlyExit(f"weed mini exited ({proc.returncode}) in {root} ({free:.1f} GiB free): "
                              f"{_last_fatal(log_path)}")
@@ -131,6 +135,19 @@ class S3Server:
             return False
 
     def stop(self) -> None:
+        self._end()
+        self.remove_sockets()
+
+    def remove_sockets(self) -> None:
+        """Remove what weed puts in /tmp whatever TMPDIR says: its local sockets,
+        /tmp/seaweedfs-<part>[-grpc]-<port>.sock, where they name one of its ports."""
+        ours = {str(p) for port in self.ports for p in (port, port + 10000)}
+        for sock in Path("/tmp").glob("seaweedfs-*.sock"):
+            if sock.stem.rsplit("-", 1)[-1] in ours:
+                with contextlib.suppress(OSError):
+                    sock.unlink()
+
+    def _end(self) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pid, signal.SIGTERM)
         for _ in range(50):
@@ -146,12 +163,12 @@ class S3Server:
             os.killpg(self.pid, signal.SIGKILL)
 
     def to_json(self) -> str:
-        return json.dumps({"endpoint": self.endpoint, "pid": self.pid, "root": self.root})
+        return json.dumps({"endpoint": self.endpoint, "pid": self.pid, "root": self.root, "ports": self.ports})
 
     @classmethod
     def from_json(cls, text: str) -> S3Server:
         d = json.loads(text)
-        return cls(d["endpoint"], int(d["pid"]), d["root"])
+        return cls(d["endpoint"], int(d["pid"]), d["root"], tuple(d.get("ports", ())))
 
     def running(self) -> bool:
         """Its process is still there (a zombie counts as gone)."""
