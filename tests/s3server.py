@@ -62,7 +62,7 @@ class S3Server:
     endpoint: str
     pid: int
     root: str
-    ports: tuple[int, ...] = ()  # every port it was given (each gRPC port is the port + 10000)
+    ports: tuple[int, ...]  # every port it was given (each gRPC port is the port + 10000)
 
     def env(self) -> dict[str, str]:
         return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY,
@@ -135,7 +135,7 @@ class S3Server:
             return False
 
     def stop(self) -> None:
-        self._end()
+        self._kill()
         self.remove_sockets()
 
     def remove_sockets(self) -> None:
@@ -147,7 +147,8 @@ class S3Server:
                 with contextlib.suppress(OSError):
                     sock.unlink()
 
-    def _end(self) -> None:
+    def _kill(self) -> None:
+        """End its process group: SIGTERM, then SIGKILL after 5 s."""
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pid, signal.SIGTERM)
         for _ in range(50):
@@ -168,7 +169,7 @@ class S3Server:
     @classmethod
     def from_json(cls, text: str) -> S3Server:
         d = json.loads(text)
-        return cls(d["endpoint"], int(d["pid"]), d["root"], tuple(d.get("ports", ())))
+        return cls(d["endpoint"], int(d["pid"]), d["root"], tuple(d["ports"]))
 
     def running(self) -> bool:
         """Its process is still there (a zombie counts as gone)."""

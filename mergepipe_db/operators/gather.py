@@ -171,10 +171,11 @@ class GatherFold(MergeOperator):
                 fill(self._stacked[k], self._bflat, src, ranges)
         vals = []
         for k, v in enumerate(self._held):
-            if v is None and not compacted:  # Δ_k = 0, θ_k = θ₀
+            if v is None:
                 v = self._stacked[k].reshape(base.shape)
-                v[...] = 0.0 if self.gather == "delta" else base
-            vals.append(v if v is not None else self._stacked[k].reshape(base.shape))
+                if not compacted:  # Δ_k = 0, θ_k = θ₀ (compacted: `_compact` forms it on the rows read)
+                    v[...] = 0.0 if self.gather == "delta" else base
+            vals.append(v)
         return np.asarray(self._combine_all(base, vals), dtype=np.float32).reshape(base.shape)
 
     def _gatherer(self):  # noqa: ANN202 - a numba kernel
