@@ -4,6 +4,7 @@ zeros; and every case it does not reproduce declined before `keep` is written.""
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import pytest
 import torch
@@ -104,3 +105,63 @@ def test_declined_before_anything_is_written(case: str) -> None:
 
 def test_depth_limit_is_libstdcxx() -> None:
     assert [T.depth_limit(n) for n in (1, 2, 3, 4, 7, 8, 1 << 20, (1 << 20) + 1)] == [0, 2, 2, 4, 4, 6, 40, 40]
+
+
+@numba.njit(cache=True)
+def _plain_select(keys: np.ndarray, nth: int, depth: int) -> bool:
+    """libstdc++'s introselect as written (median of three, unguarded partition, insertion sort), its partition
+    a scan at a time: the reference for the block partition of `select_k_largest`."""
+    first, last = 0, keys.shape[0]
+    while last - first > 3:
+        if depth == 0:
+            return False
+        depth -= 1
+        a, b, c = first + 1, first + (last - first) // 2, last - 1
+        ha, hb, hc = keys[a] >> 32, keys[b] >> 32, keys[c] >> 32
+        if ha > hb:
+            m = b if hb > hc else (c if ha > hc else a)
+        elif ha > hc:
+            m = a
+        else:
+            m = c if hb > hc else b
+        keys[first], keys[m] = keys[m], keys[first]
+        top = keys[first] >> 32
+        i, j = first + 1, last
+        while True:
+            while keys[i] >> 32 > top:
+                i += 1
+            j -= 1
+            while keys[j] >> 32 < top:
+                j -= 1
+            if i >= j:
+                break
+            keys[i], keys[j] = keys[j], keys[i]
+            i += 1
+        if i <= nth:
+            first = i
+        else:
+            last = i
+    for i in range(first + 1, last):
+        v = keys[i]
+        j = i
+        while j > first and v >> 32 > keys[j - 1] >> 32:
+            keys[j] = keys[j - 1]
+            j -= 1
+        keys[j] = v
+    return True
+
+
+@pytest.mark.parametrize("kind", ["distinct", "few", "sce"])
+def test_block_partition_moves_every_key_as_the_plain_loop(kind: str) -> None:
+    """Arrays long enough for the block partition (many blocks, and ranges that end mid-block): after the
+    select, every key is where the plain introselect puts it, not only the same set in front."""
+    rng = np.random.default_rng({"distinct": 11, "few": 12, "sce": 13}[kind])
+    for trial in range(12):
+        n = int(rng.integers(600, 60_000))
+        v = _values(rng, n, kind)
+        keys = np.empty(n, np.uint64)
+        assert T._make_keys(v.view(np.uint32), keys)
+        nth = int(rng.integers(0, n))
+        ours, ref = keys.copy(), keys.copy()
+        assert T.select_k_largest(ours, nth, T.depth_limit(n)) == _plain_select(ref, nth, T.depth_limit(n))
+        np.testing.assert_array_equal(ours, ref, err_msg=f"trial {trial}: n={n} nth={nth}")
