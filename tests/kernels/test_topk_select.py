@@ -108,6 +108,20 @@ def test_depth_limit_is_libstdcxx() -> None:
 
 
 @numba.njit(cache=True)
+def _move_median_to_first(keys: np.ndarray, result: int, a: int, b: int, c: int) -> None:
+    """libstdc++'s ``__move_median_to_first`` as it is written, its comparison "greater by top half"."""
+    def greater(x: int, y: int) -> bool:
+        return keys[x] >> 32 > keys[y] >> 32
+
+    ab, ac, bc = greater(a, b), greater(a, c), greater(b, c)  # no side effects: all three asked at once
+    if ab:
+        pick = b if bc else c if ac else a
+    else:
+        pick = a if ac else c if bc else b
+    keys[result], keys[pick] = keys[pick], keys[result]
+
+
+@numba.njit(cache=True)
 def _plain_select(keys: np.ndarray, nth: int, depth: int) -> bool:
     """libstdc++'s introselect as written (median of three, unguarded partition, insertion sort), its partition
     a scan at a time: the reference for the block partition of `select_k_largest`."""
@@ -116,15 +130,7 @@ def _plain_select(keys: np.ndarray, nth: int, depth: int) -> bool:
         if depth == 0:
             return False
         depth -= 1
-        a, b, c = first + 1, first + (last - first) // 2, last - 1
-        ha, hb, hc = keys[a] >> 32, keys[b] >> 32, keys[c] >> 32
-        if ha > hb:
-            m = b if hb > hc else (c if ha > hc else a)
-        elif ha > hc:
-            m = a
-        else:
-            m = c if hb > hc else b
-        keys[first], keys[m] = keys[m], keys[first]
+        _move_median_to_first(keys, first, first + 1, first + (last - first) // 2, last - 1)
         top = keys[first] >> 32
         i, j = first + 1, last
         while True:
