@@ -109,6 +109,26 @@ def cores() -> int:
     return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
 
 
+#: elements from which a torch reduction is handed to `one_thread_torch_pool` (below, the hand-off costs more)
+TORCH_POOL_FROM = 1 << 20
+_torch_pools: list[Any] = []  # one, made on first use
+
+
+def one_thread_torch_pool() -> Any:
+    """A pool of threads whose torch calls run on one thread each (torch reads its thread count per thread, so
+    the caller's is untouched): reductions whose sum order is a single thread's (karcher's dots, sce's sums
+    of squares) run there, two or more at once or beside the caller's own work. Made on first use."""
+    if not _torch_pools:
+        from concurrent.futures import ThreadPoolExecutor
+
+        import torch
+
+        _torch_pools.append(ThreadPoolExecutor(max_workers=max(2, min(cores(), 4)),
+                                               thread_name_prefix="mergepipe-torch1",
+                                               initializer=torch.set_num_threads, initargs=(1,)))
+    return _torch_pools[0]
+
+
 def live_ranges(bounds: np.ndarray, skip: np.ndarray | None) -> list[tuple[int, int]]:
     """Element ranges [start, stop) of the blocks without ``skip[b]`` (all of them for None), adjacent ones
     merged; `bounds` as `block_bounds` gives them."""

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from mergepipe_db.errors import SpecError
-from mergepipe_db.operators.base import MergeOperator, block_bounds, cores
+from mergepipe_db.operators.base import TORCH_POOL_FROM, MergeOperator, block_bounds, one_thread_torch_pool
 from mergepipe_db.operators.inputs import ExpertInput
 from mergepipe_db.operators.registry import register
 
@@ -788,10 +788,6 @@ def _karcher_loop(units: list[np.ndarray | None], norms: list[Any], size: int, m
     return mean_np
 
 
-_DOT_POOL_FROM = 1 << 20  # elements from which the dots run on the pool (below, a thread hand-off costs more)
-_dot_pools: list[Any] = []  # one, made on first use
-
-
 def _one_thread(torch: Any) -> None:
     """Torch on one thread for karcher's dots, their definition (MergeKit's loop on one thread: ``torch.dot``
     goes to MKL, whose sum order depends on the thread count; torch's own norms do not). numba's OpenMP
@@ -807,13 +803,7 @@ def _dots(mean: Any, vt: list[Any]) -> list[Any]:
     bits; else in the calling thread."""
     import torch
 
-    if len(vt) < 2 or mean.numel() < _DOT_POOL_FROM:
+    if len(vt) < 2 or mean.numel() < TORCH_POOL_FROM:
         _one_thread(torch)
         return [torch.dot(mean, u) for u in vt]
-    if not _dot_pools:
-        from concurrent.futures import ThreadPoolExecutor
-
-        _dot_pools.append(ThreadPoolExecutor(max_workers=max(2, min(cores(), 4)),
-                                             thread_name_prefix="mergepipe-dots",
-                                             initializer=torch.set_num_threads, initargs=(1,)))
-    return list(_dot_pools[0].map(lambda u: torch.dot(mean, u), vt))
+    return list(one_thread_torch_pool().map(lambda u: torch.dot(mean, u), vt))

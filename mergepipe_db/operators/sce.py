@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from mergepipe_db.core.dtypes import as_float32
-from mergepipe_db.operators.base import kernels
+from mergepipe_db.operators.base import TORCH_POOL_FROM, kernels, one_thread_torch_pool
 from mergepipe_db.operators.gather import GatherFold
 from mergepipe_db.operators.order_stats import kth_largest_bits
 from mergepipe_db.operators.registry import register
@@ -79,17 +79,24 @@ class Sce(GatherFold):
         keep = self._keep(ds, None if read is None else (base, read), n=n)
         masked = keep is not None
         keep_arr = keep if keep is not None else np.zeros(1, np.uint8)
-        # w_k: torch's sum of the squares. Expanded to two rows, torch sums each row whole on one thread, as it
-        # does each row of the stacked (K, n) array (a single row would be split across threads)
-        sq = self.scratch("sce_sq", n)
-        sums = []
+        # w_k: torch's sum of the squares, each row whole on one thread, as torch sums each row of the stacked
+        # (K, n) array (a single row on several threads would be split across them): a long row's on a
+        # one-thread worker (`one_thread_torch_pool`) while the next expert's squares are made, in two buffers
+        # taken in turn; a short row's here, expanded to two rows, each of which torch sums on one thread
+        pool = one_thread_torch_pool() if n >= TORCH_POOL_FROM else None
+        sq = [self.scratch("sce_sq", n)] + ([self.scratch("sce_sq2", n)] if pool is not None else [])
+        sums: list[Any] = []
         for k, d in enumerate(ds):
+            buf = sq[k % len(sq)]
+            if k >= 2 and pool is not None:
+                sums[k - 2] = sums[k - 2].result()  # its sum is done with this buffer
             if read is not None:
-                kern.sce_masked_square_raw(sq, base, d, read[k], keep_arr, masked)
+                kern.sce_masked_square_raw(buf, base, d, read[k], keep_arr, masked)
             else:
-                kern.sce_masked_square(sq, d, keep_arr, masked)
-            sums.append(torch.from_numpy(sq).view(1, -1).expand(2, -1).sum(dim=1)[0])
-        weights = torch.stack(sums) / divisor
+                kern.sce_masked_square(buf, d, keep_arr, masked)
+            row = torch.from_numpy(buf).view(1, -1)
+            sums.append(pool.submit(_row_sum, row) if pool is not None else row.expand(2, -1).sum(dim=1)[0])
+        weights = torch.stack([s if isinstance(s, torch.Tensor) else s.result() for s in sums]) / divisor
         total = torch.sum(weights).item()
         norm = torch.ones_like(weights) / n_experts if abs(total) < 1e-6 else weights / total
         out = np.empty(n, np.float32)
@@ -173,3 +180,8 @@ class Sce(GatherFold):
         erased = weights * erase
         merged = (tvs * erased).sum(dim=0)
         return merged / torch.sum(erased, dim=0).clamp(min=1e-6)
+
+
+def _row_sum(row: Any) -> Any:
+    """torch's sum of a (1, n) float32 tensor's row, on the calling thread's torch threads (one, on the pool)."""
+    return row.sum(dim=1)[0]

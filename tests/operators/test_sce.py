@@ -188,6 +188,21 @@ def test_abs_var_is_torch_var_bit_for_bit(data) -> None:
 @pytest.mark.parametrize("topk", [0.5, 1.0, 0.0])
 @pytest.mark.parametrize("shape", [(300, 1037), (64 * 100 + 37,), (700, 1037)])  # 2, 1 and 5 threaded chunks
 def test_whole_tensor_is_the_torch_formula_bit_for_bit(shape, topk, n_experts) -> None:
+    _whole_tensor_is_the_formula(shape, topk, n_experts)
+
+
+def test_long_rows_summed_on_one_thread_workers_are_the_formula() -> None:
+    """A tensor of at least `TORCH_POOL_FROM` elements: its sums of squares run on the one-thread torch pool
+    beside the next expert's squares, two buffers in turn (three experts: the first is waited for, then
+    reused); torch summing the stacked array on its own threads gives the same bits."""
+    from mergepipe_db.operators.base import TORCH_POOL_FROM
+
+    shape = (1030, 1024)
+    assert shape[0] * shape[1] >= TORCH_POOL_FROM
+    _whole_tensor_is_the_formula(shape, 0.5, 3)
+
+
+def _whole_tensor_is_the_formula(shape: tuple[int, ...], topk: float, n_experts: int) -> None:
     n = int(np.prod(shape))
     ds = [d.reshape(shape) for d in _deltas(n + n_experts, n_experts, n)]
     base = np.random.default_rng(n).standard_normal(shape).astype(np.float32)
