@@ -133,11 +133,10 @@ class Sce(GatherFold):
         torch.topk's k largest |var|: the k-th largest by radix select, and every element at or above it kept
         when those are exactly k. When variances equal to the k-th largest are split (some in, some out:
         frequent with BF16 experts, whose Δ take few values), torch.topk's choice among them, reproduced
-        (`kernels.topk_select`), or torch.topk itself where that is not reproduced. |var| is torch's, bit for
-        bit (`sce_abs_var`)."""
+        (`kernels.topk_select`), or torch.topk itself where that is not reproduced. Where the experts are
+        stored in 16 bits, torch's choice is asked first (the same mask: either way it is torch.topk's). |var|
+        is torch's, bit for bit (`sce_abs_var`)."""
         import torch
-
-        from mergepipe_db.kernels.topk_select import torch_topk_mask
 
         n = ds[0].shape[0] if n is None else n  # the caller's n: a stored array may be empty (nothing read)
         density = self.params["select_topk"]
@@ -154,13 +153,24 @@ class Sce(GatherFold):
         else:
             nonzero = kern.sce_abs_var(var, kern.pack(ds), len(ds))
         k = int(int(nonzero) * density)
+        # experts stored in 16 bits give few distinct variances, so values tie at the cut in nearly every tensor:
+        # torch's choice (`torch_topk_mask`) is asked first there, before the k-th largest that would only show it
+        ties_likely = stored is not None and ds[0].dtype.itemsize == 2
         if k <= 0:
             keep[:] = 0
+        elif ties_likely and self._topk_mask(var, k, keep):
+            pass
         elif not kern.sce_keep(var.view(np.uint32), np.uint32(kth_largest_bits(var, k, self)), k, keep) and \
-                not torch_topk_mask(var, k, keep, self.scratch("sce_keys", n, np.uint64)):
+                (ties_likely or not self._topk_mask(var, k, keep)):
             keep[:] = 0
             keep[torch.topk(torch.from_numpy(var), k, sorted=False).indices.numpy()] = 1
         return keep
+
+    def _topk_mask(self, var: np.ndarray, k: int, keep: np.ndarray) -> bool:
+        """`kernels.topk_select.torch_topk_mask` into `keep` (False, `keep` untouched, where it declines)."""
+        from mergepipe_db.kernels.topk_select import torch_topk_mask
+
+        return torch_topk_mask(var, k, keep, self.scratch("sce_keys", var.shape[0], np.uint64))
 
     @staticmethod
     def _combine(tvs: Any, weights: Any) -> Any:

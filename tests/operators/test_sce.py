@@ -219,7 +219,7 @@ def _whole_tensor_is_the_formula(shape: tuple[int, ...], topk: float, n_experts:
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "f32"])
-@pytest.mark.parametrize("topk", [0.5, 1.0, 0.1])
+@pytest.mark.parametrize("topk", [0.5, 1.0, 0.1, 0.01])  # 0.01: k·64 <= numel, torch's heap select, not reproduced
 def test_stored_values_held_give_the_formula(topk, dtype, monkeypatch) -> None:
     """Inputs read in place (θ_k's stored values, garbage — NaN, inf — on the rows not read) are held and Δ_k
     formed from them in the variance, the squares and the sum (`_combine_raw`): the formula's bytes on the Δ_k
