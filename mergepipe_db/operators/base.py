@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CHUNK",
+    "TORCH_POOL_FROM",
     "ExpertParams",
     "MergeOperator",
     "TensorContext",
@@ -43,6 +44,7 @@ __all__ = [
     "cores",
     "kernels",
     "live_ranges",
+    "one_thread_torch_pool",
 ]
 
 CHUNK = 1 << 16  # elements per arithmetic step: scratch stays in L2
