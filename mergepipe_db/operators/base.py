@@ -44,6 +44,7 @@ __all__ = [
     "cores",
     "kernels",
     "live_ranges",
+    "on_one_torch_thread",
     "one_thread_torch_pool",
 ]
 
@@ -117,18 +118,27 @@ _torch_pools: list[Any] = []  # one, made on first use
 
 
 def one_thread_torch_pool() -> Any:
-    """A pool of threads whose torch calls run on one thread each (torch reads its thread count per thread, so
-    the caller's is untouched): reductions whose sum order is a single thread's (karcher's dots, sce's sums
-    of squares) run there, two or more at once or beside the caller's own work. Made on first use."""
+    """A pool of threads for torch reductions whose sum order is a single thread's (karcher's dots, sce's sums
+    of squares), two or more at once or beside the caller's own work; each task runs through
+    `on_one_torch_thread`. torch keeps a thread count per thread, so the caller's is untouched. Made on first
+    use."""
     if not _torch_pools:
         from concurrent.futures import ThreadPoolExecutor
 
-        import torch
-
         _torch_pools.append(ThreadPoolExecutor(max_workers=max(2, min(cores(), 4)),
-                                               thread_name_prefix="mergepipe-torch1",
-                                               initializer=torch.set_num_threads, initargs=(1,)))
+                                               thread_name_prefix="mergepipe-torch1"))
     return _torch_pools[0]
+
+
+def on_one_torch_thread(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` with torch on one thread in the calling thread. Set before every task, not once when a
+    worker starts: a thread takes its count, at its first torch call, from the process-wide count that any
+    thread set last (a worker that another thread's ``set_num_threads(2)`` preceded would sum on two)."""
+    import torch
+
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+    return fn(*args)
 
 
 def live_ranges(bounds: np.ndarray, skip: np.ndarray | None) -> list[tuple[int, int]]:

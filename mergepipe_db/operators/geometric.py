@@ -26,7 +26,13 @@ from typing import Any
 import numpy as np
 
 from mergepipe_db.errors import SpecError
-from mergepipe_db.operators.base import TORCH_POOL_FROM, MergeOperator, block_bounds, one_thread_torch_pool
+from mergepipe_db.operators.base import (
+    TORCH_POOL_FROM,
+    MergeOperator,
+    block_bounds,
+    on_one_torch_thread,
+    one_thread_torch_pool,
+)
 from mergepipe_db.operators.inputs import ExpertInput
 from mergepipe_db.operators.registry import register
 
@@ -806,4 +812,4 @@ def _dots(mean: Any, vt: list[Any]) -> list[Any]:
     if len(vt) < 2 or mean.numel() < TORCH_POOL_FROM:
         _one_thread(torch)
         return [torch.dot(mean, u) for u in vt]
-    return list(one_thread_torch_pool().map(lambda u: torch.dot(mean, u), vt))
+    return list(one_thread_torch_pool().map(lambda u: on_one_torch_thread(torch.dot, mean, u), vt))

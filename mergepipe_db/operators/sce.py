@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from mergepipe_db.core.dtypes import as_float32
-from mergepipe_db.operators.base import TORCH_POOL_FROM, kernels, one_thread_torch_pool
+from mergepipe_db.operators.base import TORCH_POOL_FROM, kernels, on_one_torch_thread, one_thread_torch_pool
 from mergepipe_db.operators.gather import GatherFold
 from mergepipe_db.operators.order_stats import kth_largest_bits
 from mergepipe_db.operators.registry import register
@@ -95,7 +95,8 @@ class Sce(GatherFold):
             else:
                 kern.sce_masked_square(buf, d, keep_arr, masked)
             row = torch.from_numpy(buf).view(1, -1)
-            sums.append(pool.submit(_row_sum, row) if pool is not None else row.expand(2, -1).sum(dim=1)[0])
+            sums.append(pool.submit(on_one_torch_thread, _row_sum, row) if pool is not None
+                        else row.expand(2, -1).sum(dim=1)[0])
         weights = torch.stack([s if isinstance(s, torch.Tensor) else s.result() for s in sums]) / divisor
         total = torch.sum(weights).item()
         norm = torch.ones_like(weights) / n_experts if abs(total) < 1e-6 else weights / total
@@ -193,5 +194,6 @@ class Sce(GatherFold):
 
 
 def _row_sum(row: Any) -> Any:
-    """torch's sum of a (1, n) float32 tensor's row, on the calling thread's torch threads (one, on the pool)."""
+    """torch's sum of a (1, n) float32 tensor's row, on the calling thread's torch threads (one: a task of
+    `one_thread_torch_pool` through `on_one_torch_thread`)."""
     return row.sum(dim=1)[0]
