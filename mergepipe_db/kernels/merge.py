@@ -1113,21 +1113,14 @@ def _sce_var_tile(o: np.ndarray, src: Any, off: int, m: int, n_experts: int, mea
     for k in range(n_experts):
         x = src[k][off:off + m]
         nf = np.float64(k + 1)
-        if k & (k + 1) == 0:  # k + 1 a power of two: δ / n is δ times 1 / n, exactly (the same real, rounded once)
-            inv = 1.0 / nf
-            for i in range(m):
-                xi = np.float64(x[i])
-                delta = xi - mean[i]
-                mi = mean[i] + delta * inv
-                mean[i] = mi
-                m2[i] = m2[i] + delta * (xi - mi)
-        else:
-            for i in range(m):
-                xi = np.float64(x[i])
-                delta = xi - mean[i]
-                mi = mean[i] + delta / nf
-                mean[i] = mi
-                m2[i] = m2[i] + delta * (xi - mi)
+        inv = 1.0 / nf
+        by_inverse = k & (k + 1) == 0  # k + 1 a power of two: δ / n is δ times 1 / n exactly (one real, rounded once)
+        for i in range(m):
+            xi = np.float64(x[i])
+            delta = xi - mean[i]
+            mi = mean[i] + (delta * inv if by_inverse else delta / nf)
+            mean[i] = mi
+            m2[i] = m2[i] + delta * (xi - mi)
     nonzero = 0
     for i in range(m):
         v = abs(np.float32(m2[i] / kf))

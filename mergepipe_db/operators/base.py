@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CHUNK",
-    "TORCH_POOL_FROM",
     "ExpertParams",
     "MergeOperator",
     "TensorContext",
@@ -44,8 +43,8 @@ __all__ = [
     "cores",
     "kernels",
     "live_ranges",
-    "on_one_torch_thread",
     "one_thread_torch_pool",
+    "torch_on_one_thread",
 ]
 
 CHUNK = 1 << 16  # elements per arithmetic step: scratch stays in L2
@@ -112,33 +111,41 @@ def cores() -> int:
     return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
 
 
-#: elements from which a torch reduction is handed to `one_thread_torch_pool` (below, the hand-off costs more)
-TORCH_POOL_FROM = 1 << 20
 _torch_pools: list[Any] = []  # one, made on first use
 
 
-def one_thread_torch_pool() -> Any:
-    """A pool of threads for torch reductions whose sum order is a single thread's (karcher's dots, sce's sums
-    of squares), two or more at once or beside the caller's own work; each task runs through
-    `on_one_torch_thread`. torch keeps a thread count per thread, so the caller's is untouched. Made on first
-    use."""
-    if not _torch_pools:
-        from concurrent.futures import ThreadPoolExecutor
-
-        _torch_pools.append(ThreadPoolExecutor(max_workers=max(2, min(cores(), 4)),
-                                               thread_name_prefix="mergepipe-torch1"))
-    return _torch_pools[0]
-
-
-def on_one_torch_thread(fn: Any, *args: Any) -> Any:
-    """``fn(*args)`` with torch on one thread in the calling thread. Set before every task, not once when a
-    worker starts: a thread takes its count, at its first torch call, from the process-wide count that any
-    thread set last (a worker that another thread's ``set_num_threads(2)`` preceded would sum on two)."""
+def torch_on_one_thread() -> None:
+    """Set torch to one thread in the calling thread (torch keeps a count per thread; other threads keep
+    theirs)."""
     import torch
 
     if torch.get_num_threads() != 1:
         torch.set_num_threads(1)
-    return fn(*args)
+
+
+def one_thread_torch_pool() -> Any:
+    """A pool of threads whose every task runs with torch on one thread: reductions whose sum order is a single
+    thread's (karcher's dots, sce's sums of squares), two or more at once or beside the caller's own work.
+    Made on first use.
+
+    The count is set before every task, not once when a worker starts: a thread takes its count, at its first
+    torch call, from the process-wide count that any thread set last (a worker that another thread's
+    ``set_num_threads(2)`` preceded would sum on two)."""
+    if not _torch_pools:
+        from concurrent.futures import ThreadPoolExecutor
+
+        class OneThreadTorchPool(ThreadPoolExecutor):
+            def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Any:  # `map` submits through it too
+                return super().submit(_on_one_thread, fn, *args, **kwargs)
+
+        _torch_pools.append(OneThreadTorchPool(max_workers=max(2, min(cores(), 4)),
+                                               thread_name_prefix="mergepipe-torch1"))
+    return _torch_pools[0]
+
+
+def _on_one_thread(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    torch_on_one_thread()
+    return fn(*args, **kwargs)
 
 
 def live_ranges(bounds: np.ndarray, skip: np.ndarray | None) -> list[tuple[int, int]]:

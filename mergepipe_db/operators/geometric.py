@@ -26,13 +26,7 @@ from typing import Any
 import numpy as np
 
 from mergepipe_db.errors import SpecError
-from mergepipe_db.operators.base import (
-    TORCH_POOL_FROM,
-    MergeOperator,
-    block_bounds,
-    on_one_torch_thread,
-    one_thread_torch_pool,
-)
+from mergepipe_db.operators.base import MergeOperator, block_bounds, one_thread_torch_pool, torch_on_one_thread
 from mergepipe_db.operators.inputs import ExpertInput
 from mergepipe_db.operators.registry import register
 
@@ -794,13 +788,7 @@ def _karcher_loop(units: list[np.ndarray | None], norms: list[Any], size: int, m
     return mean_np
 
 
-def _one_thread(torch: Any) -> None:
-    """Torch on one thread for karcher's dots, their definition (MergeKit's loop on one thread: ``torch.dot``
-    goes to MKL, whose sum order depends on the thread count; torch's own norms do not). numba's OpenMP
-    kernels set the calling thread's OpenMP thread count, which torch reads, to numba's, so this runs just
-    before the dots."""
-    if torch.get_num_threads() != 1:
-        torch.set_num_threads(1)
+_DOT_POOL_FROM = 1 << 20  # elements from which the dots run on the pool (below, a thread hand-off costs more)
 
 
 def _dots(mean: Any, vt: list[Any]) -> list[Any]:
@@ -809,7 +797,10 @@ def _dots(mean: Any, vt: list[Any]) -> list[Any]:
     bits; else in the calling thread."""
     import torch
 
-    if len(vt) < 2 or mean.numel() < TORCH_POOL_FROM:
-        _one_thread(torch)
+    if len(vt) < 2 or mean.numel() < _DOT_POOL_FROM:
+        # torch on one thread here: MergeKit's loop runs on one, and `torch.dot` goes to MKL, whose sum order
+        # depends on the thread count (torch's own norms' does not). numba's OpenMP kernels set the calling
+        # thread's OpenMP count, which torch reads, to numba's, so this is set just before the dots
+        torch_on_one_thread()
         return [torch.dot(mean, u) for u in vt]
-    return list(one_thread_torch_pool().map(lambda u: on_one_torch_thread(torch.dot, mean, u), vt))
+    return list(one_thread_torch_pool().map(lambda u: torch.dot(mean, u), vt))

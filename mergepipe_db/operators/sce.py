@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from mergepipe_db.core.dtypes import as_float32
-from mergepipe_db.operators.base import TORCH_POOL_FROM, kernels, on_one_torch_thread, one_thread_torch_pool
+from mergepipe_db.operators.base import kernels, one_thread_torch_pool
 from mergepipe_db.operators.gather import GatherFold
 from mergepipe_db.operators.order_stats import kth_largest_bits
 from mergepipe_db.operators.registry import register
@@ -80,24 +80,21 @@ class Sce(GatherFold):
         masked = keep is not None
         keep_arr = keep if keep is not None else np.zeros(1, np.uint8)
         # w_k: torch's sum of the squares, each row whole on one thread, as torch sums each row of the stacked
-        # (K, n) array (a single row on several threads would be split across them): a long row's on a
-        # one-thread worker (`one_thread_torch_pool`) while the next expert's squares are made, in two buffers
-        # taken in turn; a short row's here, expanded to two rows, each of which torch sums on one thread
-        pool = one_thread_torch_pool() if n >= TORCH_POOL_FROM else None
-        sq = [self.scratch("sce_sq", n)] + ([self.scratch("sce_sq2", n)] if pool is not None else [])
-        sums: list[Any] = []
+        # (K, n) array (one row on several threads would be split across them): on a worker of the one-thread
+        # pool while the next expert's squares are made, two buffers taken in turn
+        pool = one_thread_torch_pool()
+        sq = (self.scratch("sce_sq", n), self.scratch("sce_sq2", n))
+        sums = []
         for k, d in enumerate(ds):
-            buf = sq[k % len(sq)]
-            if k >= 2 and pool is not None:
-                sums[k - 2] = sums[k - 2].result()  # its sum is done with this buffer
+            buf = sq[k % 2]
+            if k >= 2:
+                sums[k - 2].result()  # the sum that read this buffer is done
             if read is not None:
                 kern.sce_masked_square_raw(buf, base, d, read[k], keep_arr, masked)
             else:
                 kern.sce_masked_square(buf, d, keep_arr, masked)
-            row = torch.from_numpy(buf).view(1, -1)
-            sums.append(pool.submit(on_one_torch_thread, _row_sum, row) if pool is not None
-                        else row.expand(2, -1).sum(dim=1)[0])
-        weights = torch.stack([s if isinstance(s, torch.Tensor) else s.result() for s in sums]) / divisor
+            sums.append(pool.submit(_row_sum, torch.from_numpy(buf).view(1, -1)))
+        weights = torch.stack([s.result() for s in sums]) / divisor
         total = torch.sum(weights).item()
         norm = torch.ones_like(weights) / n_experts if abs(total) < 1e-6 else weights / total
         out = np.empty(n, np.float32)
@@ -154,21 +151,26 @@ class Sce(GatherFold):
         else:
             nonzero = kern.sce_abs_var(var, kern.pack(ds), len(ds))
         k = int(int(nonzero) * density)
-        # experts stored in 16 bits give few distinct variances, so values tie at the cut in nearly every tensor:
-        # torch's choice (`torch_topk_mask`) is asked first there, before the k-th largest that would only show it
-        ties_likely = stored is not None and ds[0].dtype.itemsize == 2
+        # two ways to torch.topk's mask without torch, each of which may decline; experts stored in 16 bits give
+        # few distinct variances, so values tie at the cut in nearly every tensor: the choice among ties first
+        ways = (self._exactly_k, self._tie_choice)
+        if stored is not None and ds[0].dtype.itemsize == 2:
+            ways = ways[::-1]
         if k <= 0:
             keep[:] = 0
-        elif ties_likely and self._topk_mask(var, k, keep):
-            pass
-        elif not kern.sce_keep(var.view(np.uint32), np.uint32(kth_largest_bits(var, k, self)), k, keep) and \
-                (ties_likely or not self._topk_mask(var, k, keep)):
+        elif not any(way(var, k, keep) for way in ways):
             keep[:] = 0
             keep[torch.topk(torch.from_numpy(var), k, sorted=False).indices.numpy()] = 1
         return keep
 
-    def _topk_mask(self, var: np.ndarray, k: int, keep: np.ndarray) -> bool:
-        """`kernels.topk_select.torch_topk_mask` into `keep` (False, `keep` untouched, where it declines)."""
+    def _exactly_k(self, var: np.ndarray, k: int, keep: np.ndarray) -> bool:
+        """keep = every element at or above the k-th largest, where those are exactly k (False, `keep`
+        untouched, where the k-th largest ties with some left out)."""
+        return kernels().sce_keep(var.view(np.uint32), np.uint32(kth_largest_bits(var, k, self)), k, keep)
+
+    def _tie_choice(self, var: np.ndarray, k: int, keep: np.ndarray) -> bool:
+        """torch.topk's choice, reproduced (`kernels.topk_select.torch_topk_mask`; False, `keep` untouched, where
+        it declines)."""
         from mergepipe_db.kernels.topk_select import torch_topk_mask
 
         return torch_topk_mask(var, k, keep, self.scratch("sce_keys", var.shape[0], np.uint64))
@@ -194,6 +196,5 @@ class Sce(GatherFold):
 
 
 def _row_sum(row: Any) -> Any:
-    """torch's sum of a (1, n) float32 tensor's row, on the calling thread's torch threads (one: a task of
-    `one_thread_torch_pool` through `on_one_torch_thread`)."""
+    """torch's sum of a (1, n) float32 tensor's row (a task of `one_thread_torch_pool`: on one thread)."""
     return row.sum(dim=1)[0]

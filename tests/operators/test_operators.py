@@ -1074,8 +1074,8 @@ def test_passthrough_scale_and_no_expert() -> None:
 
 def test_one_thread_pool_tasks_run_on_one_thread_whatever_another_thread_set(monkeypatch) -> None:
     """A worker of the one-thread torch pool takes torch's thread count, at its first torch call, from the count
-    another thread set last (here 2, after the worker started); a task run through `on_one_torch_thread` still
-    runs on one thread, so its sums keep a single thread's order."""
+    another thread set last (here 2, after the worker started); a task of the pool still runs on one thread, so
+    its sums keep a single thread's order."""
     from mergepipe_db.operators import base
 
     monkeypatch.setattr(base, "_torch_pools", [])  # a fresh pool, its worker yet to make a torch call
@@ -1084,7 +1084,7 @@ def test_one_thread_pool_tasks_run_on_one_thread_whatever_another_thread_set(mon
     try:
         pool.submit(lambda: None).result()  # the worker exists
         torch.set_num_threads(2)
-        assert pool.submit(base.on_one_torch_thread, torch.get_num_threads).result() == 1
+        assert pool.submit(torch.get_num_threads).result() == 1
     finally:
         torch.set_num_threads(before)
         pool.shutdown()

@@ -192,14 +192,11 @@ def test_whole_tensor_is_the_torch_formula_bit_for_bit(shape, topk, n_experts) -
 
 
 def test_long_rows_summed_on_one_thread_workers_are_the_formula() -> None:
-    """A tensor of at least `TORCH_POOL_FROM` elements: its sums of squares run on the one-thread torch pool
-    beside the next expert's squares, two buffers in turn (three experts: the first is waited for, then
-    reused); torch summing the stacked array on its own threads gives the same bits."""
-    from mergepipe_db.operators.base import TORCH_POOL_FROM
-
-    shape = (1030, 1024)
-    assert shape[0] * shape[1] >= TORCH_POOL_FROM
-    _whole_tensor_is_the_formula(shape, 0.5, 3)
+    """A tensor of a million elements (where torch would split one row's sum across threads): its sums of
+    squares run on the one-thread torch pool beside the next expert's squares, two buffers in turn (three
+    experts: the first is waited for, then reused); torch summing the stacked array on its own threads gives the
+    same bits."""
+    _whole_tensor_is_the_formula((1030, 1024), 0.5, 3)
 
 
 def _whole_tensor_is_the_formula(shape: tuple[int, ...], topk: float, n_experts: int) -> None:
