@@ -240,6 +240,102 @@ def _ram_combine_raw_span(out: np.ndarray, base: np.ndarray, raws: tuple[np.ndar
         _ram_tile_combine(out[s:s + m], base[s:s + m], tile, 0, m, eps, lam, cnt, den, acc)
 
 
+NOT_UNIQUE = np.uint8(255)  #: `ramplus_raw`'s code of an element not updated by exactly one expert
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")  # no zero-division check: the loop vectorizes
+def _ramplus_tile(o: np.ndarray, code: np.ndarray, b: np.ndarray, deltas: np.ndarray, m: int, eps: np.float32,
+                  cnt: np.ndarray, den: np.ndarray, acc: np.ndarray, only: np.ndarray, who: np.ndarray,
+                  shared: np.ndarray, unique: np.ndarray) -> None:
+    """`ramplus_raw` of one tile (`deltas`: its (K, tile) Δ_k); cnt … who: tile scratch."""
+    zero = np.float32(0.0)
+    one = np.float32(1.0)
+    _ram_tile_counts(cnt, deltas, 0, m, eps)
+    for t in range(m):
+        den[t] = np.float32(max(cnt[t], 1))
+        acc[t] = zero
+        only[t] = zero
+        who[t] = 0
+    for k in range(deltas.shape[0]):
+        d = deltas[k, :m]
+        sh = 0
+        un = 0
+        for t in range(m):
+            nz = abs(d[t]) > eps
+            z = d[t] if nz else zero
+            u = z * (one if cnt[t] == 1 else zero) * one  # λ_k's place: where c != 1, u is ±0 or NaN for any λ_k
+            acc[t] = acc[t] + (u + (z * (one if cnt[t] > 1 else zero)) / den[t])
+            only[t] = only[t] + z  # where c == 1, the one z_k counted (the others are +0.0)
+            who[t] += np.int32(k) if nz else np.int32(0)
+            sh += np.int64(nz & (cnt[t] > 1))
+            un += np.int64(nz & (cnt[t] == 1))
+        shared[k] += sh
+        unique[k] += un
+    for t in range(m):
+        single = cnt[t] == 1
+        o[t] = only[t] if single else b[t] + acc[t]
+        code[t] = np.uint8(who[t]) if single else NOT_UNIQUE
+
+
+@numba.njit(cache=True, nogil=True)
+def _ramplus_raw_span(out: np.ndarray, code: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...],
+                      read: np.ndarray, n_experts: int, eps: np.float32, shared: np.ndarray, unique: np.ndarray,
+                      s0: int, e0: int) -> None:
+    """`ramplus_raw` of elements [s0, e0), its counts added into shared and unique."""
+    cnt = np.empty(_TILE, np.int32)
+    who = np.empty(_TILE, np.int32)
+    den = np.empty(_TILE, np.float32)
+    acc = np.empty(_TILE, np.float32)
+    only = np.empty(_TILE, np.float32)
+    tile = np.empty((n_experts, _TILE), np.float32)
+    for s in range(s0, e0, _TILE):
+        m = min(_TILE, e0 - s)
+        delta_tile(tile, base, raws, read, n_experts, s, m)
+        _ramplus_tile(out[s:s + m], code[s:s + m], base[s:s + m], tile, m, eps, cnt, den, acc, only, who, shared,
+                      unique)
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def ramplus_raw(out: np.ndarray, code: np.ndarray, base: np.ndarray, raws: tuple[np.ndarray, ...],
+                read: np.ndarray, n_experts: int, eps: np.float32, shared: np.ndarray, unique: np.ndarray) -> None:
+    """ramplus_tl's counts and its formula in one pass over the stored values (as `ram_combine_raw`; at most 255
+    experts, ε > 0): shared and unique as `ram_counts_raw` adds them, and out = `ram_combine`'s value wherever
+    c != 1, which does not depend on λ (each term's z_k·0·λ_k is ±0 or NaN, and a sum started at +0.0 is never
+    −0.0, so the sign of a zero term never shows). Where c == 1, λ_k is not known before the counts are: out
+    holds that element's one z_k and code its k, for `ramplus_unique` to finish; code is `NOT_UNIQUE`
+    elsewhere."""
+    n = base.shape[0]
+    c = n_chunks(n, PAR_CHUNK)
+    parts = np.zeros((c, 2, n_experts), np.int64)
+    for t in numba.prange(c):
+        s, e = chunk_span(n, c, t)
+        _ramplus_raw_span(out, code, base, raws, read, n_experts, eps, parts[t, 0], parts[t, 1], s, e)
+    for t in range(c):
+        shared += parts[t, 0]
+        unique += parts[t, 1]
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def ramplus_unique(out: np.ndarray, code: np.ndarray, base: np.ndarray, lam: np.ndarray) -> None:
+    """Finish `ramplus_raw`'s elements updated by one expert k = code (out holding its z_k): `ram_combine`'s
+    float32 operations there, ``θ₀ + (+0.0 + (z·1·λ_k + (z·0) / 1))`` (the other experts' terms are +0.0 and
+    leave the sum as it is). Without a branch (a select: the loop vectorizes, and a code's mispredictions cost
+    more than the formula)."""
+    zero = np.float32(0.0)
+    one = np.float32(1.0)
+    lam_of = np.ones(256, np.float32)  # indexed by every code, NOT_UNIQUE's value unused
+    lam_of[:lam.shape[0]] = lam
+    n = out.shape[0]
+    c = n_chunks(n, PAR_CHUNK)
+    for t in numba.prange(c):
+        s, e = chunk_span(n, c, t)
+        o, k, b = out[s:e], code[s:e], base[s:e]
+        for i in range(e - s):
+            z = o[i]
+            v = b[i] + (zero + (z * one * lam_of[k[i]] + (z * zero) / one))
+            o[i] = z if k[i] == NOT_UNIQUE else v
+
+
 @numba.njit(cache=True, nogil=True, parallel=True)
 def ram_combine(out: np.ndarray, base: np.ndarray, deltas: np.ndarray, eps: np.float32, lam: np.ndarray) -> None:
     """out = θ₀ + Σ_k (z_k·unique·λ_k + (z_k·overlap) / float32(max(c, 1))), summed in expert order into +0.0,

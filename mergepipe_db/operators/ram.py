@@ -55,30 +55,50 @@ class RamFold(GatherFold):
         from every expert's stored values and their read map); `omitted` elements elsewhere have |Δ_k| > ε for
         every k. A
         numba pass per element (`kernels.gather.ram_combine`): the float32 operations of
-        ``θ₀ + Σ_k (z_k·unique·λ_k + (z_k·overlap) / max(c, 1))`` in numpy's order."""
+        ``θ₀ + Σ_k (z_k·unique·λ_k + (z_k·overlap) / max(c, 1))`` in numpy's order; ramplus_tl's counts come from
+        a pass before it, or, from stored values, from the same pass (`kernels.gather.ramplus_raw`)."""
         kern = gather_kernels()
         eps = self.params["epsilon"]
         packed = kernels().pack(stored[0]) if stored is not None else None
         n_experts = len(stored[0]) if stored is not None else deltas.shape[0]  # type: ignore[union-attr]
-        lam = np.ones(n_experts, np.float32)
-        if self.scaled:
-            shared = np.zeros(n_experts, np.int64)
-            unique = np.zeros(n_experts, np.int64)
-            if packed is None:
-                kern.ram_counts(deltas, np.float32(eps), shared, unique)
-            else:
-                kern.ram_counts_raw(base, packed, stored[1], n_experts, np.float32(eps), shared, unique)
-            for k in range(n_experts):
-                sh = int(shared[k]) + (omitted if n_experts > 1 else 0)
-                un = int(unique[k]) + (omitted if n_experts == 1 else 0)
-                rho = sh / max(float(un), eps)
-                lam[k] = 1.0 + self.params["r"] * min(max(rho, 0.0), self.params["alpha"])
         out = np.empty(base.shape, np.float32)
+        if not self.scaled:
+            lam = np.ones(n_experts, np.float32)
+            if packed is None:
+                kern.ram_combine(out, base, deltas, np.float32(eps), lam)
+            else:
+                kern.ram_combine_raw(out, base, packed, stored[1], n_experts, np.float32(eps), lam)
+            return out
+        shared = np.zeros(n_experts, np.int64)
+        unique = np.zeros(n_experts, np.int64)
         if packed is None:
-            kern.ram_combine(out, base, deltas, np.float32(eps), lam)
-        else:
-            kern.ram_combine_raw(out, base, packed, stored[1], n_experts, np.float32(eps), lam)
+            kern.ram_counts(deltas, np.float32(eps), shared, unique)
+            kern.ram_combine(out, base, deltas, np.float32(eps), self._lambdas(shared, unique, omitted))
+            return out
+        if n_experts >= kern.NOT_UNIQUE:  # an expert's index would not fit `ramplus_raw`'s byte code
+            kern.ram_counts_raw(base, packed, stored[1], n_experts, np.float32(eps), shared, unique)
+            kern.ram_combine_raw(out, base, packed, stored[1], n_experts, np.float32(eps),
+                                 self._lambdas(shared, unique, omitted))
+            return out
+        # from the stored values: the counts and every element but those one expert alone updates in one pass,
+        # then those with their expert's λ_k (the stored values are read once, not twice)
+        code = self.scratch("ramplus_code", base.size, np.uint8)
+        kern.ramplus_raw(out, code, base, packed, stored[1], n_experts, np.float32(eps), shared, unique)
+        kern.ramplus_unique(out, code, base, self._lambdas(shared, unique, omitted))
         return out
+
+    def _lambdas(self, shared: np.ndarray, unique: np.ndarray, omitted: int) -> np.ndarray:
+        """ramplus_tl's λ_k = 1 + r·min(max(ρ_k, 0), α), ρ_k = shared_k / max(unique_k, ε), from the counts over the
+        elements formed and the `omitted` ones (float32)."""
+        n_experts = shared.shape[0]
+        eps = self.params["epsilon"]
+        lam = np.ones(n_experts, np.float32)
+        for k in range(n_experts):
+            sh = int(shared[k]) + (omitted if n_experts > 1 else 0)
+            un = int(unique[k]) + (omitted if n_experts == 1 else 0)
+            rho = sh / max(float(un), eps)
+            lam[k] = 1.0 + self.params["r"] * min(max(rho, 0.0), self.params["alpha"])
+        return lam
 
 
 @register("ram")

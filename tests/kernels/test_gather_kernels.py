@@ -115,6 +115,54 @@ def test_ram_kernels_give_the_numpy_formulaf32_bits(n_experts, n, eps) -> None:
         assert np.array_equal(f32_bits(out), f32_bits(want))
 
 
+@pytest.mark.parametrize("stored", ["bf16", "f32"])
+@pytest.mark.parametrize("n_experts,n", [(1, 3 * 1024 + 77), (2, 3 * 1024 + 77), (8, 3 * 1024 + 77),
+                                          (9, 3 * 1024 + 77), (3, (1 << 17) * 5 + 333)])
+@pytest.mark.parametrize("r,alpha", [(0.3, 5.0), (-7.0, 0.2), (-5.0, 0.2)])
+def test_ramplus_one_pass_from_stored_values_gives_the_numpy_formula(stored, n_experts, n, r, alpha) -> None:
+    """ramplus_tl from stored values: counts and formula in one pass (`ramplus_raw`), then the elements one expert
+    alone updates (`ramplus_unique`): the numpy formula's bits and counts, for λ_k > 1, λ_k < 0 (r = -7) and,
+    where ρ_k >= α, λ_k = 0 exactly (r = -5), with ±inf, NaN, |Δ| == ε, -0.0 in Δ and θ₀, and tiles some
+    experts did not read (their Δ_k = +0.0 there, whatever is stored)."""
+    from mergepipe_db.kernels.merge import RAW_TILE, pack
+
+    g = np.random.default_rng(n_experts * 7 + n)
+    eps = 1e-3
+    base = g.standard_normal(n).astype(np.float32)
+    base = _widen(_bf16(base)) if stored == "bf16" else base
+    base[:7] = -0.0
+    n_tiles = -(-n // RAW_TILE)
+    read = (g.random((n_experts, n_tiles)) < 0.8).astype(np.uint8)
+    raws, deltas = [], []
+    for k in range(n_experts):
+        d = (g.standard_normal(n) * 0.01).astype(np.float32)
+        d[g.integers(0, n, n // 3)] = 0.0
+        d[g.integers(0, n, 20)] = np.float32(eps) * g.choice([-1, 1])
+        theta = base + d
+        theta = _widen(_bf16(theta)) if stored == "bf16" else theta
+        theta[g.integers(0, n, 5)] = base[g.integers(0, n, 5)]  # unchanged elements
+        theta[g.integers(0, n, 3)] = np.inf
+        theta[g.integers(0, n, 3)] = -np.inf
+        theta[g.integers(0, n, 3)] = np.nan
+        on = np.repeat(read[k], RAW_TILE)[:n].astype(bool)
+        delta = np.where(on, theta - base, np.float32(0.0))
+        junk = np.where(on, theta, np.float32(123.0))  # unread tiles: never looked at
+        raws.append(_bf16(junk) if stored == "bf16" else junk)
+        deltas.append(delta)
+    want, counts = _ram_numpy(base, deltas, eps, r, alpha)
+    if alpha < 1 and n_experts > 1:  # a λ_k at its clamp (0 for r = -5; one expert shares nothing: ρ = 0)
+        assert any(sh / max(un, eps) >= alpha for sh, un in counts)
+    shared = np.zeros(n_experts, np.int64)
+    unique = np.zeros(n_experts, np.int64)
+    out = np.full(n, np.nan, np.float32)
+    code = np.zeros(n, np.uint8)
+    kern.ramplus_raw(out, code, base, pack(raws), read, n_experts, np.float32(eps), shared, unique)
+    assert list(zip(shared.tolist(), unique.tolist())) == counts
+    lam = np.array([1.0 + r * min(max(sh / max(float(un), eps), 0.0), alpha) for sh, un in counts], np.float32)
+    kern.ramplus_unique(out, code, base, lam)
+    assert np.array_equal(f32_bits(out), f32_bits(want))
+
+
 def test_kth_smallest_is_the_sorted_value() -> None:
     g = np.random.default_rng(2)
     cases = {

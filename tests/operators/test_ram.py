@@ -124,6 +124,18 @@ def test_no_row_read_gives_the_base_plus_zero(method, opts) -> None:
     assert np.array_equal(f32_bits(got), f32_bits(base + np.float32(0.0)))
 
 
+def _raw_formula_calls(monkeypatch) -> list[int]:
+    """A list that gets a 1 each time the formula runs on the stored values (ram's `ram_combine_raw`, ramplus_tl's
+    `ramplus_raw`)."""
+    from mergepipe_db.kernels import gather as gk
+
+    calls: list[int] = []
+    for name in ("ram_combine_raw", "ramplus_raw"):
+        kernel = getattr(gk, name)
+        monkeypatch.setattr(gk, name, lambda *a, _k=kernel: (calls.append(1), _k(*a))[1])
+    return calls
+
+
 def _stored_case(seed: int, eps: float, selected, dtype: str):
     base, deltas = _case(seed, eps, selected)
     return stored_with_garbage(base, deltas, selected, RPB, dtype, seed + 100)
@@ -136,11 +148,7 @@ def test_stored_values_held_give_the_gathered_bytes(method, opts, dtype, monkeyp
     made θ₀'s: the same bytes as the formula on the gathered Δ_k, at full selection (an expert with nothing
     selected included) and under a partial one (a tile no expert read gives Δ_k = +0.0 there, as the compacted
     formula on gathered values does)."""
-    from mergepipe_db.kernels import gather as gk
-
-    calls = []
-    raw_combine = gk.ram_combine_raw
-    monkeypatch.setattr(gk, "ram_combine_raw", lambda *a: (calls.append(1), raw_combine(*a))[1])
+    calls = _raw_formula_calls(monkeypatch)
     selected = SELECTED if opts["epsilon"] >= 0 or method == "ram" else [(0, 2)]
     base, stored, deltas = _stored_case(11, opts["epsilon"], selected, dtype)
     want = _want(method, opts, base, deltas)
@@ -156,11 +164,7 @@ def test_stored_values_held_give_the_gathered_bytes(method, opts, dtype, monkeyp
 def test_stored_values_not_held_where_the_base_cannot_fill_them(spoil, monkeypatch) -> None:
     """Where an unread row cannot be made θ₀'s exactly (θ₀ NaN, inf or not a BF16 value there) or the experts'
     stored dtypes differ, the inputs are gathered: still the formula's bytes."""
-    from mergepipe_db.kernels import gather as gk
-
-    calls = []
-    raw_combine = gk.ram_combine_raw
-    monkeypatch.setattr(gk, "ram_combine_raw", lambda *a: (calls.append(1), raw_combine(*a))[1])
+    calls = _raw_formula_calls(monkeypatch)
     opts = CASES[3][1]
     base, stored, deltas = _stored_case(12, opts["epsilon"], SELECTED, "bf16")
     if spoil == "nan_base":
@@ -189,11 +193,7 @@ def test_stored_values_tiles_read_whole_in_part_or_not_at_all(method, opts) -> N
 def test_held_and_gathered_inputs_mixed_under_a_partial_selection(method, opts, monkeypatch) -> None:
     """One expert stored in another dtype is gathered at add, the others held in place; under a partial selection
     the float32 formula then runs on the rows read, the held inputs gathered there only: the formula's bytes."""
-    from mergepipe_db.kernels import gather as gk
-
-    calls = []
-    raw_combine = gk.ram_combine_raw
-    monkeypatch.setattr(gk, "ram_combine_raw", lambda *a: (calls.append(1), raw_combine(*a))[1])
+    calls = _raw_formula_calls(monkeypatch)
     selected = SELECTED if opts["epsilon"] >= 0 or method == "ram" else [(0, 2)]
     base, stored, deltas = _stored_case(13, opts["epsilon"], selected, "bf16")
     stored[1] = (stored[1].astype(np.uint32) << 16).view(np.float32)
