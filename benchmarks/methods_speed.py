@@ -10,7 +10,12 @@ the cold O_DIRECT sequential read rate plus the output at the write+fsync rate, 
 run (median of 3). mergepipe's planned bytes come from its own `--json` result; that they are what it read is
 checked outside it, by /proc read_bytes in the table.
 
-    python -m benchmarks.methods_speed [--family DIR] [--methods a,b] [--no-mergekit] [--mk-timeout S]
+    python -m benchmarks.methods_speed [--family DIR] [--methods a,b] [--reps N] [--no-mergekit] [--mk-timeout S]
+
+With ``--reps N`` every method runs N times at full budget (rounds over all methods, so that a drift of the disk
+or the VM over the run touches every method alike) and the table gives the median wall (its run's other
+columns) with the range; budget 0.1, whose criterion is the bytes read, runs once. `dd` is measured again after
+the last run, and the floors use the medians of all six measurements.
 
 Writes benchmarks/results/methods_speed.md and results/raw/methods_speed.json (after every run, so a long run
 that is stopped keeps what it measured).
@@ -152,6 +157,12 @@ def run_mergekit(method: str, cfg_path: Path, timeout: float) -> dict[str, Any]:
     return rec
 
 
+def median_run(reps: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median wall among `reps` (the lower middle of an even count; failed runs count as slowest)."""
+    ranked = sorted(reps, key=lambda r: (bool(r.get("rc")), r["wall"]))
+    return ranked[(len(ranked) - 1) // 2]
+
+
 def floor_s(rec: dict[str, Any], rates: dict[str, float]) -> float | None:
     if rec.get("realized_bytes") is None or rec.get("base_bytes") is None:
         return None
@@ -159,8 +170,18 @@ def floor_s(rec: dict[str, Any], rates: dict[str, float]) -> float | None:
             + (rec.get("output_bytes") or 0) / rates["write_Bps"])
 
 
+def disk_rates(raw: dict[str, Any]) -> dict[str, float]:
+    """The rates a run's floors use: `dd`'s medians before the runs, or, where `dd` ran again after them
+    (``--reps``), the medians of all six measurements (this VM's write rate moves by up to 2× within minutes)."""
+    if "dd_end" not in raw:
+        return raw["dd"]
+    reads = sorted(raw["dd"]["reads"] + raw["dd_end"]["reads"])
+    writes = sorted(raw["dd"]["writes"] + raw["dd_end"]["writes"])
+    return {"read_Bps": (reads[2] + reads[3]) / 2, "write_Bps": (writes[2] + writes[3]) / 2}
+
+
 def to_markdown(raw: dict[str, Any]) -> str:
-    rates = raw["dd"]
+    rates = disk_rates(raw)
     rows = []
     for method in METHODS:
         r = raw["runs"].get(method, {})
@@ -178,13 +199,15 @@ def to_markdown(raw: dict[str, Any]) -> str:
                 return f"failed: {' '.join(x.get('error', []))[:80]}"
             return f"{x['wall']:.1f} s"
 
+        walls = sorted(x["wall"] for x in r.get("1.0_reps", []) if not x.get("rc"))
+        spread = f" [{walls[0]:.1f}–{walls[-1]:.1f}]" if len(walls) > 1 else ""
         fl = floor_s(full, rates) if not full.get("rc") else None
         frac = (tenth["realized_bytes"] / tenth["full_bytes"]
                 if tenth and not tenth.get("rc") and tenth.get("full_bytes") else None)
         vs_mk = (f"{full['wall'] / mk['wall']:.2f}" if mk and not mk.get("rc") and not full.get("rc") else
                  (f"< {full['wall'] / mk['wall']:.2f}" if mk and mk.get("timed_out") else "–"))
         rows.append([
-            method, METHODS[method][0], w(full), f"{fl:.1f} s" if fl else "–",
+            method, METHODS[method][0], w(full) + spread, f"{fl:.1f} s" if fl else "–",
             f"{full['wall'] / fl:.2f}×" if fl else "–", f"{full['maxrss'] / 2**30:.2f} GiB",
             w(tenth), f"{frac:.3f}" if frac is not None else "–",
             f"{tenth['read_bytes'] / 1e9:.2f} / {full['read_bytes'] / 1e9:.2f}" if tenth else "–",
@@ -195,7 +218,11 @@ def to_markdown(raw: dict[str, Any]) -> str:
     head = (f"Family: {fam.get('model_bytes', 0) / 1e9:.2f} GB per model (Llama-shaped BF16, "
             f"{shape.get('num_layers')} layers, hidden {shape.get('hidden_size')}), {K} experts, experts ingested "
             f"together (exact cross products for the geometric methods). Disk (dd, cold, median of 3): "
-            f"O_DIRECT read {rates['read_Bps'] / 1e9:.2f} GB/s, write+fsync {rates['write_Bps'] / 1e9:.2f} GB/s.\n\n")
+            f"O_DIRECT read {raw['dd']['read_Bps'] / 1e9:.2f} GB/s, write+fsync {raw['dd']['write_Bps'] / 1e9:.2f} GB/s"
+            + (f"; after the last run read {raw['dd_end']['read_Bps'] / 1e9:.2f} GB/s, write "
+               f"{raw['dd_end']['write_Bps'] / 1e9:.2f} GB/s; the floors use the medians of all six, "
+               f"{rates['read_Bps'] / 1e9:.2f} and {rates['write_Bps'] / 1e9:.2f} GB/s" if "dd_end" in raw else "")
+            + ".\n\n")
     earlier = sorted({run for run in raw.get("mergekit_from", {}).values()})
     if earlier:  # MergeKit's times carried over from an earlier run on the same machine (its code did not change)
         head += (f"MergeKit's times of {', '.join(sorted(raw['mergekit_from']))} are those of run "
@@ -211,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated methods (default: all 20)")
     ap.add_argument("--no-mergekit", action="store_true", help="time mergepipe only")
     ap.add_argument("--mk-timeout", type=float, default=900, help="seconds before a MergeKit run is stopped")
+    ap.add_argument("--reps", type=int, default=1, help="runs of each method at full budget (median reported)")
     ap.add_argument("--raw", type=Path, default=RAW / "methods_speed.json", help="raw results (resumed if present)")
     args = ap.parse_args(argv)
     methods = [m for m in args.methods.split(",") if m]
@@ -237,15 +265,22 @@ def main(argv: list[str] | None = None) -> int:
         cfg_path = OUT / f"{args.family.name}-{method}.yml"  # per family: a run on another never rewrites it
         cfg_path.write_text(yaml.safe_dump(config_yaml(method, args.family), sort_keys=False))
         cfgs[method] = cfg_path
-    for method in methods:  # ours first: both budgets of every method
-        for budget in BUDGETS:
-            if budget in raw["runs"].get(method, {}):
-                continue
-            rec = run_ours(method, cfgs[method], catalog, budget)
-            raw["runs"].setdefault(method, {})[budget] = rec
-            print(f"[speed] ours {method} @{budget}: {rec['wall']:.1f} s rc={rec['rc']} {rec.get('error', '')}",
-                  flush=True)
-            save()
+    for rep in range(args.reps):  # ours first: both budgets of every method, then the further full-budget rounds
+        for method in methods:
+            for budget in BUDGETS if rep == 0 else BUDGETS[:1]:
+                runs = raw["runs"].setdefault(method, {})
+                if len(runs.get(f"{budget}_reps", [runs[budget]] if budget in runs else [])) > rep:
+                    continue
+                rec = run_ours(method, cfgs[method], catalog, budget)
+                reps = runs.setdefault(f"{budget}_reps", [runs[budget]] if budget in runs else [])
+                reps.append(rec)
+                runs[budget] = median_run(reps)
+                print(f"[speed] ours {method} @{budget} (run {rep + 1}): {rec['wall']:.1f} s rc={rec['rc']} "
+                      f"{rec.get('error', '')}", flush=True)
+                save()
+    if args.reps > 1 and "dd_end" not in raw:
+        raw["dd_end"] = dd_rates(args.family)
+        save()
     if not args.no_mergekit:
         mk_venv()
         for method in methods:
