@@ -8,7 +8,7 @@ audit (`audit`). Data flows one way: catalog → plan → execute → commit (do
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mergepipe_db.core.plan import Plan
 from mergepipe_db.core.spec import MergeSpec
@@ -16,7 +16,9 @@ from mergepipe_db.db.engine import Database, resolve_url
 from mergepipe_db.db.lookup import lookup
 from mergepipe_db.errors import SpecError, UnknownCheckpointError
 from mergepipe_db.jobs import MergeResult, default_name
-from mergepipe_db.pipeline.ingest import IngestResult
+
+if TYPE_CHECKING:  # imported when an ingest runs: it loads numba (its block statistics), which a merge's start
+    from mergepipe_db.pipeline.ingest import IngestResult  # leaves to the kernels' warm-up thread
 
 
 class Catalog:

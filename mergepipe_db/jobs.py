@@ -23,7 +23,6 @@ from mergepipe_db.db.lookup import check_family, find_models
 from mergepipe_db.errors import DuplicateNameError, SpecError, UnknownCheckpointError
 from mergepipe_db.io import as_path, check_fresh, is_remote
 from mergepipe_db.pipeline import commit as cm
-from mergepipe_db.pipeline.ingest import ingest_many
 from mergepipe_db.pipeline.plan.build import build_plan
 
 
@@ -101,6 +100,8 @@ def resolve_models(db: Database, refs: list[str], *, base: str | None, progress:
                 f"unknown model {ref!r}: not a catalogued checkpoint or ref, and no such path")
     ingested: dict[str, tuple[str, str]] = {}
     if new:
+        from mergepipe_db.pipeline.ingest import ingest_many  # loads numba: not at a merge's start (`kernels.warmup`)
+
         try:
             results = ingest_many(db, [(p, default_name(p)) for p in new], base=base, block_bytes=None,
                                   kind="full", progress=progress)
