@@ -83,6 +83,15 @@ _REPORT_IMPORTS = ("import sys; from mergepipe_db import cli; rc = cli.main(sys.
                    "file=sys.stderr); cli.exit_now(rc)")
 
 
+def test_the_catalog_imports_neither_numba_nor_the_ingest_pipeline() -> None:
+    """`mergepipe merge` imports the catalog while the kernels' warm-up thread loads numba (`kernels.warmup`): an
+    import of numba there (the ingest pipeline's block statistics) would make the main thread wait for it."""
+    code = ("import sys, mergepipe_db.catalog; "
+            "print(*(m for m in ('numba', 'mergepipe_db.pipeline.ingest') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == ""
+
+
 @pytest.mark.parametrize("method", ["linear", "task_arithmetic", "ties", "dare_ties", "dare_linear"])
 def test_fused_merges_import_neither_torch_nor_scipy(catalog, catalog_url, tiny_family, tmp_path, method) -> None:
     """A `mergepipe merge` of full BF16 checkpoints with the fused operators runs without importing torch
