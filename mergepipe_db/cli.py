@@ -542,8 +542,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from mergepipe_db.kernels.compile_time import compiled, note
+
+    before = compiled()
     try:
-        return int(args.func(args) or 0)
+        rc = int(args.func(args) or 0)
+        compiling = note(before) if sys.stderr.isatty() else None  # for a person at a terminal, as the bar
+        if compiling:
+            print(f"mergepipe: {compiling}", file=sys.stderr)
+        return rc
     except MergePipeError as e:
         if os.environ.get("MERGEPIPE_DEBUG"):
             raise

@@ -106,6 +106,9 @@ def load(args: argparse.Namespace, cat: Any) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from mergepipe_db.kernels.compile_time import compiled, note
+
+    before = compiled()
     try:
         if args.allow_crimes:
             raise SpecError("--allow-crimes is not supported: mergepipe merges only models of one architecture")
@@ -128,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"mergepipe-yaml: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
+    compiling = note(before) if sys.stderr.isatty() else None  # for a person at a terminal, as the progress bar
+    if compiling:
+        print(f"mergepipe-yaml: {compiling}", file=sys.stderr)
     if args.json:
         import json
 

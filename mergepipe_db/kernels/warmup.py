@@ -59,6 +59,9 @@ def _load(own_process: bool) -> None:
         if own_process:
             import_numba_without_scipy()
 
+        from mergepipe_db.kernels import compile_time
+
+        compile_time.watch()  # before any kernel is loaded: a fresh install compiles them on first use
         from mergepipe_db.kernels import merge as merge_kernels
 
         merge_kernels.narrow_bf16(np.empty(1, np.uint16), np.zeros(1, np.float32))  # as the base-only path does

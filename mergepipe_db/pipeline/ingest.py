@@ -48,6 +48,7 @@ from mergepipe_db.errors import (
 from mergepipe_db.formats.hf_layout import CheckpointLayout
 from mergepipe_db.io import is_remote, open_store
 from mergepipe_db.io.local import ALIGN, RecyclingPool, SequentialReader, memory_for_cache
+from mergepipe_db.kernels import compile_time
 from mergepipe_db.kernels.block_stats import zero_block_stats
 
 _READ_AHEAD = 8  # blocks queued between the reader thread and the hashing/statistics thread
@@ -666,6 +667,7 @@ def ingest_many(
     """
     if block_bytes is not None and block_bytes < 1:
         raise BadCheckpointError(f"--block-bytes must be a positive number of bytes, got {block_bytes}")
+    compile_time.watch()  # the block statistics' kernels compile on a fresh install's first ingest: counted
     seen: set[str] = set()
     todo: list[_Pending] = []
     for path, name in items:
