@@ -200,3 +200,22 @@ def test_held_and_gathered_inputs_mixed_under_a_partial_selection(method, opts, 
     got = fold_stored(method, base, selected, stored, opts, full=False, rows_per_block=RPB)
     assert calls == []
     assert np.array_equal(f32_bits(got), f32_bits(_want(method, opts, base, deltas)))
+
+
+def test_ramplus_tl_with_more_experts_than_a_byte_codes_takes_two_passes(monkeypatch) -> None:
+    """ramplus_raw keeps the one updating expert's index in a byte (255: none); with 255 experts or more the
+    counts and the formula run as two passes over the stored values (`ram_counts_raw`, `ram_combine_raw`): the
+    same bytes. Shown with the limit lowered to 2 for three experts."""
+    from mergepipe_db.kernels import gather as gk
+
+    calls = []
+    for name in ("ram_counts_raw", "ram_combine_raw", "ramplus_raw"):
+        kernel = getattr(gk, name)
+        monkeypatch.setattr(gk, name, lambda *a, _k=kernel, _n=name: (calls.append(_n), _k(*a))[1])
+    monkeypatch.setattr(gk, "NOT_UNIQUE", 2)
+    opts = CASES[3][1]
+    selected = SELECTED[:3]
+    base, stored, deltas = _stored_case(14, opts["epsilon"], selected, "bf16")
+    got = fold_stored("ramplus_tl", base, selected, stored, opts, full=True, rows_per_block=RPB)
+    assert calls == ["ram_counts_raw", "ram_combine_raw"]
+    assert np.array_equal(f32_bits(got), f32_bits(_want("ramplus_tl", opts, base, deltas)))
