@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -175,9 +176,8 @@ def disk_rates(raw: dict[str, Any]) -> dict[str, float]:
     (``--reps``), the medians of all six measurements (this VM's write rate moves by up to 2× within minutes)."""
     if "dd_end" not in raw:
         return raw["dd"]
-    reads = sorted(raw["dd"]["reads"] + raw["dd_end"]["reads"])
-    writes = sorted(raw["dd"]["writes"] + raw["dd_end"]["writes"])
-    return {"read_Bps": (reads[2] + reads[3]) / 2, "write_Bps": (writes[2] + writes[3]) / 2}
+    return {"read_Bps": statistics.median(raw["dd"]["reads"] + raw["dd_end"]["reads"]),
+            "write_Bps": statistics.median(raw["dd"]["writes"] + raw["dd_end"]["writes"])}
 
 
 def to_markdown(raw: dict[str, Any]) -> str:
@@ -269,10 +269,10 @@ def main(argv: list[str] | None = None) -> int:
         for method in methods:
             for budget in BUDGETS if rep == 0 else BUDGETS[:1]:
                 runs = raw["runs"].setdefault(method, {})
-                if len(runs.get(f"{budget}_reps", [runs[budget]] if budget in runs else [])) > rep:
+                reps = runs.setdefault(f"{budget}_reps", [runs[budget]] if budget in runs else [])  # an older raw's run
+                if len(reps) > rep:
                     continue
                 rec = run_ours(method, cfgs[method], catalog, budget)
-                reps = runs.setdefault(f"{budget}_reps", [runs[budget]] if budget in runs else [])
                 reps.append(rec)
                 runs[budget] = median_run(reps)
                 print(f"[speed] ours {method} @{budget} (run {rep + 1}): {rec['wall']:.1f} s rc={rec['rc']} "

@@ -58,33 +58,33 @@ class RamFold(GatherFold):
         ``θ₀ + Σ_k (z_k·unique·λ_k + (z_k·overlap) / max(c, 1))`` in numpy's order; ramplus_tl's counts come from
         a pass before it, or, from stored values, from the same pass (`kernels.gather.ramplus_raw`)."""
         kern = gather_kernels()
-        eps = self.params["epsilon"]
+        eps32 = np.float32(self.params["epsilon"])
         packed = kernels().pack(stored[0]) if stored is not None else None
         n_experts = len(stored[0]) if stored is not None else deltas.shape[0]  # type: ignore[union-attr]
         out = np.empty(base.shape, np.float32)
-        if not self.scaled:
-            lam = np.ones(n_experts, np.float32)
+        if self.scaled and packed is not None and n_experts < kern.NOT_UNIQUE:
+            # from the stored values: the counts and every element but those one expert alone updates in one
+            # pass, then those with their expert's λ_k (the stored values are read once, not twice; an expert's
+            # index must fit `ramplus_raw`'s byte code)
+            shared = np.zeros(n_experts, np.int64)
+            unique = np.zeros(n_experts, np.int64)
+            code = self.scratch("ramplus_code", base.size, np.uint8)
+            kern.ramplus_raw(out, code, base, packed, stored[1], n_experts, eps32, shared, unique)
+            kern.ramplus_unique(out, code, base, self._lambdas(shared, unique, omitted))
+            return out
+        lam = np.ones(n_experts, np.float32)
+        if self.scaled:
+            shared = np.zeros(n_experts, np.int64)
+            unique = np.zeros(n_experts, np.int64)
             if packed is None:
-                kern.ram_combine(out, base, deltas, np.float32(eps), lam)
+                kern.ram_counts(deltas, eps32, shared, unique)
             else:
-                kern.ram_combine_raw(out, base, packed, stored[1], n_experts, np.float32(eps), lam)
-            return out
-        shared = np.zeros(n_experts, np.int64)
-        unique = np.zeros(n_experts, np.int64)
+                kern.ram_counts_raw(base, packed, stored[1], n_experts, eps32, shared, unique)
+            lam = self._lambdas(shared, unique, omitted)
         if packed is None:
-            kern.ram_counts(deltas, np.float32(eps), shared, unique)
-            kern.ram_combine(out, base, deltas, np.float32(eps), self._lambdas(shared, unique, omitted))
-            return out
-        if n_experts >= kern.NOT_UNIQUE:  # an expert's index would not fit `ramplus_raw`'s byte code
-            kern.ram_counts_raw(base, packed, stored[1], n_experts, np.float32(eps), shared, unique)
-            kern.ram_combine_raw(out, base, packed, stored[1], n_experts, np.float32(eps),
-                                 self._lambdas(shared, unique, omitted))
-            return out
-        # from the stored values: the counts and every element but those one expert alone updates in one pass,
-        # then those with their expert's λ_k (the stored values are read once, not twice)
-        code = self.scratch("ramplus_code", base.size, np.uint8)
-        kern.ramplus_raw(out, code, base, packed, stored[1], n_experts, np.float32(eps), shared, unique)
-        kern.ramplus_unique(out, code, base, self._lambdas(shared, unique, omitted))
+            kern.ram_combine(out, base, deltas, eps32, lam)
+        else:
+            kern.ram_combine_raw(out, base, packed, stored[1], n_experts, eps32, lam)
         return out
 
     def _lambdas(self, shared: np.ndarray, unique: np.ndarray, omitted: int) -> np.ndarray:
